@@ -1,0 +1,5 @@
+//! The `ep` command.
+
+fn main() {
+    println!("ep: see `ep --help`");
+}

@@ -1,0 +1,35 @@
+//! # ep-core
+//!
+//! The pure-Rust heart of ep-rs: what Mixture-of-Experts dispatch and combine must produce
+//! (DeepEP V1's data semantics, `../shared/spec/deepep-v1.md` §2), a reference oracle that
+//! states the same thing as plainly as possible, the DeepEP-compatible configuration surface
+//! (`Config`, size hints, `BufferConfig`), the NVSHMEM environment plan, seeded workloads, the
+//! `Transport` trait both backends implement, and the logic of `ep doctor`.
+//!
+//! No I/O happens here except in `setup` (which reads `/proc`, `/sys`, `/etc` under a sysroot);
+//! everything builds and tests on any machine.
+//!
+//! Module map:
+//! - [`tensor`], [`routing`]: host tensors and the per-rank inputs, routing validation;
+//! - [`plan`]: layout and the outputs of every mode, computed the way the protocol will;
+//! - [`oracle`]: the independent reference the plan and every backend are checked against;
+//! - [`numerics`]: BF16 rounding, FP8 e4m3 casts and scales;
+//! - [`config`]: `Config`, size hints, `BufferConfig` validation, the NVSHMEM environment plan;
+//! - [`workload`]: seeded, portable generation of routings and activations;
+//! - [`transport`]: the `Transport` trait (host face and protocol vocabulary);
+//! - [`setup`]: machine checks behind `ep doctor`.
+
+pub mod config;
+pub mod error;
+pub mod numerics;
+pub mod oracle;
+pub mod plan;
+pub mod routing;
+pub mod setup;
+pub mod tensor;
+pub mod transport;
+pub mod workload;
+
+pub use error::{Error, Result};
+pub use routing::{Activations, ExpertIdx, RankInputs, validate_inputs, validate_routing};
+pub use tensor::Tensor2;

@@ -1,0 +1,1 @@
+//! Seeded, portable workload generation (ChaCha8): a seed means the same routing everywhere.
