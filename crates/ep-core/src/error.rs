@@ -68,4 +68,245 @@ pub enum Error {
         /// What is required, and how to fix it.
         fix: String,
     },
+    /// A `Config` chunk size is zero (spec §1.4).
+    #[error("{field} = 0; chunk sizes are token counts and must be at least 1")]
+    ZeroChunkSize {
+        /// The `Config` field, as in DeepEP.
+        field: &'static str,
+    },
+    /// `num_max_nvl_chunked_send_tokens >= num_max_nvl_chunked_recv_tokens` (spec §1.4).
+    #[error(
+        "num_max_nvl_chunked_send_tokens = {send} must be below num_max_nvl_chunked_recv_tokens = {recv}; \
+         lower the send chunk or enlarge the receive ring"
+    )]
+    NvlChunkOrder {
+        /// NVL send chunk (tokens).
+        send: usize,
+        /// NVL receive ring (tokens).
+        recv: usize,
+    },
+    /// `num_max_rdma_chunked_send_tokens > rounded rdma_recv / 2` (spec §1.4: lazy head update).
+    #[error(
+        "num_max_rdma_chunked_send_tokens = {send} exceeds half of num_max_rdma_chunked_recv_tokens \
+         ({recv}, rounded up to a multiple of send: {rounded_recv}); senders must always have room \
+         to push, so use a receive ring of at least 2 * send tokens"
+    )]
+    RdmaChunkTooLarge {
+        /// RDMA send chunk (tokens).
+        send: usize,
+        /// RDMA receive ring as given (tokens).
+        recv: usize,
+        /// The receive ring rounded up to a multiple of `send`.
+        rounded_recv: usize,
+    },
+    /// `num_sms` is odd where channels (pairs of SMs) are needed (spec §1.4, §1.5).
+    #[error("num_sms = {num_sms} is odd; every channel uses 2 SMs, so pass an even number")]
+    OddNumSms {
+        /// The given SM count.
+        num_sms: usize,
+    },
+    /// A rank count that DeepEP's rules or tuned tables do not support (spec §1.1, §1.4).
+    #[error("{num_ranks} ranks are not supported: {rule}")]
+    UnsupportedNumRanks {
+        /// The EP size.
+        num_ranks: usize,
+        /// The rule that failed, with the supported values.
+        rule: &'static str,
+    },
+    /// A buffer size that is not a multiple of 128 bytes (spec §0 `NUM_BUFFER_ALIGNMENT_BYTES`).
+    #[error("{field} = {bytes} is not a multiple of {alignment} bytes; round it up")]
+    BufferMisaligned {
+        /// `num_nvl_bytes` or `num_rdma_bytes`.
+        field: &'static str,
+        /// The given size.
+        bytes: u64,
+        /// The required alignment (128).
+        alignment: u64,
+    },
+    /// A buffer larger than DeepEP's 32-bit offsets allow (spec §1.1).
+    #[error("{field} = {bytes} exceeds {limit} bytes ({why}); use a smaller buffer")]
+    BufferTooLarge {
+        /// `num_nvl_bytes` or `num_rdma_bytes`.
+        field: &'static str,
+        /// The given size.
+        bytes: u64,
+        /// The largest size allowed here.
+        limit: u64,
+        /// Why the limit applies.
+        why: &'static str,
+    },
+    /// `num_rdma_bytes > 0` without internode ranks or low-latency mode (spec §1.1).
+    #[error(
+        "num_rdma_bytes = {num_rdma_bytes} with {num_ranks} ranks and low_latency_mode off: the RDMA \
+         buffer is only used with more than 8 ranks or in low-latency mode; pass 0 or enable low-latency mode"
+    )]
+    RdmaBufferUnused {
+        /// The given RDMA buffer size.
+        num_rdma_bytes: u64,
+        /// The EP size.
+        num_ranks: usize,
+    },
+    /// `num_qps_per_rank == 0` although NVSHMEM is used (spec §1.2 step 2).
+    #[error(
+        "num_qps_per_rank = 0, but NVSHMEM is used (more than 8 ranks or low-latency mode); \
+         pass at least 1 (low-latency mode: the number of local experts)"
+    )]
+    NoQpsPerRank,
+    /// A low-latency call on a buffer built without `low_latency_mode` (spec §1.9).
+    #[error(
+        "low-latency call on a buffer without low_latency_mode; build the buffer with low_latency_mode = true"
+    )]
+    NotLowLatencyMode,
+    /// `NVSHMEM_QP_DEPTH < 2 * (N + 1)` (spec §4, conformance case 18).
+    #[error(
+        "NVSHMEM_QP_DEPTH = {depth} is below {needed} = 2 * (num_max_dispatch_tokens_per_rank + 1) \
+         for num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank}; set \
+         NVSHMEM_QP_DEPTH >= {needed} before NVSHMEM initialises, or lower num_max_dispatch_tokens_per_rank"
+    )]
+    QpDepthTooSmall {
+        /// The effective QP depth.
+        depth: u32,
+        /// The depth this call needs.
+        needed: u64,
+        /// `N` of the call.
+        num_max_dispatch_tokens_per_rank: usize,
+    },
+    /// Fewer RC QPs per peer than local experts in low-latency mode (spec §1.1, §4).
+    #[error(
+        "{num_rc_per_pe} RC QPs per peer (num_qps_per_rank / NVSHMEM_IBGDA_NUM_RC_PER_PE) but \
+         {num_local_experts} local experts; low-latency mode needs at least one QP per local expert, \
+         so pass num_qps_per_rank = {num_local_experts}"
+    )]
+    TooFewQpsPerRank {
+        /// The effective RC QPs per peer PE.
+        num_rc_per_pe: u32,
+        /// `E / R`.
+        num_local_experts: usize,
+    },
+    /// `num_max_dispatch_tokens_per_rank` outside `1..=max` (spec §3.6).
+    #[error(
+        "num_max_dispatch_tokens_per_rank = {num_max_dispatch_tokens_per_rank} is outside 1..={max}; \
+         split the batch into calls of at most {max} tokens per rank"
+    )]
+    DispatchTokensOutOfRange {
+        /// `N` of the call.
+        num_max_dispatch_tokens_per_rank: usize,
+        /// The largest supported `N`.
+        max: usize,
+    },
+    /// Top-k larger than the mode supports (spec §0).
+    #[error(
+        "num_topk = {num_topk} exceeds {max} ({mode} mode); route each token to at most {max} experts"
+    )]
+    TopkTooLarge {
+        /// The given top-k.
+        num_topk: usize,
+        /// The mode's limit.
+        max: usize,
+        /// `"normal"` or `"low-latency"`.
+        mode: &'static str,
+    },
+    /// A hidden size (or row size) without the alignment a mode needs (spec §1.8, §1.9, §4).
+    #[error("{what} = {value} is not a multiple of {multiple} ({why}); pad the hidden dimension")]
+    HiddenMisaligned {
+        /// `hidden` or `row bytes`.
+        what: &'static str,
+        /// The value checked.
+        value: usize,
+        /// The required multiple.
+        multiple: usize,
+        /// Why.
+        why: &'static str,
+    },
+    /// `num_ranks * num_max_dispatch_tokens_per_rank` not a multiple of 4 (spec §1.9, "TMA").
+    #[error(
+        "num_ranks * num_max_dispatch_tokens_per_rank = {num_ranks} * {num_max_dispatch_tokens_per_rank} \
+         is not a multiple of 4 (packed receive rows are moved in groups of 4); round N up"
+    )]
+    PackedRowsMisaligned {
+        /// The EP size.
+        num_ranks: usize,
+        /// `N` of the call.
+        num_max_dispatch_tokens_per_rank: usize,
+    },
+    /// `use_ue8m0` without `round_scale` (spec §1.9): UE8M0 stores only power-of-two scales.
+    #[error(
+        "use_ue8m0 requires round_scale (UE8M0 holds only powers of two); pass round_scale = true"
+    )]
+    Ue8m0WithoutRoundScale,
+    /// `expert_alignment == 0` (spec §1.8).
+    #[error("expert_alignment = 0; pass 1 for no alignment")]
+    ZeroExpertAlignment,
+    /// An environment variable whose value NVSHMEM would not accept (spec §1.2).
+    #[error("environment variable {name} = {value:?} is not {expected}; fix or unset it")]
+    InvalidEnvVar {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What NVSHMEM expects.
+        expected: &'static str,
+    },
+    /// A size computation that overflows 64 bits.
+    #[error("{what} overflows; the arguments are far beyond any real configuration")]
+    SizeOverflow {
+        /// The quantity being computed.
+        what: &'static str,
+    },
+    /// A workload that cannot be generated as specified.
+    #[error("invalid workload: {0}")]
+    InvalidWorkload(String),
+
+    // ---- normal mode ----
+    /// A rank count a normal-mode plan cannot work with.
+    #[error("{num_ranks} ranks: need {need}")]
+    InvalidRankCount {
+        /// The rank count given.
+        num_ranks: usize,
+        /// What is required.
+        need: &'static str,
+    },
+    /// A rank index outside the group.
+    #[error("rank {rank} is outside a group of {num_ranks} ranks; pass a rank in [0, {num_ranks})")]
+    RankOutOfRange {
+        /// The rank asked for.
+        rank: usize,
+        /// Ranks in the group.
+        num_ranks: usize,
+    },
+    /// A dispatch layout that does not match the routing it is used with (spec §1.7, §2.2):
+    /// DeepEP would hang or return garbage; ep-rs refuses.
+    #[error(
+        "rank {rank}: layout field {field} does not match the routing ({detail}); \
+         pass the layout get_dispatch_layout returned for this topk_idx"
+    )]
+    LayoutMismatch {
+        /// Rank whose layout is wrong.
+        rank: usize,
+        /// The layout field.
+        field: &'static str,
+        /// What differs.
+        detail: String,
+    },
+    /// `num_worst_tokens` is smaller than what a rank actually receives (spec §1.8).
+    #[error(
+        "rank {rank} receives {needed} rows but num_worst_tokens = {num_worst_tokens}; \
+         use num_worst_tokens >= the worst case (e.g. num_tokens * num_ranks)"
+    )]
+    WorstTokensTooSmall {
+        /// The receiving rank.
+        rank: usize,
+        /// The option's value.
+        num_worst_tokens: usize,
+        /// Rows that rank receives.
+        needed: usize,
+    },
+    /// More than two bias tensors given to a combine (spec §1.8: 0, 1 or 2).
+    #[error("rank {rank}: {found} bias tensors given to combine; pass at most 2")]
+    TooManyBiases {
+        /// The rank whose combine got them.
+        rank: usize,
+        /// How many were given.
+        found: usize,
+    },
 }
