@@ -1,1 +1,366 @@
-//! Seeded, portable workload generation (ChaCha8): a seed means the same routing everywhere.
+//! Seeded, portable workload generation (ChaCha8): a seed means the same routing and the same
+//! activations on every machine, so a failing case can be replayed anywhere.
+//!
+//! What is generated, per rank (the way DeepEP's tests build their inputs, spec §6.2–§6.4):
+//! - `topk_idx [T, K]`: for each token `K` **distinct** experts drawn uniformly (equivalent in
+//!   distribution to DeepEP's `topk(|randn| + 1, K)`), then `masked_per_rank` distinct slots of
+//!   the rank set to `-1` (DeepEP's low-latency test masks 10 random slots, with replacement; here
+//!   the count is exact);
+//! - `topk_weights [T, K]`: uniform in `(0, 1]` (positive; masked slots keep their weight, as in
+//!   DeepEP's test, and consumers ignore them);
+//! - `x [T, H]`: standard normal values rounded to BF16 (like `torch.randn`), or, with `fp8`, the
+//!   same values cast by DeepEP's test helper `per_token_cast_to_fp8` (e4m3 bytes plus
+//!   per-128-channel scales, [`crate::numerics::fp8::per_token_cast_to_fp8`]).
+//!
+//! Portability: every rank and every purpose (routing, weights, activations, masking) has its
+//! own ChaCha8 stream, `ChaCha8Rng::seed_from_u64(seed)` with stream `4 * rank + purpose`, so rank
+//! `r`'s data depends only on `(seed, r)` and the shapes — not on `R` or on generation order —
+//! and changing `H` leaves the routing alone. Only raw `u32`/`u64` draws are used (ChaCha's output
+//! is specified); integers in a range use Lemire's multiply-and-reject, normals the polar
+//! Box–Muller method with a logarithm written here from IEEE `+ - * /` and `sqrt` only, so no
+//! platform `libm` can change a bit.
+
+use half::bf16;
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::{Error, Result};
+use crate::routing::{Activations, ExpertIdx, RankInputs};
+use crate::tensor::Tensor2;
+
+/// How tokens choose their experts. More distributions (skewed, group-limited as in DeepEP's
+/// internode test) can be added without breaking callers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Routing {
+    /// Every set of `K` distinct experts is equally likely.
+    #[default]
+    Uniform,
+}
+
+/// What to generate: shapes, seed and options.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct WorkloadSpec {
+    /// EP size `R`: one [`RankInputs`] per rank.
+    pub num_ranks: usize,
+    /// Tokens per rank `T`.
+    pub num_tokens: usize,
+    /// Hidden size `H` (>= 1).
+    pub hidden: usize,
+    /// Top-k `K` (<= `num_experts`, since a token's experts are distinct).
+    pub num_topk: usize,
+    /// Experts `E`, a multiple of `R`.
+    pub num_experts: usize,
+    /// The seed.
+    pub seed: u64,
+    /// Top-k slots per rank set to `-1` (distinct slots, exact count, at most `T * K`).
+    pub masked_per_rank: usize,
+    /// Expert choice.
+    pub routing: Routing,
+    /// Produce FP8 activations (e4m3 bytes and float32 scales) instead of BF16.
+    pub fp8: bool,
+}
+
+/// Stream offsets of the four purposes (stream = 4 * rank + purpose).
+const ROUTING: u64 = 0;
+const WEIGHTS: u64 = 1;
+const ACTIVATIONS: u64 = 2;
+const MASK: u64 = 3;
+
+impl WorkloadSpec {
+    /// A BF16, uniformly routed workload without masked slots.
+    pub fn new(
+        num_ranks: usize,
+        num_tokens: usize,
+        hidden: usize,
+        num_topk: usize,
+        num_experts: usize,
+        seed: u64,
+    ) -> Self {
+        Self {
+            num_ranks,
+            num_tokens,
+            hidden,
+            num_topk,
+            num_experts,
+            seed,
+            masked_per_rank: 0,
+            routing: Routing::Uniform,
+            fp8: false,
+        }
+    }
+
+    /// Checks the spec can be generated.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::InvalidWorkload(msg));
+        if self.num_ranks == 0 {
+            return bad("num_ranks = 0; a workload has at least one rank".into());
+        }
+        if self.hidden == 0 {
+            return bad("hidden = 0; rows need at least one channel".into());
+        }
+        if self.num_experts == 0 || !self.num_experts.is_multiple_of(self.num_ranks) {
+            return Err(Error::ExpertsNotDivisible {
+                num_experts: self.num_experts,
+                num_ranks: self.num_ranks,
+            });
+        }
+        if self.num_topk > self.num_experts {
+            return bad(format!(
+                "num_topk = {} > num_experts = {}; a token's experts are distinct",
+                self.num_topk, self.num_experts
+            ));
+        }
+        let slots = self.num_tokens.checked_mul(self.num_topk);
+        if slots.is_none_or(|s| self.masked_per_rank > s) {
+            return bad(format!(
+                "masked_per_rank = {} exceeds the {} x {} top-k slots of a rank",
+                self.masked_per_rank, self.num_tokens, self.num_topk
+            ));
+        }
+        Ok(())
+    }
+
+    /// One [`RankInputs`] per rank, rank order.
+    pub fn generate(&self) -> Result<Vec<RankInputs>> {
+        self.validate()?;
+        (0..self.num_ranks).map(|r| self.rank_inputs(r)).collect()
+    }
+
+    /// The inputs of `rank` alone (equal to `generate()?[rank]`).
+    pub fn generate_rank(&self, rank: usize) -> Result<RankInputs> {
+        self.validate()?;
+        if rank >= self.num_ranks {
+            return Err(Error::InvalidWorkload(format!(
+                "rank {rank} outside 0..{}",
+                self.num_ranks
+            )));
+        }
+        self.rank_inputs(rank)
+    }
+
+    fn stream(&self, rank: usize, purpose: u64) -> ChaCha8Rng {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        rng.set_stream(4 * rank as u64 + purpose);
+        rng
+    }
+
+    fn rank_inputs(&self, rank: usize) -> Result<RankInputs> {
+        let (t, h, k, e) = (
+            self.num_tokens,
+            self.hidden,
+            self.num_topk,
+            self.num_experts,
+        );
+
+        let mut topk_idx = match self.routing {
+            Routing::Uniform => uniform_routing(&mut self.stream(rank, ROUTING), t, k, e),
+        };
+
+        let mut rng = self.stream(rank, WEIGHTS);
+        let topk_weights = Tensor2::from_fn(t, k, |_, _| unit_open_closed_f32(&mut rng));
+
+        let mut normal = Normal::new(self.stream(rank, ACTIVATIONS));
+        let x = Tensor2::from_fn(t, h, |_, _| bf16::from_f32(normal.sample() as f32));
+
+        if self.masked_per_rank > 0 {
+            let mut rng = self.stream(rank, MASK);
+            let mut slots: Vec<usize> = (0..t * k).collect();
+            for i in 0..self.masked_per_rank {
+                let j = i + below(&mut rng, (slots.len() - i) as u64) as usize;
+                slots.swap(i, j);
+                topk_idx.data_mut()[slots[i]] = -1;
+            }
+        }
+
+        let x = if self.fp8 {
+            let (data, scales) = crate::numerics::fp8::per_token_cast_to_fp8(&x);
+            Activations::Fp8 { data, scales }
+        } else {
+            Activations::Bf16(x)
+        };
+        Ok(RankInputs {
+            x,
+            topk_idx,
+            topk_weights,
+        })
+    }
+}
+
+/// `K` distinct experts per token by a partial Fisher–Yates shuffle of `0..E`.
+fn uniform_routing(rng: &mut ChaCha8Rng, t: usize, k: usize, e: usize) -> Tensor2<ExpertIdx> {
+    let mut perm: Vec<ExpertIdx> = (0..e as ExpertIdx).collect();
+    let mut out = Tensor2::filled(t, k, -1);
+    for token in 0..t {
+        for slot in 0..k {
+            let j = slot + below(rng, (e - slot) as u64) as usize;
+            perm.swap(slot, j);
+            out.set(token, slot, perm[slot]);
+        }
+    }
+    out
+}
+
+/// Uniform integer in `0..n` (`n >= 1`): Lemire's multiply-and-reject, unbiased and portable.
+fn below(rng: &mut impl RngCore, n: u64) -> u64 {
+    debug_assert!(n > 0);
+    let mut m = u128::from(rng.next_u64()) * u128::from(n);
+    if (m as u64) < n {
+        let threshold = n.wrapping_neg() % n;
+        while (m as u64) < threshold {
+            m = u128::from(rng.next_u64()) * u128::from(n);
+        }
+    }
+    (m >> 64) as u64
+}
+
+/// Uniform in `(0, 1]` with 24 bits: exact in f32, never zero.
+fn unit_open_closed_f32(rng: &mut impl RngCore) -> f32 {
+    ((rng.next_u32() >> 8) + 1) as f32 * (1.0 / (1u32 << 24) as f32)
+}
+
+/// Uniform in `[0, 1)` with 53 bits.
+fn unit_f64(rng: &mut impl RngCore) -> f64 {
+    (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Standard normal samples by the polar Box–Muller method (pairs; the second is kept).
+struct Normal<R> {
+    rng: R,
+    spare: Option<f64>,
+}
+
+impl<R: RngCore> Normal<R> {
+    fn new(rng: R) -> Self {
+        Self { rng, spare: None }
+    }
+
+    fn sample(&mut self) -> f64 {
+        if let Some(z) = self.spare.take() {
+            return z;
+        }
+        loop {
+            let u = 2.0 * unit_f64(&mut self.rng) - 1.0;
+            let v = 2.0 * unit_f64(&mut self.rng) - 1.0;
+            let s = u * u + v * v;
+            if s > 0.0 && s < 1.0 {
+                let f = (-2.0 * portable_ln(s) / s).sqrt();
+                self.spare = Some(v * f);
+                return u * f;
+            }
+        }
+    }
+}
+
+/// Natural logarithm of a positive, normal, finite `x`, from IEEE basic operations only (so the
+/// result is the same bits everywhere): `x = m * 2^e` with `m` in `[sqrt(1/2), sqrt(2))`, then
+/// `ln m = 2 atanh(t)`, `t = (m - 1) / (m + 1)`, `|t| < 0.172`, summed to `t^27` (error < 1e-19).
+fn portable_ln(x: f64) -> f64 {
+    const MANTISSA: u64 = (1 << 52) - 1;
+    let bits = x.to_bits();
+    let mut e = ((bits >> 52) & 0x7ff) as i64 - 1023;
+    let mut m = f64::from_bits((bits & MANTISSA) | (1023 << 52));
+    if m > std::f64::consts::SQRT_2 {
+        m *= 0.5;
+        e += 1;
+    }
+    let t = (m - 1.0) / (m + 1.0);
+    let t2 = t * t;
+    let mut term = t;
+    let mut sum = 0.0;
+    for k in 0..14 {
+        sum += term / (2 * k + 1) as f64;
+        term *= t2;
+    }
+    2.0 * sum + e as f64 * std::f64::consts::LN_2
+}
+
+/// FNV-1a (64-bit) over every rank's shapes and bits, in rank order: a portable fingerprint of a
+/// workload (pin it in tests; compare it across repeats, like DeepEP's `hash_tensor`).
+pub fn digest(inputs: &[RankInputs]) -> u64 {
+    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+    h.write(&(inputs.len() as u64).to_le_bytes());
+    for r in inputs {
+        for d in [r.num_tokens(), r.num_topk(), r.x.hidden()] {
+            h.write(&(d as u64).to_le_bytes());
+        }
+        match &r.x {
+            Activations::Bf16(x) => {
+                h.write(&[0]);
+                for v in x.data() {
+                    h.write(&v.to_bits().to_le_bytes());
+                }
+            }
+            Activations::Fp8 { data, scales } => {
+                h.write(&[1]);
+                h.write(data.data());
+                for s in scales.data() {
+                    h.write(&s.to_bits().to_le_bytes());
+                }
+            }
+            // `Activations` may grow; a new kind still changes the digest through its shape.
+            #[allow(unreachable_patterns, reason = "Activations may gain variants")]
+            _ => h.write(&[2]),
+        }
+        for i in r.topk_idx.data() {
+            h.write(&i.to_le_bytes());
+        }
+        for w in r.topk_weights.data() {
+            h.write(&w.to_bits().to_le_bytes());
+        }
+    }
+    h.0
+}
+
+struct Fnv(u64);
+
+impl Fnv {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn portable_ln_matches_std() {
+        let mut x = 1e-30f64;
+        while x < 1.0 {
+            let (a, b) = (portable_ln(x), x.ln());
+            assert!((a - b).abs() <= 1e-15 * b.abs().max(1.0), "{x}: {a} vs {b}");
+            x *= 1.37;
+        }
+    }
+
+    #[test]
+    fn below_is_in_range_and_hits_all() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let mut seen = [false; 7];
+        for _ in 0..1000 {
+            let v = below(&mut rng, 7) as usize;
+            seen[v] = true;
+        }
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    #[test]
+    fn normal_moments() {
+        let mut n = Normal::new(ChaCha8Rng::seed_from_u64(3));
+        let k = 200_000;
+        let (mut s1, mut s2) = (0.0, 0.0);
+        for _ in 0..k {
+            let z = n.sample();
+            s1 += z;
+            s2 += z * z;
+        }
+        let mean = s1 / k as f64;
+        let var = s2 / k as f64 - mean * mean;
+        assert!(mean.abs() < 0.01, "mean {mean}");
+        assert!((var - 1.0).abs() < 0.02, "var {var}");
+    }
+}
