@@ -309,4 +309,74 @@ pub enum Error {
         /// How many were given.
         found: usize,
     },
+
+    // ---- low-latency / FP8 ----
+    /// A low-latency dispatch with more tokens than `num_max_dispatch_tokens_per_rank` (spec §1.9).
+    #[error(
+        "rank {rank}: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank = \
+         {num_max_dispatch_tokens_per_rank}; split the batch or raise N"
+    )]
+    LlTooManyTokens {
+        /// The rank whose batch is too large.
+        rank: usize,
+        /// Its `T`.
+        num_tokens: usize,
+        /// `N` of the call.
+        num_max_dispatch_tokens_per_rank: usize,
+    },
+    /// Low-latency dispatch takes BF16 activations only and casts to FP8 itself (spec §1.9).
+    #[error(
+        "rank {rank}: low-latency dispatch takes BF16 x; pass BF16 and set use_fp8 to get FP8 rows"
+    )]
+    LlExpectsBf16 {
+        /// The rank whose `x` is not BF16.
+        rank: usize,
+    },
+    /// One rank routes more than `N` (token, top-k) entries to one expert — possible only with
+    /// duplicate ids in a row — which overflows that expert's `N` receive slots for the rank
+    /// (spec §2.4, §3.6).
+    #[error(
+        "rank {rank} sends {count} entries to expert {expert}, more than the \
+         {num_max_dispatch_tokens_per_rank} slots a rank has per expert; remove duplicate expert \
+         ids from topk_idx rows"
+    )]
+    LlSlotOverflow {
+        /// The sending rank.
+        rank: usize,
+        /// The global expert id.
+        expert: usize,
+        /// Entries routed there.
+        count: usize,
+        /// `N` of the call.
+        num_max_dispatch_tokens_per_rank: usize,
+    },
+    /// A low-latency combine whose handle has no row for a (token, expert) of the routing
+    /// (spec §2.5): handle, routing and expert outputs are not from the same dispatch.
+    #[error(
+        "rank {rank}: token {token} chose expert {expert}, but the handle of its owner rank {owner} \
+         has no row for it; combine with the topk_idx and handle of the same dispatch"
+    )]
+    LlMissingRow {
+        /// The combining rank.
+        rank: usize,
+        /// The token.
+        token: usize,
+        /// The global expert id.
+        expert: usize,
+        /// The rank holding the expert.
+        owner: usize,
+    },
+    /// Low-latency receive metadata that is not a valid packing (spec §2.4): blocks out of range,
+    /// overlapping, or not summing to the expert's count.
+    #[error(
+        "invalid low-latency layout at local expert {local_expert}, source {source_rank}: {detail}"
+    )]
+    LlInvalidLayout {
+        /// The local expert.
+        local_expert: usize,
+        /// The source rank (`usize::MAX` when the problem is the expert's total).
+        source_rank: usize,
+        /// What is wrong.
+        detail: String,
+    },
 }
