@@ -1,2 +1,31 @@
 //! Setup checks behind `ep doctor`: driver keys, GDRCopy, NVSHMEM, NICs, GPUs, limits; every
 //! check reads its files under a sysroot so verdicts are testable from fixture trees.
+//!
+//! Three steps, each usable alone:
+//! 1. [`gather`] reads [`Facts`] from `/proc`, `/sys`, `/etc`, `/dev` under a directory (`/` on
+//!    the machine itself, a fixture tree in tests). No device is opened, no library loaded.
+//! 2. The caller adds what only live libraries can tell: [`LiveFacts`] (NVSHMEM's version
+//!    through nvshmem-sys, the `--probe` result) and, where CUDA is there, a [`Topology`].
+//! 3. [`diagnose`] turns facts into a [`Report`]: checks (pass / warn / fail / skip, each with
+//!    its exact fix), one [`Verdict`] per [`Capability`], and the [`IbgdaMode`] ep-rs will use.
+//!
+//! A capability is unusable when any check it needs fails; checks that warn make it usable
+//! with caveats. Check ids are stable (`driver.ibgda-keys`, `gdrcopy`, `nic.roce-gid`...) and
+//! listed in `diagnose.rs`.
+
+mod diagnose;
+mod facts;
+mod gather;
+mod parse;
+mod report;
+
+pub use diagnose::{IBGDA_MODPROBE_FILE, IBGDA_MODPROBE_LINE, MEMLOCK_MIN, closest_nics, diagnose};
+pub use facts::{
+    AcsBridge, ContainerFacts, DevNodes, DriverFacts, Facts, GdrcopyFacts, GidEntry, GpuLink,
+    GpuPci, LibraryFacts, LiveFacts, MemlockLimit, ModprobeFacts, ModprobeFile, NicFacts,
+    NvshmemFacts, OsFacts, PciFacts, PcieDistance, PortFacts, ProbeResult, Topology, Version,
+    registry_has_peer_mapping_override,
+};
+pub use gather::{GatherOptions, SAVED_TOPO, Sysroot, gather, inspect_nvshmem, nvshmem_dirs};
+pub use parse::{nvidia_smi_topo, nvshmem_log, nvshmem_version_header};
+pub use report::{Capability, Check, IbgdaMode, IbgdaModeReport, Report, Status, Verdict};
