@@ -649,7 +649,7 @@ const NVSHMEM_INSTALL: &str = "Install NVSHMEM >= 3.3.9: `pip install nvidia-nvs
     holds libnvshmem_host.so.3.";
 
 fn nvshmem(f: &Facts) -> Option<&NvshmemFacts> {
-    f.live.as_ref().map(|l| &l.nvshmem)
+    f.nvshmem.as_ref()
 }
 
 fn nvshmem_found(f: &Facts) -> Check {
@@ -662,7 +662,7 @@ fn nvshmem_found(f: &Facts) -> Check {
             T,
             caps,
             Status::Warn,
-            "not checked: no live facts (fixture tree without ep-doctor/live.json)",
+            "not looked for",
             None,
         );
     };
@@ -1372,7 +1372,7 @@ fn gpu_nic_affinity(f: &Facts) -> Check {
 // ---- probe and mode -----------------------------------------------------------------------------
 
 fn probe(f: &Facts) -> Vec<Check> {
-    let Some(p) = f.live.as_ref().and_then(|l| l.probe.as_ref()) else {
+    let Some(p) = f.probe.as_ref() else {
         return vec![check(
             "probe",
             "NVSHMEM start-up probe",

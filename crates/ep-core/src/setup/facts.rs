@@ -1,6 +1,7 @@
 //! What `ep doctor` knows about a machine: plain data, gathered from files under a sysroot
-//! ([`super::gather`]) plus what only live libraries can tell ([`LiveFacts`], filled by the
-//! caller so ep-core stays free of CUDA and NVSHMEM).
+//! ([`super::gather`]) plus what only live libraries can tell (NVSHMEM's loaded version, a
+//! topology from CUDA, the probe), filled by the caller so ep-core stays free of CUDA and
+//! NVSHMEM.
 
 use std::fmt;
 use std::str::FromStr;
@@ -88,8 +89,11 @@ pub struct Facts {
     pub memlock: Option<MemlockLimit>,
     /// GPU↔GPU and GPU↔NIC topology (CUDA, or `nvidia-smi topo -m`); `None` when unknown.
     pub topology: Option<Topology>,
-    /// Facts only live libraries can give; `None` when not gathered (fixture trees).
-    pub live: Option<LiveFacts>,
+    /// NVSHMEM: found under the sysroot by [`super::gather`]; the loaded library's own
+    /// version is the caller's to add (nvshmem-sys). `None` when not looked for.
+    pub nvshmem: Option<NvshmemFacts>,
+    /// Result of `--probe` (a real NVSHMEM start-up in a child process); `None` when not run.
+    pub probe: Option<ProbeResult>,
 }
 
 impl Facts {
@@ -479,16 +483,6 @@ impl Topology {
     pub fn gpu_count(&self) -> usize {
         self.links.len()
     }
-}
-
-/// Facts that come from live libraries and devices. The caller fills them (`ep doctor` uses
-/// nvshmem-sys and ep-kernels); in fixture trees they are absent or loaded from a file.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct LiveFacts {
-    /// NVSHMEM as found and loaded.
-    pub nvshmem: NvshmemFacts,
-    /// Result of `--probe`; `None` when not run.
-    pub probe: Option<ProbeResult>,
 }
 
 /// NVSHMEM installation and library.

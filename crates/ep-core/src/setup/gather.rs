@@ -66,6 +66,9 @@ pub struct GatherOptions {
     /// Extra library directories (machine paths, joined under the sysroot), e.g. the entries
     /// of `LD_LIBRARY_PATH` on a live machine.
     pub extra_lib_dirs: Vec<String>,
+    /// NVSHMEM library directories to try first (machine paths, `*` allowed), e.g.
+    /// `$NVSHMEM_DIR/lib`.
+    pub nvshmem_dirs: Vec<String>,
 }
 
 /// A directory standing in for `/`.
@@ -174,8 +177,8 @@ fn is_bdf(s: &str) -> bool {
     b.len() == 12 && b[4] == b':' && b[7] == b':' && b[10] == b'.'
 }
 
-/// Gathers every file-based fact under `root`. Live facts (`Facts::live`) and a topology from
-/// CUDA are the caller's to add.
+/// Gathers every file-based fact under `root`. The loaded NVSHMEM version, the probe and a
+/// topology from CUDA are the caller's to add.
 pub fn gather(root: &Path, opts: &GatherOptions) -> Facts {
     let s = Sysroot::new(root);
     let mut f = Facts {
@@ -208,7 +211,28 @@ pub fn gather(root: &Path, opts: &GatherOptions) -> Facts {
     f.topology = s
         .read(&format!("/{SAVED_TOPO}"))
         .and_then(|t| parse::nvidia_smi_topo(&t));
+    f.nvshmem = Some(find_nvshmem(root, &opts.nvshmem_dirs));
     f
+}
+
+/// NVSHMEM as installed under the sysroot: the first directory of [`nvshmem_dirs`],
+/// inspected; when none, facts with `load_error` naming where it looked.
+pub fn find_nvshmem(root: &Path, preferred: &[String]) -> NvshmemFacts {
+    match nvshmem_dirs(root, preferred).first() {
+        Some(dir) => inspect_nvshmem(root, dir),
+        None => NvshmemFacts {
+            load_error: Some(format!(
+                "no libnvshmem_host.so* in {}",
+                preferred
+                    .iter()
+                    .map(String::as_str)
+                    .chain(NVSHMEM_DIRS)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+            ..NvshmemFacts::default()
+        },
+    }
 }
 
 fn os(s: &Sysroot) -> OsFacts {

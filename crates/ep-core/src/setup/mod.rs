@@ -4,8 +4,9 @@
 //! Three steps, each usable alone:
 //! 1. [`gather`] reads [`Facts`] from `/proc`, `/sys`, `/etc`, `/dev` under a directory (`/` on
 //!    the machine itself, a fixture tree in tests). No device is opened, no library loaded.
-//! 2. The caller adds what only live libraries can tell: [`LiveFacts`] (NVSHMEM's version
-//!    through nvshmem-sys, the `--probe` result) and, where CUDA is there, a [`Topology`].
+//! 2. The caller adds what only live libraries can tell: the loaded NVSHMEM's own version
+//!    (nvshmem-sys), the `--probe` result ([`ProbeResult`]) and, where CUDA is there, a
+//!    [`Topology`].
 //! 3. [`diagnose`] turns facts into a [`Report`]: checks (pass / warn / fail / skip, each with
 //!    its exact fix), one [`Verdict`] per [`Capability`], and the [`IbgdaMode`] ep-rs will use.
 //!
@@ -22,10 +23,12 @@ mod report;
 pub use diagnose::{IBGDA_MODPROBE_FILE, IBGDA_MODPROBE_LINE, MEMLOCK_MIN, closest_nics, diagnose};
 pub use facts::{
     AcsBridge, ContainerFacts, DevNodes, DriverFacts, Facts, GdrcopyFacts, GidEntry, GpuLink,
-    GpuPci, LibraryFacts, LiveFacts, MemlockLimit, ModprobeFacts, ModprobeFile, NicFacts,
+    GpuPci, LibraryFacts, MemlockLimit, ModprobeFacts, ModprobeFile, NicFacts,
     NvshmemFacts, OsFacts, PciFacts, PcieDistance, PortFacts, ProbeResult, Topology, Version,
     registry_has_peer_mapping_override,
 };
-pub use gather::{GatherOptions, SAVED_TOPO, Sysroot, gather, inspect_nvshmem, nvshmem_dirs};
+pub use gather::{
+    GatherOptions, SAVED_TOPO, Sysroot, find_nvshmem, gather, inspect_nvshmem, nvshmem_dirs,
+};
 pub use parse::{nvidia_smi_topo, nvshmem_log, nvshmem_version_header};
 pub use report::{Capability, Check, IbgdaMode, IbgdaModeReport, Report, Status, Verdict};
