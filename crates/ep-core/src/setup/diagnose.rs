@@ -57,7 +57,8 @@ pub fn diagnose(facts: &Facts) -> Report {
         possible.push(IbgdaMode::CpuAssisted);
     }
     let selected = possible.first().copied().unwrap_or(IbgdaMode::None);
-    checks.push(ibgda_mode_check(&possible, selected, &verdicts));
+    let gdr = checks.iter().any(|c| c.id == "gdrcopy" && c.status == Status::Pass);
+    checks.push(ibgda_mode_check(&possible, &verdicts, gdr));
     Report {
         checks,
         verdicts,
@@ -632,6 +633,26 @@ fn gdrcopy(f: &Facts) -> Check {
             fix.push("Then start the container with `--device /dev/gdrdrv`.".to_string());
         }
     }
+    // NVSHMEM 3.4.5 added CPU-assisted IBGDA through CUDA host memory, without GDRCopy, and
+    // falls back to it by itself (NVSHMEM 3.4.5 release notes).
+    if let Some(v) = nvshmem(f)
+        .and_then(NvshmemFacts::version)
+        .map(|(v, _)| v)
+        .filter(|v| *v >= HOST_MEMORY_PROXY)
+    {
+        return check(
+            ID,
+            T,
+            caps,
+            Status::Warn,
+            format!(
+                "missing {}; NVSHMEM {v} falls back to CPU-assisted IBGDA through CUDA host \
+                 memory (NVSHMEM_IBGDA_NIC_HANDLER=cpu_host_memory), slower than GDRCopy",
+                missing.join(", ")
+            ),
+            Some(fix.join("\n")),
+        );
+    }
     check(
         ID,
         T,
@@ -641,6 +662,9 @@ fn gdrcopy(f: &Facts) -> Check {
         Some(fix.join("\n")),
     )
 }
+
+/// First NVSHMEM whose CPU-assisted IBGDA works without GDRCopy (`cpu_host_memory`).
+const HOST_MEMORY_PROXY: Version = Version::new(3, 4, 5);
 
 // ---- NVSHMEM ----------------------------------------------------------------------------------
 
@@ -1457,7 +1481,11 @@ fn probe(f: &Facts) -> Vec<Check> {
     out
 }
 
-fn ibgda_mode_check(possible: &[IbgdaMode], selected: IbgdaMode, verdicts: &[Verdict]) -> Check {
+fn ibgda_mode_check(
+    possible: &[IbgdaMode],
+    verdicts: &[Verdict],
+    gdrcopy: bool,
+) -> Check {
     const ID: &str = "ibgda.mode";
     const T: &str = "IBGDA mode";
     let blockers = |c: Capability| {
@@ -1481,7 +1509,14 @@ fn ibgda_mode_check(possible: &[IbgdaMode], selected: IbgdaMode, verdicts: &[Ver
             None,
         );
     }
-    let names: Vec<&str> = possible.iter().map(|m| m.name()).collect();
+    let names: Vec<String> = possible
+        .iter()
+        .map(|m| match m {
+            IbgdaMode::CpuAssisted if gdrcopy => "CPU-assisted (GDRCopy)".to_string(),
+            IbgdaMode::CpuAssisted => "CPU-assisted (CUDA host memory)".to_string(),
+            m => m.name().to_string(),
+        })
+        .collect();
     check(
         ID,
         T,
@@ -1490,7 +1525,7 @@ fn ibgda_mode_check(possible: &[IbgdaMode], selected: IbgdaMode, verdicts: &[Ver
         format!(
             "possible: {}; ep-rs will use {} (NVSHMEM's NIC handler is left at auto)",
             names.join(", "),
-            selected.name()
+            names[0]
         ),
         None,
     )
