@@ -379,4 +379,57 @@ pub enum Error {
         /// What is wrong.
         detail: String,
     },
+
+    // ---- normal mode ----
+    /// A rank count a normal-mode plan cannot work with.
+    #[error("{num_ranks} ranks: need {need}")]
+    InvalidRankCount {
+        /// The rank count given.
+        num_ranks: usize,
+        /// What is required.
+        need: &'static str,
+    },
+    /// A rank index outside the group.
+    #[error("rank {rank} is outside a group of {num_ranks} ranks; pass a rank in [0, {num_ranks})")]
+    RankOutOfRange {
+        /// The rank asked for.
+        rank: usize,
+        /// Ranks in the group.
+        num_ranks: usize,
+    },
+    /// A dispatch layout that does not match the routing it is used with (spec §1.7, §2.2):
+    /// DeepEP would hang or return garbage; ep-rs refuses.
+    #[error(
+        "rank {rank}: layout field {field} does not match the routing ({detail}); \
+         pass the layout get_dispatch_layout returned for this topk_idx"
+    )]
+    LayoutMismatch {
+        /// Rank whose layout is wrong.
+        rank: usize,
+        /// The layout field.
+        field: &'static str,
+        /// What differs.
+        detail: String,
+    },
+    /// `num_worst_tokens` is smaller than what a rank actually receives (spec §1.8).
+    #[error(
+        "rank {rank} receives {needed} rows but num_worst_tokens = {num_worst_tokens}; \
+         use num_worst_tokens >= the worst case (e.g. num_tokens * num_ranks)"
+    )]
+    WorstTokensTooSmall {
+        /// The receiving rank.
+        rank: usize,
+        /// The option's value.
+        num_worst_tokens: usize,
+        /// Rows that rank receives.
+        needed: usize,
+    },
+    /// More than two bias tensors given to a combine (spec §1.8: 0, 1 or 2).
+    #[error("rank {rank}: {found} bias tensors given to combine; pass at most 2")]
+    TooManyBiases {
+        /// The rank whose combine got them.
+        rank: usize,
+        /// How many were given.
+        found: usize,
+    },
 }

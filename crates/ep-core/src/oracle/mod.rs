@@ -3,5 +3,6 @@
 //! Written as plainly as possible and independently of [`crate::plan`] (no shared helpers), so
 //! that the two check each other; every backend is compared against it.
 
+pub mod internode;
 pub mod low_latency;
 pub mod normal;

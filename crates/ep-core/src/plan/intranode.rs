@@ -1,1 +1,682 @@
-//! (to be written)
+//! Intranode normal-mode dispatch and combine (spec §2.1, §2.2, §3.2–§3.4), computed the way
+//! the protocol computes them: the count exchange gives `rank_prefix_matrix`, each sender's
+//! per-channel counts give `channel_prefix_matrix`, and every received row is written straight
+//! at its final offset `rank_prefix_matrix[s-1][d] + channel start + index in channel`.
+//!
+//! Plan math works for any rank count (DeepEP's intranode kernels only launch for 2, 4 and 8).
+
+use half::bf16;
+
+use crate::error::{Error, Result};
+use crate::plan::combine::{
+    CombineArgs, CombineOutput, check_combine_args, combine_row, combine_weights, rewrite_heads,
+};
+use crate::plan::layout::{DispatchLayout, channel_range, get_dispatch_layout_for_rank};
+use crate::plan::layout::{check_num_ranks, local_experts};
+use crate::routing::{Activations, ExpertIdx, RankInputs, validate_inputs};
+use crate::tensor::Tensor2;
+
+/// Options of a normal-mode dispatch (spec §1.8).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DispatchOptions {
+    /// Channels `C = num_sms / 2`; each channel carries a contiguous token range (§2.1).
+    pub num_channels: usize,
+    /// Rounds each entry of `num_recv_tokens_per_expert_list` up to a multiple (≥ 1).
+    pub expert_alignment: usize,
+    /// `> 0`: outputs sized to this many rows, no host sync, empty expert list (§1.8).
+    pub num_worst_tokens: usize,
+    /// Whether `topk_idx`/`topk_weights` are passed (and `recv_topk_*` returned).
+    pub with_topk: bool,
+}
+
+impl Default for DispatchOptions {
+    /// DeepEP's defaults: `Buffer.num_sms = 20` → 10 channels, alignment 1, no worst-case
+    /// sizing, with top-k.
+    fn default() -> Self {
+        Self {
+            num_channels: 10,
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            with_topk: true,
+        }
+    }
+}
+
+/// The intranode handle (spec §2.2), DeepEP's 6-tuple plus the received row count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IntranodeHandle {
+    /// `[R, R]`: `[i][j] = Σ_{s ≤ i} num_tokens_per_rank_s[j]` (inclusive). The plan fills the
+    /// whole matrix; DeepEP guarantees only the receiver's column.
+    pub rank_prefix_matrix: Tensor2<i32>,
+    /// `[R, C]`, sender side: inclusive per-channel prefix of tokens sent to rank `d`.
+    pub channel_prefix_matrix: Tensor2<i32>,
+    /// `[R, C]`, receiver side: exclusive start of source `s`'s channel `c` within `s`'s block.
+    pub recv_channel_prefix_matrix: Tensor2<i32>,
+    /// `[num_recv]`: source token index of each received row (`-1` in worst-case tail rows).
+    pub recv_src_idx: Vec<i32>,
+    /// `[T, R]`, sender side: the layout's membership matrix.
+    pub is_token_in_rank: Tensor2<bool>,
+    /// `[T, R]`, sender side: slot sequence number of token `t` in the `(channel(t), d)` ring,
+    /// or `-1`; rewritten by combine ([`rewrite_send_head`]).
+    pub send_head: Tensor2<i32>,
+    /// Rows actually received (`rank_prefix_matrix[R-1][d]`), ≤ `recv_src_idx.len()`.
+    pub num_recv_tokens: usize,
+}
+
+impl IntranodeHandle {
+    /// Rewrites this handle's `send_head` in place as intranode combine does (spec §3.4,
+    /// §7.1), over its own channel count. Idempotent.
+    pub fn rewrite_send_head(&mut self) {
+        rewrite_send_head(&mut self.send_head, self.channel_prefix_matrix.cols());
+    }
+}
+
+/// What a normal-mode dispatch returns to one rank (spec §1.8), generic over the handle.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DispatchOutput<H> {
+    /// Received rows: BF16, or FP8 bytes plus `recv_x_scales` (copied verbatim).
+    pub recv_x: Activations,
+    /// `[num_recv, K]` local expert ids (`-1` for experts elsewhere and in tail rows); `None`
+    /// without top-k.
+    pub recv_topk_idx: Option<Tensor2<ExpertIdx>>,
+    /// `[num_recv, K]` weights of local experts, `0.0` elsewhere; `None` without top-k.
+    pub recv_topk_weights: Option<Tensor2<f32>>,
+    /// `[L]` received `(token, slot)` pairs per local expert, aligned; empty when
+    /// `num_worst_tokens > 0`.
+    pub num_recv_tokens_per_expert_list: Vec<i32>,
+    /// The handle for combine and cached dispatch.
+    pub handle: H,
+}
+
+/// Intranode dispatch output.
+pub type IntranodeDispatch = DispatchOutput<IntranodeHandle>;
+
+/// Shape facts common to every rank of a dispatch, after validation.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DispatchShape {
+    pub(crate) num_ranks: usize,
+    pub(crate) num_local_experts: usize,
+    pub(crate) num_topk: usize,
+}
+
+/// Validates a non-cached dispatch: rank count, `E % R`, options, each rank's inputs, one
+/// dtype/hidden/top-k across ranks, and each layout equal to the routing's (§1.7).
+pub(crate) fn check_dispatch(
+    inputs: &[RankInputs],
+    layouts: &[DispatchLayout],
+    num_experts: usize,
+    opts: &DispatchOptions,
+) -> Result<DispatchShape> {
+    let num_ranks = inputs.len();
+    check_num_ranks(num_ranks)?;
+    if layouts.len() != num_ranks {
+        return Err(Error::RankCountMismatch {
+            expected: num_ranks,
+            found: layouts.len(),
+        });
+    }
+    let num_local_experts = local_experts(num_experts, num_ranks)?;
+    check_options(opts)?;
+    let first = &inputs[0];
+    for (s, inp) in inputs.iter().enumerate() {
+        validate_inputs(inp, num_experts, s)?;
+        check_same_activation_kind(&first.x, &inp.x, s)?;
+        if opts.with_topk && inp.num_topk() != first.num_topk() {
+            return Err(Error::ShapeMismatch {
+                what: "top-k (must agree across ranks)",
+                expected: format!("{} columns", first.num_topk()),
+                found: format!("{} columns on rank {s}", inp.num_topk()),
+            });
+        }
+        let want = get_dispatch_layout_for_rank(s, &inp.topk_idx, num_experts, num_ranks)?;
+        check_layout(s, &layouts[s], &want)?;
+    }
+    Ok(DispatchShape {
+        num_ranks,
+        num_local_experts,
+        num_topk: if opts.with_topk { first.num_topk() } else { 0 },
+    })
+}
+
+fn check_options(opts: &DispatchOptions) -> Result<()> {
+    if opts.num_channels == 0 {
+        return Err(Error::InvalidConfig {
+            field: "num_channels",
+            value: "0".into(),
+            fix: "use at least one channel (num_sms >= 2)".into(),
+        });
+    }
+    if opts.expert_alignment == 0 {
+        return Err(Error::InvalidConfig {
+            field: "expert_alignment",
+            value: "0".into(),
+            fix: "use 1 for no alignment".into(),
+        });
+    }
+    if opts.num_worst_tokens > 0 && !opts.with_topk {
+        return Err(Error::InvalidConfig {
+            field: "num_worst_tokens",
+            value: opts.num_worst_tokens.to_string(),
+            fix: "worst-case sizing needs topk_idx (spec §1.8); pass top-k or use 0".into(),
+        });
+    }
+    Ok(())
+}
+
+/// All ranks must send the same kind of rows: BF16 or FP8, one hidden size.
+pub(crate) fn check_same_activation_kind(
+    first: &Activations,
+    x: &Activations,
+    rank: usize,
+) -> Result<()> {
+    let kind = |a: &Activations| match a {
+        Activations::Bf16(_) => "BF16",
+        Activations::Fp8 { .. } => "FP8",
+    };
+    if kind(first) != kind(x) || first.hidden() != x.hidden() {
+        return Err(Error::ShapeMismatch {
+            what: "activations (dtype and hidden size must agree across ranks)",
+            expected: format!("{} x {}", kind(first), first.hidden()),
+            found: format!("{} x {} on rank {rank}", kind(x), x.hidden()),
+        });
+    }
+    Ok(())
+}
+
+fn check_layout(rank: usize, got: &DispatchLayout, want: &DispatchLayout) -> Result<()> {
+    let mismatch = |field: &'static str, detail: String| Error::LayoutMismatch {
+        rank,
+        field,
+        detail,
+    };
+    if got.is_token_in_rank.shape() != want.is_token_in_rank.shape() {
+        return Err(mismatch(
+            "is_token_in_rank",
+            format!(
+                "shape {:?}, routing needs {:?}",
+                got.is_token_in_rank.shape(),
+                want.is_token_in_rank.shape()
+            ),
+        ));
+    }
+    if got.is_token_in_rank != want.is_token_in_rank {
+        return Err(mismatch("is_token_in_rank", "membership differs".into()));
+    }
+    if got.num_tokens_per_rank != want.num_tokens_per_rank {
+        return Err(mismatch(
+            "num_tokens_per_rank",
+            format!(
+                "{:?}, routing gives {:?}",
+                got.num_tokens_per_rank, want.num_tokens_per_rank
+            ),
+        ));
+    }
+    if got.num_tokens_per_rdma_rank != want.num_tokens_per_rdma_rank {
+        return Err(mismatch(
+            "num_tokens_per_rdma_rank",
+            format!(
+                "{:?}, routing gives {:?}",
+                got.num_tokens_per_rdma_rank, want.num_tokens_per_rdma_rank
+            ),
+        ));
+    }
+    if got.num_tokens_per_expert != want.num_tokens_per_expert {
+        return Err(mismatch(
+            "num_tokens_per_expert",
+            format!(
+                "{:?}, routing gives {:?}",
+                got.num_tokens_per_expert, want.num_tokens_per_expert
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Rank prefix matrix from the count exchange (§3.2): `[i][j] = Σ_{s ≤ i} counts_s[j]`.
+pub(crate) fn rank_prefix_matrix(layouts: &[DispatchLayout]) -> Tensor2<i32> {
+    let r = layouts.len();
+    let mut rpm = Tensor2::filled(r, r, 0i32);
+    for (i, layout) in layouts.iter().enumerate() {
+        for j in 0..r {
+            let above = if i == 0 { 0 } else { rpm.get(i - 1, j) };
+            rpm.set(i, j, above + layout.num_tokens_per_rank[j]);
+        }
+    }
+    rpm
+}
+
+/// Sender-side per-channel bookkeeping (§3.2 blocks `1+d`, §3.3 sender): for each channel and
+/// destination, the running count of selected tokens gives `send_head`; its per-channel totals,
+/// prefix-summed, give `channel_prefix_matrix`. `membership` is `[T, D]` over `D` destinations
+/// (ranks, or nodes internode).
+pub(crate) fn sender_channels(
+    membership: &Tensor2<bool>,
+    num_channels: usize,
+) -> (Tensor2<i32>, Tensor2<i32>) {
+    let (num_tokens, num_dst) = membership.shape();
+    let mut prefix = Tensor2::filled(num_dst, num_channels, 0i32);
+    let mut head = Tensor2::filled(num_tokens, num_dst, -1i32);
+    for c in 0..num_channels {
+        for d in 0..num_dst {
+            let mut count = 0i32;
+            for t in channel_range(num_tokens, num_channels, c) {
+                if membership.get(t, d) {
+                    head.set(t, d, count);
+                    count += 1;
+                }
+            }
+            let before = if c == 0 { 0 } else { prefix.get(d, c - 1) };
+            prefix.set(d, c, before + count);
+        }
+    }
+    (prefix, head)
+}
+
+/// `align_up(Σ_s num_tokens_per_expert_s[d*L + l], alignment)` for every local expert `l`
+/// (§2.2), or empty with worst-case sizing (§1.8).
+pub(crate) fn expert_list(
+    layouts: &[DispatchLayout],
+    rank: usize,
+    num_local_experts: usize,
+    opts: &DispatchOptions,
+) -> Vec<i32> {
+    if opts.num_worst_tokens > 0 {
+        return Vec::new();
+    }
+    (0..num_local_experts)
+        .map(|l| {
+            let e = rank * num_local_experts + l;
+            let total: i64 = layouts
+                .iter()
+                .map(|lay| i64::from(lay.num_tokens_per_expert[e]))
+                .sum();
+            let a = opts.expert_alignment as i64;
+            ((total + a - 1) / a * a) as i32
+        })
+        .collect()
+}
+
+/// Output rows of a receiver: `num_worst_tokens` when set (after checking it suffices), else
+/// the exact count.
+pub(crate) fn output_rows(rank: usize, num_recv: usize, opts: &DispatchOptions) -> Result<usize> {
+    if opts.num_worst_tokens == 0 {
+        return Ok(num_recv);
+    }
+    if num_recv > opts.num_worst_tokens {
+        return Err(Error::WorstTokensTooSmall {
+            rank,
+            num_worst_tokens: opts.num_worst_tokens,
+            needed: num_recv,
+        });
+    }
+    Ok(opts.num_worst_tokens)
+}
+
+/// Empty received activations of `rows` rows, the same kind as `like`. Tail policy: rows that
+/// nothing is written to stay zero (bytes 0, scales 0.0).
+pub(crate) fn empty_like(like: &Activations, rows: usize) -> Activations {
+    match like {
+        Activations::Bf16(x) => Activations::Bf16(Tensor2::filled(rows, x.cols(), bf16::ZERO)),
+        Activations::Fp8 { data, scales } => Activations::Fp8 {
+            data: Tensor2::filled(rows, data.cols(), 0u8),
+            scales: Tensor2::filled(rows, scales.cols(), 0.0f32),
+        },
+    }
+}
+
+/// Copies source row `t` of `src` into row `row` of `dst` (BF16 row, or FP8 bytes + scales).
+pub(crate) fn copy_row(dst: &mut Activations, row: usize, src: &Activations, t: usize) {
+    match (dst, src) {
+        (Activations::Bf16(d), Activations::Bf16(s)) => d.row_mut(row).copy_from_slice(s.row(t)),
+        (
+            Activations::Fp8 { data, scales },
+            Activations::Fp8 {
+                data: sd,
+                scales: ss,
+            },
+        ) => {
+            data.row_mut(row).copy_from_slice(sd.row(t));
+            scales.row_mut(row).copy_from_slice(ss.row(t));
+        }
+        // Kinds are checked equal before any copy.
+        _ => unreachable!("activation kinds validated equal"),
+    }
+}
+
+/// Top-k of a received row on rank `d` (§2.2): local ids `e - d*L` with their weights bit-equal,
+/// `-1` and `0.0` for experts elsewhere (and for masked slots).
+pub(crate) fn remap_topk(
+    idx: &[ExpertIdx],
+    weights: &[f32],
+    rank: usize,
+    num_local_experts: usize,
+    out_idx: &mut [ExpertIdx],
+    out_weights: &mut [f32],
+) {
+    let lo = (rank * num_local_experts) as ExpertIdx;
+    let hi = lo + num_local_experts as ExpertIdx;
+    for k in 0..idx.len() {
+        let e = idx[k];
+        if e >= lo && e < hi {
+            out_idx[k] = e - lo;
+            out_weights[k] = weights[k];
+        } else {
+            out_idx[k] = -1;
+            out_weights[k] = 0.0;
+        }
+    }
+}
+
+/// Sender-side handle parts of every rank: `(channel_prefix_matrix, send_head)` per rank.
+fn all_senders(
+    layouts: &[DispatchLayout],
+    num_channels: usize,
+) -> Vec<(Tensor2<i32>, Tensor2<i32>)> {
+    layouts
+        .iter()
+        .map(|l| sender_channels(&l.is_token_in_rank, num_channels))
+        .collect()
+}
+
+/// Intranode dispatch as seen by receiver `rank`, given every rank's inputs and layout
+/// (spec §2.2). The layouts must be the ones [`get_dispatch_layout`] gives for the routing
+/// (DeepEP trusts the caller and hangs or returns garbage otherwise; ep-rs checks).
+///
+/// [`get_dispatch_layout`]: crate::plan::layout::get_dispatch_layout
+pub fn intranode_dispatch(
+    inputs: &[RankInputs],
+    layouts: &[DispatchLayout],
+    num_experts: usize,
+    rank: usize,
+    opts: &DispatchOptions,
+) -> Result<IntranodeDispatch> {
+    let shape = check_dispatch(inputs, layouts, num_experts, opts)?;
+    if rank >= shape.num_ranks {
+        return Err(Error::RankOutOfRange {
+            rank,
+            num_ranks: shape.num_ranks,
+        });
+    }
+    let senders = all_senders(layouts, opts.num_channels);
+    let rpm = rank_prefix_matrix(layouts);
+    receive(inputs, layouts, &senders, &rpm, rank, shape, opts)
+}
+
+/// [`intranode_dispatch`] for every rank at once (sender-side work done once).
+pub fn intranode_dispatch_all(
+    inputs: &[RankInputs],
+    layouts: &[DispatchLayout],
+    num_experts: usize,
+    opts: &DispatchOptions,
+) -> Result<Vec<IntranodeDispatch>> {
+    let shape = check_dispatch(inputs, layouts, num_experts, opts)?;
+    let senders = all_senders(layouts, opts.num_channels);
+    let rpm = rank_prefix_matrix(layouts);
+    (0..shape.num_ranks)
+        .map(|d| receive(inputs, layouts, &senders, &rpm, d, shape, opts))
+        .collect()
+}
+
+/// The receiver half (§3.3 odd blocks): every selected token of every source lands at
+/// `rpm[s-1][d] + recv_channel_prefix_matrix[s][c] + send_head_s[t][d]`.
+fn receive(
+    inputs: &[RankInputs],
+    layouts: &[DispatchLayout],
+    senders: &[(Tensor2<i32>, Tensor2<i32>)],
+    rpm: &Tensor2<i32>,
+    d: usize,
+    shape: DispatchShape,
+    opts: &DispatchOptions,
+) -> Result<IntranodeDispatch> {
+    let r = shape.num_ranks;
+    let c_count = opts.num_channels;
+    let num_recv = rpm.get(r - 1, d) as usize;
+    let rows = output_rows(d, num_recv, opts)?;
+
+    let mut recv_cpm = Tensor2::filled(r, c_count, 0i32);
+    for (s, (cpm, _)) in senders.iter().enumerate() {
+        for c in 1..c_count {
+            recv_cpm.set(s, c, cpm.get(d, c - 1));
+        }
+    }
+
+    let k = shape.num_topk;
+    let mut recv_x = empty_like(&inputs[0].x, rows);
+    let mut recv_src_idx = vec![-1i32; rows];
+    let mut recv_topk_idx = Tensor2::filled(rows, k, -1 as ExpertIdx);
+    let mut recv_topk_weights = Tensor2::filled(rows, k, 0.0f32);
+    for (s, inp) in inputs.iter().enumerate() {
+        let block = if s == 0 { 0 } else { rpm.get(s - 1, d) } as usize;
+        let send_head = &senders[s].1;
+        let num_tokens = inp.num_tokens();
+        for c in 0..c_count {
+            let start = block + recv_cpm.get(s, c) as usize;
+            for t in channel_range(num_tokens, c_count, c) {
+                let slot = send_head.get(t, d);
+                if slot < 0 {
+                    continue;
+                }
+                let row = start + slot as usize;
+                copy_row(&mut recv_x, row, &inp.x, t);
+                recv_src_idx[row] = t as i32;
+                if opts.with_topk {
+                    remap_topk(
+                        inp.topk_idx.row(t),
+                        inp.topk_weights.row(t),
+                        d,
+                        shape.num_local_experts,
+                        recv_topk_idx.row_mut(row),
+                        recv_topk_weights.row_mut(row),
+                    );
+                }
+            }
+        }
+    }
+
+    let (cpm, send_head) = senders[d].clone();
+    Ok(DispatchOutput {
+        recv_x,
+        recv_topk_idx: opts.with_topk.then_some(recv_topk_idx),
+        recv_topk_weights: opts.with_topk.then_some(recv_topk_weights),
+        num_recv_tokens_per_expert_list: expert_list(layouts, d, shape.num_local_experts, opts),
+        handle: IntranodeHandle {
+            rank_prefix_matrix: rpm.clone(),
+            channel_prefix_matrix: cpm,
+            recv_channel_prefix_matrix: recv_cpm,
+            recv_src_idx,
+            is_token_in_rank: layouts[d].is_token_in_rank.clone(),
+            send_head,
+            num_recv_tokens: num_recv,
+        },
+    })
+}
+
+/// A handle-derived row offset that falls outside the outputs: the handles do not belong
+/// together (or to these inputs).
+pub(crate) fn handle_mismatch(rank: usize, detail: String) -> Error {
+    Error::LayoutMismatch {
+        rank,
+        field: "handle",
+        detail,
+    }
+}
+
+/// Cached intranode dispatch (spec §1.8): re-sends `xs` along the handles of an earlier
+/// dispatch (all ranks' handles: receiver `rank` needs each sender's `is_token_in_rank`), with
+/// no top-k and no count exchange. Rows = the handle's `recv_src_idx` length; the result is
+/// bit-equal to the earlier `recv_x` when `xs` are the same rows.
+pub fn intranode_dispatch_cached(
+    xs: &[&Activations],
+    handles: &[IntranodeHandle],
+    rank: usize,
+) -> Result<Activations> {
+    let r = handles.len();
+    check_num_ranks(r)?;
+    if xs.len() != r {
+        return Err(Error::RankCountMismatch {
+            expected: r,
+            found: xs.len(),
+        });
+    }
+    if rank >= r {
+        return Err(Error::RankOutOfRange { rank, num_ranks: r });
+    }
+    let own = &handles[rank];
+    let c_count = own.recv_channel_prefix_matrix.cols();
+    if own.rank_prefix_matrix.shape() != (r, r) || own.recv_channel_prefix_matrix.rows() != r {
+        return Err(handle_mismatch(
+            rank,
+            "prefix matrices are not [R, R] / [R, C]".into(),
+        ));
+    }
+    for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
+        check_same_activation_kind(xs[0], x, s)?;
+        if h.is_token_in_rank.shape() != (x.num_tokens(), r) {
+            return Err(Error::ShapeMismatch {
+                what: "cached dispatch: handle is_token_in_rank versus x",
+                expected: format!("({}, {r}) on rank {s}", x.num_tokens()),
+                found: format!("{:?}", h.is_token_in_rank.shape()),
+            });
+        }
+    }
+    let rows = own.recv_src_idx.len();
+    let mut recv_x = empty_like(xs[0], rows);
+    for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
+        let block = if s == 0 {
+            0
+        } else {
+            own.rank_prefix_matrix.get(s - 1, rank)
+        };
+        let num_tokens = x.num_tokens();
+        for c in 0..c_count {
+            let mut row = (block + own.recv_channel_prefix_matrix.get(s, c)) as usize;
+            for t in channel_range(num_tokens, c_count, c) {
+                if !h.is_token_in_rank.get(t, rank) {
+                    continue;
+                }
+                if row >= own.num_recv_tokens.min(rows) {
+                    return Err(handle_mismatch(
+                        rank,
+                        format!(
+                            "row {row} of source {s} past {} received rows",
+                            own.num_recv_tokens
+                        ),
+                    ));
+                }
+                copy_row(&mut recv_x, row, x, t);
+                row += 1;
+            }
+        }
+    }
+    Ok(recv_x)
+}
+
+/// Rewrites a `send_head` in place as intranode combine does (spec §3.4, §7.1): per
+/// destination column and channel `chan(T, C, c)`, skipped tokens get `-(next valid) - 1`.
+/// Idempotent.
+pub fn rewrite_send_head(send_head: &mut Tensor2<i32>, num_channels: usize) {
+    let t = send_head.rows();
+    let segments: Vec<_> = (0..num_channels)
+        .map(|c| channel_range(t, num_channels, c))
+        .collect();
+    rewrite_heads(send_head, &segments);
+}
+
+/// Intranode combine for every rank (spec §2.2): rank `s` gets, for each original token `t`,
+/// `bf16(f32(b0) + f32(b1) + Σ_{d ascending, send_head_s[t][d] ≥ 0} f32(y_d[j_d(t)]))` with
+/// `j_d(t) = rpm_d[s-1][d] + recv_channel_prefix_matrix_d[s][c] + send_head_s[t][d]`, and the
+/// f32 sum of the weights in the same order. Heads may be raw or rewritten.
+pub fn intranode_combine(
+    handles: &[IntranodeHandle],
+    args: &[CombineArgs<'_>],
+) -> Result<Vec<CombineOutput>> {
+    let r = handles.len();
+    check_num_ranks(r)?;
+    if args.len() != r {
+        return Err(Error::RankCountMismatch {
+            expected: r,
+            found: args.len(),
+        });
+    }
+    let num_tokens: Vec<usize> = handles.iter().map(|h| h.send_head.rows()).collect();
+    let num_recv: Vec<usize> = handles.iter().map(|h| h.recv_src_idx.len()).collect();
+    let (hidden, num_topk) = check_combine_args(args, &num_tokens, &num_recv)?;
+    let c_count = handles[0].channel_prefix_matrix.cols();
+    for (d, h) in handles.iter().enumerate() {
+        if h.rank_prefix_matrix.shape() != (r, r)
+            || h.recv_channel_prefix_matrix.shape() != (r, c_count)
+            || h.channel_prefix_matrix.shape() != (r, c_count)
+            || h.send_head.cols() != r
+        {
+            return Err(handle_mismatch(
+                d,
+                "handle matrices have inconsistent shapes".into(),
+            ));
+        }
+    }
+    (0..r)
+        .map(|s| combine_one(handles, args, s, hidden, num_topk))
+        .collect()
+}
+
+fn combine_one(
+    handles: &[IntranodeHandle],
+    args: &[CombineArgs<'_>],
+    s: usize,
+    hidden: usize,
+    num_topk: Option<usize>,
+) -> Result<CombineOutput> {
+    let r = handles.len();
+    let own = &handles[s];
+    let num_tokens = own.send_head.rows();
+    let c_count = own.channel_prefix_matrix.cols();
+    let mut combined_x = Tensor2::filled(num_tokens, hidden, bf16::ZERO);
+    let mut combined_w = num_topk.map(|k| Tensor2::filled(num_tokens, k, 0.0f32));
+    let mut acc = vec![0.0f32; hidden];
+    let mut rows: Vec<&[bf16]> = Vec::with_capacity(r);
+    let mut wrows: Vec<&[f32]> = Vec::with_capacity(r);
+    let b0 = args[s].bias.first();
+    let b1 = args[s].bias.get(1);
+    for c in 0..c_count {
+        for t in channel_range(num_tokens, c_count, c) {
+            rows.clear();
+            wrows.clear();
+            for (d, hd) in handles.iter().enumerate() {
+                let slot = own.send_head.get(t, d);
+                if slot < 0 {
+                    continue;
+                }
+                let block = if s == 0 {
+                    0
+                } else {
+                    hd.rank_prefix_matrix.get(s - 1, d)
+                };
+                let j = (block + hd.recv_channel_prefix_matrix.get(s, c) + slot) as usize;
+                if j >= hd.num_recv_tokens.min(args[d].x.rows()) {
+                    return Err(handle_mismatch(
+                        s,
+                        format!("token {t} maps to row {j} of rank {d}, past its received rows"),
+                    ));
+                }
+                rows.push(args[d].x.row(j));
+                if let Some(w) = args[d].topk_weights {
+                    wrows.push(w.row(j));
+                }
+            }
+            combine_row(
+                b0.map(|b| b.row(t)),
+                b1.map(|b| b.row(t)),
+                &rows,
+                &mut acc,
+                combined_x.row_mut(t),
+            );
+            if let Some(cw) = combined_w.as_mut() {
+                combine_weights(&wrows, cw.row_mut(t));
+            }
+        }
+    }
+    Ok(CombineOutput {
+        combined_x,
+        combined_topk_weights: combined_w,
+    })
+}
