@@ -3,4 +3,18 @@
 //! The GPU backend: CUDA sources compiled by build.rs to sm_90 cubins, the shared
 //! `__host__ __device__` header of per-token protocol rules, and the `Transport` implementation
 //! over CUDA (cudarc) and NVSHMEM. Without nvcc the crate builds and launches return a typed
-//! error.
+//! error ([`Error::KernelsNotBuilt`]).
+//!
+//! - [`nvshmem`]: NVSHMEM bring-up (version check, environment plan, rendezvous, init, report,
+//!   symmetric memory, peer pointers, finalize) and the one-process-per-rank launcher.
+//! - [`kernels`]: the embedded cubins.
+//!
+//! Build time: nvcc optional (see `build.rs`). Run time: the NVIDIA driver (`libcuda.so.1`,
+//! checked before use) and NVSHMEM >= 3.3.9 (`libnvshmem_host.so.3`, searched as
+//! `nvshmem_sys::search` says).
+
+mod error;
+pub mod kernels;
+pub mod nvshmem;
+
+pub use error::{Error, Result};

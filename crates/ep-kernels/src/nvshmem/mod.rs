@@ -1,0 +1,446 @@
+//! NVSHMEM bring-up for the GPU backend: load and version-check the host library, apply the
+//! environment plan before init ([`env`]), bootstrap through a [`Rendezvous`] (unique id) or
+//! NVSHMEM's own MPI/PMIx/PMI launcher integration, initialise, report what came up
+//! ([`report`]), allocate symmetric memory, hand out peer pointers, finalise.
+//!
+//! One process per GPU; NVSHMEM initialises once per process. [`launch`] starts such processes
+//! with the plan in their environment.
+//!
+//! ```no_run
+//! use ep_kernels::nvshmem::{BringUp, Bootstrap, rendezvous::TcpRendezvous};
+//! let rdv = TcpRendezvous::from_env()?; // EP_RENDEZVOUS_PORT / _TOKEN set by the launcher
+//! let session = BringUp::new(0, 2, Bootstrap::UniqueId(&rdv)).device(0).init()?;
+//! println!("{}", session.report());
+//! let buf = session.alloc(1 << 20, 128)?;
+//! let _peer = buf.peer_ptr(&session, 1);
+//! session.barrier_all();
+//! session.free(buf);
+//! session.finalize()?;
+//! # Ok::<(), ep_kernels::Error>(())
+//! ```
+
+pub mod env;
+pub mod launch;
+pub mod rendezvous;
+pub mod report;
+
+use std::ffi::c_void;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::{CudaContext, CudaStream};
+use nvshmem_sys::{
+    MIN_VERSION, NVSHMEMX_INIT_WITH_UNIQUEID, Nvshmem, nvshmemx_init_attr_t, nvshmemx_uniqueid_t,
+};
+
+use crate::error::{Error, Result};
+pub use rendezvous::{CallerFedRendezvous, Rendezvous, SessionToken, TcpRendezvous, UniqueId};
+pub use report::{IbgdaState, InitReport};
+
+/// Set once the process has started an NVSHMEM init (successful or not).
+static INIT_STARTED: AtomicBool = AtomicBool::new(false);
+
+/// Loads NVSHMEM and checks its version (>= 3.3.9, spec §5).
+pub fn load_checked(library: Option<&Path>) -> Result<Nvshmem> {
+    let lib = Nvshmem::load(library)?;
+    check_version(&lib)?;
+    Ok(lib)
+}
+
+/// [`Error::NvshmemTooOld`] when the loaded library is older than [`MIN_VERSION`].
+pub fn check_version(lib: &Nvshmem) -> Result<()> {
+    let found = lib.vendor_version();
+    if found < MIN_VERSION {
+        return Err(Error::NvshmemTooOld {
+            found,
+            need: MIN_VERSION,
+            path: lib.path().display().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Creates the root's unique id (rank 0), for callers that carry it themselves
+/// ([`CallerFedRendezvous`]). The id stays valid until init; create it once per job.
+pub fn create_unique_id(lib: &Nvshmem) -> Result<UniqueId> {
+    Ok(UniqueId(lib.get_uniqueid()?.to_bytes()))
+}
+
+/// NVSHMEM's own launcher integrations (a bootstrap plugin next to the host library).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NativeBootstrap {
+    /// `MPI_COMM_WORLD` through `nvshmem_bootstrap_mpi.so.3`.
+    Mpi,
+    /// PMIx through `nvshmem_bootstrap_pmix.so.3`.
+    Pmix,
+    /// PMI-2 through `nvshmem_bootstrap_pmi2.so.3`.
+    Pmi2,
+    /// PMI through `nvshmem_bootstrap_pmi.so.3`.
+    Pmi,
+}
+
+impl NativeBootstrap {
+    /// The plugin file that must sit next to `libnvshmem_host.so.3`.
+    pub fn plugin(self) -> &'static str {
+        match self {
+            Self::Mpi => "nvshmem_bootstrap_mpi.so.3",
+            Self::Pmix => "nvshmem_bootstrap_pmix.so.3",
+            Self::Pmi2 => "nvshmem_bootstrap_pmi2.so.3",
+            Self::Pmi => "nvshmem_bootstrap_pmi.so.3",
+        }
+    }
+
+    /// The `NVSHMEM_BOOTSTRAP` value selecting it (set in the rank's environment at launch).
+    pub fn env_value(self) -> &'static str {
+        match self {
+            Self::Mpi => "MPI",
+            Self::Pmix => "PMIX",
+            Self::Pmi2 => "PMI-2",
+            Self::Pmi => "PMI",
+        }
+    }
+
+    /// Whether the loaded library ships this plugin.
+    pub fn available(self, lib: &Nvshmem) -> bool {
+        lib.lib_dir().join(self.plugin()).is_file()
+    }
+}
+
+/// How the ranks find each other.
+#[derive(Clone, Copy)]
+pub enum Bootstrap<'a> {
+    /// Unique id from rank 0, carried by a [`Rendezvous`].
+    UniqueId(&'a dyn Rendezvous),
+    /// NVSHMEM's own launcher integration; rank and world come from the launcher.
+    Native(NativeBootstrap),
+}
+
+/// Builder of one rank's NVSHMEM session.
+pub struct BringUp<'a> {
+    rank: u32,
+    world: u32,
+    device: Option<usize>,
+    library: Option<PathBuf>,
+    bootstrap: Bootstrap<'a>,
+    capture_init_log: bool,
+}
+
+impl<'a> BringUp<'a> {
+    /// Rank `rank` of `world` processes (one per GPU).
+    pub fn new(rank: u32, world: u32, bootstrap: Bootstrap<'a>) -> Self {
+        Self {
+            rank,
+            world,
+            device: None,
+            library: None,
+            bootstrap,
+            capture_init_log: true,
+        }
+    }
+
+    /// CUDA device ordinal (default: `rank % device count`).
+    pub fn device(mut self, ordinal: usize) -> Self {
+        self.device = Some(ordinal);
+        self
+    }
+
+    /// An explicit `libnvshmem_host.so.3` (or install directory); the only place searched.
+    pub fn library(mut self, path: impl Into<PathBuf>) -> Self {
+        self.library = Some(path.into());
+        self
+    }
+
+    /// Capture NVSHMEM's stdout and stderr during init for the transport report (default on; the output
+    /// is still forwarded to stderr).
+    pub fn capture_init_log(mut self, on: bool) -> Self {
+        self.capture_init_log = on;
+        self
+    }
+
+    /// Loads, checks, bootstraps and initialises NVSHMEM on this rank (collective).
+    pub fn init(self) -> Result<NvshmemSession> {
+        if self.rank >= self.world {
+            return Err(Error::BadRank {
+                rank: self.rank,
+                world: self.world,
+            });
+        }
+        // SAFETY: is_culib_present only tries to dlopen libcuda.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::CudaDriverMissing);
+        }
+        let lib = load_checked(self.library.as_deref())?;
+        if let Bootstrap::Native(m) = self.bootstrap {
+            if !m.available(&lib) {
+                return Err(Error::BootstrapPluginMissing {
+                    plugin: m.plugin(),
+                    dir: lib.lib_dir().display().to_string(),
+                });
+            }
+            let found = env::var("NVSHMEM_BOOTSTRAP");
+            if found.as_deref().map(str::to_ascii_uppercase).as_deref() != Some(m.env_value()) {
+                return Err(Error::BootstrapEnv {
+                    method: m.env_value(),
+                    need: m.env_value(),
+                    found,
+                });
+            }
+        }
+        if INIT_STARTED.swap(true, Ordering::SeqCst) || lib.init_status() != 0 {
+            return Err(Error::AlreadyInitialized);
+        }
+        let device = match self.device {
+            Some(d) => d,
+            None => {
+                let n = CudaContext::device_count().map_err(Error::cuda("cuDeviceGetCount"))?;
+                self.rank as usize % (n.max(1) as usize)
+            }
+        };
+        // Retains the primary context and makes it current: NVSHMEM uses the current context.
+        let ctx = CudaContext::new(device).map_err(Error::cuda("CudaContext::new"))?;
+
+        let env_seen = env::nvshmem_vars();
+        let tees = if self.capture_init_log {
+            [report::FdTee::stdout(), report::FdTee::stderr()]
+        } else {
+            [None, None]
+        };
+        let bootstrap_desc;
+        let init = match self.bootstrap {
+            Bootstrap::UniqueId(rdv) => {
+                let mut make = || create_unique_id(&lib);
+                let id = rdv.unique_id(self.rank, self.world, &mut make)?;
+                bootstrap_desc = "unique id".to_string();
+                // Boxed so the pointer stored in `attr` stays valid until init returns.
+                let uid = Box::new(nvshmemx_uniqueid_t::from_bytes(&id.0));
+                let mut attr = nvshmemx_init_attr_t::default();
+                let rank = self.rank as i32;
+                let world = self.world as i32;
+                // SAFETY: `uid` outlives the init call below, which is the last use of `attr`.
+                unsafe { lib.set_attr_uniqueid_args(rank, world, &*uid, &mut attr) }?;
+                // SAFETY: first and only init in this process (INIT_STARTED); this rank's
+                // context is current; the environment was fixed at process start (env module).
+                unsafe { lib.hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &mut attr) }
+            }
+            Bootstrap::Native(m) => {
+                bootstrap_desc = format!("NVSHMEM {} bootstrap", m.env_value());
+                let mut attr = nvshmemx_init_attr_t::default();
+                // SAFETY: as above; flags 0 selects the bootstrap named by NVSHMEM_BOOTSTRAP.
+                unsafe { lib.hostlib_init_attr(0, &mut attr) }
+            }
+        };
+        let logs: Vec<String> = tees
+            .into_iter()
+            .flatten()
+            .map(report::FdTee::finish)
+            .collect();
+        let init_log = self.capture_init_log.then(|| logs.concat());
+        init?;
+
+        // SAFETY: NVSHMEM is initialised.
+        let (pe, n_pes) = unsafe { (lib.my_pe()?, lib.n_pes()?) };
+        if let Bootstrap::UniqueId(_) = self.bootstrap
+            && (pe as u32 != self.rank || n_pes as u32 != self.world)
+        {
+            return Err(Error::PeMismatch {
+                pe,
+                n_pes,
+                rank: self.rank,
+                world: self.world,
+            });
+        }
+        let plugins = report::mapped_transport_plugins();
+        let failed = init_log
+            .as_deref()
+            .map(report::failed_transports)
+            .unwrap_or_default();
+        let requested = report::env_true(
+            env_seen
+                .iter()
+                .find(|(k, _)| k == "NVSHMEM_IB_ENABLE_IBGDA")
+                .map(|(_, v)| v.as_str()),
+        );
+        let ibgda = report::ibgda_state(requested, &plugins, &failed);
+        let mut session = NvshmemSession {
+            lib: Arc::new(lib),
+            ctx,
+            pe: pe as u32,
+            n_pes: n_pes as u32,
+            finalized: false,
+            report: InitReport {
+                version: MIN_VERSION,
+                library: PathBuf::new(),
+                bootstrap: bootstrap_desc,
+                pe: pe as u32,
+                n_pes: n_pes as u32,
+                device,
+                env: env_seen,
+                plugins_loaded: plugins,
+                failed_transports: failed,
+                p2p_peers: Vec::new(),
+                remote_peers: Vec::new(),
+                ibgda,
+                init_log,
+            },
+        };
+        session.report.version = session.lib.vendor_version();
+        session.report.library = session.lib.path().to_path_buf();
+        session.probe_peers()?;
+        Ok(session)
+    }
+}
+
+/// An initialised NVSHMEM on this rank. Finalise explicitly with [`NvshmemSession::finalize`]
+/// (collective); dropping it without does not finalise (that would block on absent peers).
+pub struct NvshmemSession {
+    lib: Arc<Nvshmem>,
+    ctx: Arc<CudaContext>,
+    pe: u32,
+    n_pes: u32,
+    finalized: bool,
+    report: InitReport,
+}
+
+impl std::fmt::Debug for NvshmemSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvshmemSession")
+            .field("pe", &self.pe)
+            .field("n_pes", &self.n_pes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NvshmemSession {
+    fn probe_peers(&mut self) -> Result<()> {
+        // A one-byte symmetric probe; NVSHMEM maps whole heap chunks per peer, so reachability
+        // of this object is that of the heap.
+        let probe = self.alloc(128, 128)?;
+        for pe in (0..self.n_pes).filter(|p| *p != self.pe) {
+            if probe.peer_ptr(self, pe).is_some() {
+                self.report.p2p_peers.push(pe);
+            } else {
+                self.report.remote_peers.push(pe);
+            }
+        }
+        self.free(probe);
+        Ok(())
+    }
+
+    /// The loaded library (raw calls: `nvshmem_sys`).
+    pub fn lib(&self) -> &Arc<Nvshmem> {
+        &self.lib
+    }
+
+    /// The CUDA context NVSHMEM was initialised on.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// This PE.
+    pub fn my_pe(&self) -> u32 {
+        self.pe
+    }
+
+    /// Number of PEs.
+    pub fn n_pes(&self) -> u32 {
+        self.n_pes
+    }
+
+    /// What came up at init.
+    pub fn report(&self) -> &InitReport {
+        &self.report
+    }
+
+    /// `nvshmem_align`: symmetric device memory, uninitialised. Collective: every PE calls it
+    /// with the same sizes in the same order.
+    pub fn alloc(&self, bytes: usize, align: usize) -> Result<SymmetricBuffer> {
+        // SAFETY: initialised; collective order is this method's documented contract (a
+        // violation hangs in NVSHMEM, it does not corrupt memory).
+        let ptr = unsafe {
+            self.lib
+                .align(align.max(1).next_power_of_two(), bytes.max(1))
+        }?;
+        Ok(SymmetricBuffer { ptr, len: bytes })
+    }
+
+    /// `nvshmem_free` (collective).
+    pub fn free(&self, buf: SymmetricBuffer) {
+        // SAFETY: `buf` came from `alloc` of this session; callers synchronise work using it
+        // before freeing (as with any device allocation).
+        unsafe { self.lib.free(buf.ptr.as_ptr()) }
+    }
+
+    /// `nvshmem_barrier_all` (collective; completes this PE's outstanding puts).
+    pub fn barrier_all(&self) {
+        // SAFETY: initialised.
+        unsafe { self.lib.barrier_all() }
+    }
+
+    /// `nvshmemx_barrier_all_on_stream` (collective).
+    pub fn barrier_all_on_stream(&self, stream: &CudaStream) {
+        // SAFETY: initialised; `stream` belongs to this session's context and outlives the call.
+        unsafe { self.lib.barrier_all_on_stream(stream.cu_stream() as _) }
+    }
+
+    /// `nvshmemx_hostlib_finalize` (collective). Free symmetric buffers first.
+    pub fn finalize(mut self) -> Result<()> {
+        self.ctx
+            .synchronize()
+            .map_err(Error::cuda("cuCtxSynchronize before finalize"))?;
+        // SAFETY: initialised once, finalised once (this consumes the session).
+        unsafe { self.lib.hostlib_finalize() };
+        self.finalized = true;
+        Ok(())
+    }
+}
+
+impl Drop for NvshmemSession {
+    fn drop(&mut self) {
+        if !self.finalized && !std::thread::panicking() {
+            eprintln!(
+                "ep-kernels: NVSHMEM session of PE {} dropped without finalize()",
+                self.pe
+            );
+        }
+    }
+}
+
+/// Symmetric device memory from [`NvshmemSession::alloc`]. Free it with
+/// [`NvshmemSession::free`]; dropping it leaks it until finalize.
+#[derive(Debug)]
+pub struct SymmetricBuffer {
+    ptr: NonNull<c_void>,
+    len: usize,
+}
+
+// SAFETY: a device address; the buffer's content is only touched through CUDA/NVSHMEM calls
+// whose own contracts order accesses.
+unsafe impl Send for SymmetricBuffer {}
+// SAFETY: as above; `&SymmetricBuffer` exposes only the address and length.
+unsafe impl Sync for SymmetricBuffer {}
+
+impl SymmetricBuffer {
+    /// The local device address (`CUdeviceptr`).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `nvshmem_ptr`: the address of `pe`'s copy usable by this GPU's loads/stores (NVLink
+    /// P2P), or `None` when `pe` is reachable only through a network transport.
+    pub fn peer_ptr(&self, session: &NvshmemSession, pe: u32) -> Option<u64> {
+        // SAFETY: initialised; `ptr` is in the symmetric heap.
+        unsafe { session.lib.ptr(self.ptr.as_ptr(), pe as i32) }.map(|p| p.as_ptr() as u64)
+    }
+}

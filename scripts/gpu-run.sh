@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs, on the GPU machine, the executables scripts/gpu-bundle.sh collected, with hardware tests
+# enabled. Usage: bash scripts/gpu-run.sh [test-name-filter ...]
+# Logs go to $OUT (the device tool's folder) or bundle/out, plus a summary line
+# "N passed, N failed".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# Never NVLink multicast / SHArP on the shared machine (GPU.md).
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export EP_GPU_TESTS=1 RUST_BACKTRACE=1
+# The machine's NVSHMEM comes with PyTorch's venv: put its Python on PATH so the loader's pip
+# search finds it (no NVSHMEM_DIR needed); the nvshmem-sys real-library test gets the file.
+[ -d /opt/torch/.venv/bin ] && export PATH="/opt/torch/.venv/bin:$PATH"
+nv=$(ls /opt/torch/.venv/lib/python3*/site-packages/nvidia/nvshmem/lib/libnvshmem_host.so.3 2>/dev/null | head -1)
+[ -n "$nv" ] && export NVSHMEM_SYS_TEST_LIB="$nv"
+out="${OUT:-bundle/out}"
+mkdir -p "$out"
+nvidia-smi -L 2>&1 | sed 's/^/gpu: /'
+pass=0; fail=0
+for ex in bundle/examples/*; do
+  [ -x "$ex" ] || continue
+  echo "=== example $(basename "$ex")"
+  timeout 60 "$ex" 2>&1 | tee "$out/example-$(basename "$ex").log"
+done
+for t in bundle/tests/*; do
+  [ -x "$t" ] || continue
+  name=$(basename "$t")
+  echo "=== $name"
+  timeout 300 "$t" --include-ignored --test-threads=1 --nocapture "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  grep -E "^test |SKIPPED|RANK|phase|transports|ibgda|NVSHMEM|init took|env |panicked|FAILED|test result" "$out/$name.log" | head -80
+  if [ $rc -eq 0 ]; then pass=$((pass+1)); else fail=$((fail+1)); echo "$name exited $rc"; tail -40 "$out/$name.log"; fi
+done
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ]
