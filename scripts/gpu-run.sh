@@ -12,7 +12,7 @@ export EP_GPU_TESTS=1 RUST_BACKTRACE=1
 # search finds it (no NVSHMEM_DIR needed); the nvshmem-sys real-library test gets the file.
 [ -d /opt/torch/.venv/bin ] && export PATH="/opt/torch/.venv/bin:$PATH"
 nv=$(ls /opt/torch/.venv/lib/python3*/site-packages/nvidia/nvshmem/lib/libnvshmem_host.so.3 2>/dev/null | head -1)
-[ -n "$nv" ] && export NVSHMEM_SYS_TEST_LIB="$nv"
+[ -n "$nv" ] && export EP_TEST_NVSHMEM_LIB="$nv"
 out="${OUT:-bundle/out}"
 mkdir -p "$out"
 nvidia-smi -L 2>&1 | sed 's/^/gpu: /'

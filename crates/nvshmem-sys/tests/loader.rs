@@ -180,12 +180,12 @@ fn version_order() {
 }
 
 /// Loads a real `libnvshmem_host.so.3` (no GPU needed: only pre-init queries).
-/// Enable with `NVSHMEM_SYS_TEST_LIB=/path/to/libnvshmem_host.so.3 cargo test -- --ignored`.
+/// Enable with `EP_TEST_NVSHMEM_LIB=/path/to/libnvshmem_host.so.3 cargo test -- --ignored`.
 #[test]
-#[ignore = "needs NVSHMEM_SYS_TEST_LIB pointing at libnvshmem_host.so.3"]
+#[ignore = "needs EP_TEST_NVSHMEM_LIB pointing at libnvshmem_host.so.3"]
 fn real_library_pre_init_queries() {
-    let Some(path) = std::env::var_os("NVSHMEM_SYS_TEST_LIB") else {
-        eprintln!("SKIPPED: NVSHMEM_SYS_TEST_LIB is not set");
+    let Some(path) = std::env::var_os("EP_TEST_NVSHMEM_LIB") else {
+        eprintln!("SKIPPED: EP_TEST_NVSHMEM_LIB is not set");
         return;
     };
     let lib = Nvshmem::load(Some(Path::new(&path))).unwrap();
