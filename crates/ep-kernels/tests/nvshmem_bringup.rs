@@ -74,10 +74,8 @@ fn two_process_bringup() {
         return;
     }
     // SAFETY: only tries to dlopen libcuda.
-    assert!(
-        unsafe { cudarc::driver::sys::is_culib_present() },
-        "EP_GPU_TESTS=1 but no CUDA driver here"
-    );
+    let driver = unsafe { cudarc::driver::sys::is_culib_present() };
+    assert!(driver, "EP_GPU_TESTS=1 but no CUDA driver here");
     let n = CudaContext::device_count().expect("cuDeviceGetCount");
     assert!(n >= 2, "EP_GPU_TESTS=1 but only {n} GPU(s)");
     assert!(
