@@ -1,5 +1,42 @@
-//! The `ep` command.
+//! The `ep` command: `ep doctor` (machine checks for NVLink, NVSHMEM and IBGDA). Each
+//! subcommand lives in its own module; `main` parses and dispatches.
+
+use clap::{Parser, Subcommand};
+
+mod doctor;
+
+/// ep-rs command-line tools.
+#[derive(Debug, Parser)]
+#[command(
+    name = "ep",
+    version,
+    about = "ep-rs: Mixture-of-Experts all-to-all tools"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Check this machine for intranode NVLink, NVSHMEM and IBGDA, with the exact fixes.
+    Doctor(doctor::DoctorArgs),
+    /// Internal: one rank of `ep doctor --probe` (initialises NVSHMEM and reports).
+    #[command(name = "__nvshmem-probe", hide = true)]
+    NvshmemProbe,
+}
 
 fn main() {
-    println!("ep: see `ep --help`");
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Command::Doctor(args) => doctor::run(&args),
+        Command::NvshmemProbe => doctor::probe_child(),
+    };
+    match code {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("ep: {e:#}");
+            std::process::exit(3);
+        }
+    }
 }

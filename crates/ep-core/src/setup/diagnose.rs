@@ -1,6 +1,8 @@
 //! `diagnose`: facts in, checks and verdicts out. Pure; every branch is exercised by the fixture
 //! trees under `tests/fixtures/doctor`.
 
+use std::path::Path;
+
 use super::facts::{Facts, GpuLink, NvshmemFacts, PcieDistance, Version};
 use super::report::{Capability, Check, IbgdaMode, IbgdaModeReport, Report, Status, Verdict};
 
@@ -57,7 +59,9 @@ pub fn diagnose(facts: &Facts) -> Report {
         possible.push(IbgdaMode::CpuAssisted);
     }
     let selected = possible.first().copied().unwrap_or(IbgdaMode::None);
-    let gdr = checks.iter().any(|c| c.id == "gdrcopy" && c.status == Status::Pass);
+    let gdr = checks
+        .iter()
+        .any(|c| c.id == "gdrcopy" && c.status == Status::Pass);
     checks.push(ibgda_mode_check(&possible, &verdicts, gdr));
     Report {
         checks,
@@ -617,7 +621,7 @@ fn gdrcopy(f: &Facts) -> Check {
     if !g.module_loaded {
         missing.push("gdrdrv module");
         let host = if in_container(f) { "On the host: " } else { "" };
-        fix.push(format!("{host}`sudo modprobe gdrdrv`"));
+        fix.push(format!("{host}sudo modprobe gdrdrv"));
     }
     if !g.dev_node {
         missing.push("/dev/gdrdrv");
@@ -681,14 +685,7 @@ fn nvshmem_found(f: &Facts) -> Check {
     const T: &str = "NVSHMEM >= 3.3.9";
     let caps = &[LL, GPU, CPU];
     let Some(n) = nvshmem(f) else {
-        return check(
-            ID,
-            T,
-            caps,
-            Status::Warn,
-            "not looked for",
-            None,
-        );
+        return check(ID, T, caps, Status::Warn, "not looked for", None);
     };
     let Some(lib) = &n.host_library else {
         return check(
@@ -714,6 +711,26 @@ fn nvshmem_found(f: &Facts) -> Check {
             Status::Fail,
             format!("{lib} found but does not load: {e}"),
             Some(NVSHMEM_INSTALL.to_string()),
+        );
+    }
+    if n.on_search_path == Some(false) {
+        let root = Path::new(lib)
+            .parent()
+            .and_then(Path::parent)
+            .map_or_else(|| lib.clone(), |p| p.display().to_string());
+        let v = n
+            .version()
+            .map_or_else(String::new, |(v, _)| format!("NVSHMEM {v} "));
+        return check(
+            ID,
+            T,
+            caps,
+            Status::Warn,
+            format!(
+                "{v}found at {lib}, but ep-rs's library search does not reach it (no \
+                 NVSHMEM_DIR, its Python is not on PATH)"
+            ),
+            Some(format!("export NVSHMEM_DIR={root}")),
         );
     }
     match n.version() {
@@ -1481,11 +1498,7 @@ fn probe(f: &Facts) -> Vec<Check> {
     out
 }
 
-fn ibgda_mode_check(
-    possible: &[IbgdaMode],
-    verdicts: &[Verdict],
-    gdrcopy: bool,
-) -> Check {
+fn ibgda_mode_check(possible: &[IbgdaMode], verdicts: &[Verdict], gdrcopy: bool) -> Check {
     const ID: &str = "ibgda.mode";
     const T: &str = "IBGDA mode";
     let blockers = |c: Capability| {

@@ -494,6 +494,10 @@ pub struct NvshmemFacts {
     pub host_version: Option<Version>,
     /// Why the host library could not be found or loaded.
     pub load_error: Option<String>,
+    /// Whether ep-rs's own library search (nvshmem-sys: `NVSHMEM_DIR`, pip layouts of the
+    /// Pythons on `PATH`, `LD_LIBRARY_PATH`, system directories) reaches `host_library`;
+    /// `None` when not asked (fixture trees).
+    pub on_search_path: Option<bool>,
     /// `libnvshmem_device.a` next to the host library.
     pub device_library: Option<String>,
     /// Version of the headers that ship with it (`include/non_abi/nvshmem_version.h`).

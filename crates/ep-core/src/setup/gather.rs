@@ -645,6 +645,7 @@ pub fn inspect_nvshmem(root: &Path, lib_dir: &str) -> NvshmemFacts {
         host_library: pick("libnvshmem_host.so"),
         host_version: None,
         load_error: None,
+        on_search_path: None,
         device_library: names
             .iter()
             .find(|n| *n == "libnvshmem_device.a")

@@ -23,8 +23,8 @@ mod report;
 pub use diagnose::{IBGDA_MODPROBE_FILE, IBGDA_MODPROBE_LINE, MEMLOCK_MIN, closest_nics, diagnose};
 pub use facts::{
     AcsBridge, ContainerFacts, DevNodes, DriverFacts, Facts, GdrcopyFacts, GidEntry, GpuLink,
-    GpuPci, LibraryFacts, MemlockLimit, ModprobeFacts, ModprobeFile, NicFacts,
-    NvshmemFacts, OsFacts, PciFacts, PcieDistance, PortFacts, ProbeResult, Topology, Version,
+    GpuPci, LibraryFacts, MemlockLimit, ModprobeFacts, ModprobeFile, NicFacts, NvshmemFacts,
+    OsFacts, PciFacts, PcieDistance, PortFacts, ProbeResult, Topology, Version,
     registry_has_peer_mapping_override,
 };
 pub use gather::{

@@ -72,7 +72,9 @@ impl Capability {
             Self::IntranodeNvlink => "intranode over NVLink",
             Self::LowLatencyNvlink => "low-latency over NVLink (NVSHMEM P2P)",
             Self::IbgdaGpuInitiated => "GPU-initiated IBGDA",
-            Self::IbgdaCpuAssisted => "CPU-assisted IBGDA (GDRCopy)",
+            Self::IbgdaCpuAssisted => {
+                "CPU-assisted IBGDA (GDRCopy, or host memory with NVSHMEM >= 3.4.5)"
+            }
         }
     }
 }
