@@ -257,6 +257,97 @@ pub enum Error {
     #[error("invalid workload: {0}")]
     InvalidWorkload(String),
 
+    // ---- transport ----
+    /// A bounded wait expired (DESIGN.md: no wait is unbounded).
+    #[error(
+        "rank {rank} {agent}: timed out waiting for {what} (word {word:#x} on rank {word_rank} {expected}); \
+         last seen {last_seen}; the peer that should write it stalled or the protocol lost a signal"
+    )]
+    WaitTimeout {
+        /// Rank of the waiting agent.
+        rank: usize,
+        /// The agent (index and role).
+        agent: String,
+        /// What was awaited.
+        what: String,
+        /// Rank holding the word.
+        word_rank: usize,
+        /// The word's heap offset.
+        word: u64,
+        /// The condition, e.g. ">= 5".
+        expected: String,
+        /// The last value seen.
+        last_seen: u64,
+    },
+    /// Agents wait on each other and nothing in flight can wake them.
+    #[error("deadlock: {detail}")]
+    Deadlock {
+        /// The wait-for graph: who waits for what.
+        detail: String,
+    },
+    /// The protocol broke the memory model or a declared invariant (a simulator finding).
+    #[error("protocol violation on rank {rank}: {detail}")]
+    ProtocolViolation {
+        /// The rank where it was detected.
+        rank: usize,
+        /// The typed violation, rendered.
+        detail: String,
+    },
+    /// An access outside every symmetric allocation, or a misaligned word.
+    #[error("rank {rank}: bad access {what} at {addr:#x}+{len}; access only allocated, aligned memory")]
+    BadAccess {
+        /// Rank whose heap was addressed.
+        rank: usize,
+        /// The operation.
+        what: &'static str,
+        /// Heap offset.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// A peer the operation's class cannot reach (load/store to another node).
+    #[error("rank {from} cannot reach rank {to} by {class}; use the RDMA class for other nodes")]
+    Unreachable {
+        /// Issuing rank.
+        from: usize,
+        /// Target rank.
+        to: usize,
+        /// "load/store" or "RDMA".
+        class: &'static str,
+    },
+    /// A QP index at or beyond the RC QPs per peer.
+    #[error("QP index {qp} out of range: only {rc_per_pe} RC QPs per peer; raise num_qps_per_rank")]
+    QpOutOfRange {
+        /// The index used.
+        qp: u16,
+        /// RC QPs per peer.
+        rc_per_pe: u16,
+    },
+    /// The symmetric heap cannot hold the allocation.
+    #[error("symmetric heap exhausted: {requested} bytes requested, {available} left; raise the heap size")]
+    HeapExhausted {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes left.
+        available: u64,
+    },
+    /// The phase was torn down because another agent failed; returned to the other agents.
+    #[error("phase aborted: {reason}")]
+    PhaseAborted {
+        /// Why.
+        reason: String,
+    },
+    /// An agent returned an error or panicked.
+    #[error("rank {rank} agent {agent} failed: {detail}")]
+    AgentFailed {
+        /// Rank.
+        rank: usize,
+        /// The agent (index and role).
+        agent: String,
+        /// Its error or panic message.
+        detail: String,
+    },
+
     // ---- normal mode ----
     /// A rank count a normal-mode plan cannot work with.
     #[error("{num_ranks} ranks: need {need}")]

@@ -2,4 +2,156 @@
 //!
 //! The CPU simulator of the GPU fabric: agents on a deterministic executor, owner-applied
 //! delivery, virtual time, QPs with depth, heap chunks, shadow memory and vector clocks. It
-//! implements ep-core's `Transport`, so the protocol runs here unchanged.
+//! implements ep-core's [`Transport`], so the protocol runs here unchanged.
+//!
+//! What it models (DESIGN.md, "The simulator"; the promises are in
+//! [`ep_core::transport::vocab`]):
+//! - **Executor** ([`Sim`]): each agent (rank × role) runs on its own OS thread, but only the one
+//!   holding the baton computes; at every vocabulary call it hands the baton back and the executor
+//!   picks the next event — serve an agent, deliver a work request, complete one — with a
+//!   ChaCha8 RNG seeded by [`SimConfig::seed`] under a [`Policy`]. Same seed, same trace
+//!   ([`Sim::trace`]) and same memory ([`Sim::memory_digest`]), bit for bit.
+//! - **Owner-applied delivery**: RDMA operations are work requests queued per QP `(source, peer,
+//!   index)`; the target applies them when delivered. Sources are read at delivery. Completions
+//!   come after delivery and free the QP slot; a post to a full QP waits (or is a violation under
+//!   [`ep_core::transport::QpFullPolicy::Error`]). An operation crossing a heap chunk becomes
+//!   one work request per chunk, each taking a slot.
+//! - **Time**: virtual, one tick per event. Waits park (cost nothing) and are bounded by
+//!   [`SimConfig::wait_timeout_ticks`]; when every live agent is parked and nothing in flight can
+//!   wake one, the wait-for graph is reported as [`Violation::Deadlock`].
+//! - **Shadow memory**: valid bits per byte in 16-byte granules (poison on allocation, and before
+//!   every phase for [`ep_core::transport::Init::Scratch`]), and the last writer of each granule
+//!   with its vector-clock epoch. Ordinary loads are checked against the reader's vector clock
+//!   (release/acquire for the load/store class, per-QP streams, fences and quiets for the RDMA
+//!   class); every finding is a typed [`Violation`].
+//! - **Lazy memory**: 64 KiB pages materialise on first touch; a 2 GiB allocation on a 512 MiB
+//!   granularity costs what is touched.
+//! - **Threads mode** ([`ThreadSim`]): the same agent code on real threads with parking waits, for
+//!   throughput, without the checks.
+//!
+//! Thread safety: [`Sim`] is `Send`; one phase runs at a time (`&mut self`).
+
+mod clock;
+mod config;
+mod ctx;
+mod exec;
+mod memory;
+mod proto;
+mod threads;
+mod violation;
+mod world;
+
+use ep_core::transport::{
+    AllocRequest, FabricParams, Phase, PhaseReport, SymAddr, SymAlloc, Team, Transport,
+};
+
+pub use config::{Policy, SimConfig};
+pub use threads::ThreadSim;
+pub use violation::{AgentRef, SimError, Violation, Waiting};
+pub use world::{Stats, TraceEvent};
+
+/// The deterministic simulator.
+pub struct Sim {
+    cfg: SimConfig,
+    world: world::World,
+    chooser: exec::Chooser,
+}
+
+impl std::fmt::Debug for Sim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sim")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sim {
+    /// A simulator of `cfg.fabric`, seeded by `cfg.seed`.
+    #[must_use]
+    pub fn new(cfg: SimConfig) -> Sim {
+        let world = world::World::new(cfg.fabric.clone(), cfg.wait_timeout_ticks, cfg.trace);
+        let chooser = exec::Chooser::new(cfg.seed, cfg.policy);
+        Sim {
+            cfg,
+            world,
+            chooser,
+        }
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &SimConfig {
+        &self.cfg
+    }
+
+    /// Runs a phase; errors are typed ([`SimError::Violation`] for protocol findings).
+    pub fn run(&mut self, phase: Phase<'_>) -> Result<PhaseReport, SimError> {
+        exec::run_phase(&mut self.world, &mut self.chooser, phase)
+    }
+
+    /// Host write into `rank`'s heap (like a `cudaMemcpy` before a launch): defined bytes,
+    /// visible to every agent.
+    pub fn host_write(&mut self, rank: usize, addr: SymAddr, bytes: &[u8]) -> ep_core::Result<()> {
+        self.world.host_write(rank, addr.0, bytes)
+    }
+
+    /// Host read from `rank`'s heap.
+    pub fn host_read(&mut self, rank: usize, addr: SymAddr, len: u64) -> ep_core::Result<Vec<u8>> {
+        self.world.host_read(rank, addr.0, len)
+    }
+
+    /// Host read of one little-endian u64.
+    pub fn host_read_u64(&mut self, rank: usize, addr: SymAddr) -> ep_core::Result<u64> {
+        let b = self.host_read(rank, addr, 8)?;
+        Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
+
+    /// The event trace (empty unless [`SimConfig::trace`]).
+    #[must_use]
+    pub fn trace(&self) -> &[TraceEvent] {
+        self.world.trace.as_deref().unwrap_or(&[])
+    }
+
+    /// FNV-1a digest of every rank's materialised memory and valid bits.
+    #[must_use]
+    pub fn memory_digest(&self) -> u64 {
+        self.world.digest()
+    }
+
+    /// Bytes of heap materialised, all ranks together.
+    #[must_use]
+    pub fn resident_bytes(&self) -> u64 {
+        self.world.resident_bytes()
+    }
+
+    /// Counters so far.
+    #[must_use]
+    pub fn stats(&self) -> &Stats {
+        &self.world.stats
+    }
+
+    /// Virtual time so far, in ticks.
+    #[must_use]
+    pub fn now(&self) -> u64 {
+        self.world.now
+    }
+}
+
+impl Transport for Sim {
+    fn fabric(&self) -> &FabricParams {
+        &self.cfg.fabric
+    }
+
+    fn alloc(&mut self, req: AllocRequest) -> ep_core::Result<SymAlloc> {
+        self.world.alloc(req)
+    }
+
+    fn barrier(&mut self, _team: &Team) -> ep_core::Result<()> {
+        self.world.barrier_all();
+        Ok(())
+    }
+
+    fn run_phase(&mut self, phase: Phase<'_>) -> ep_core::Result<PhaseReport> {
+        self.run(phase).map_err(Into::into)
+    }
+}

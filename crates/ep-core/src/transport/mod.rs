@@ -1,2 +1,18 @@
 //! The `Transport` trait: the host face (collective allocation, reachability, QPs, phases) and
 //! the protocol vocabulary both backends implement (`DESIGN.md`, "One logic, two executors").
+//!
+//! - [`types`]: heap addresses, agents, QPs, reachability, fabric parameters, wait conditions;
+//! - [`vocab`]: [`AgentCtx`], the per-agent protocol vocabulary with its ordering and visibility
+//!   promises (the memory model);
+//! - [`host`]: [`Transport`], the host face, and [`Phase`], what it executes.
+
+pub mod host;
+pub mod types;
+pub mod vocab;
+
+pub use host::{AgentBody, AgentSpec, Phase, PhaseKind, PhaseReport, RingDecl, Transport};
+pub use types::{
+    AgentId, AllocRequest, Cmp, FabricParams, Init, QpFullPolicy, QpIndex, Reach, Region, SignalOp,
+    SymAddr, SymAlloc, Team, WaitUntil, chunk_pieces,
+};
+pub use vocab::AgentCtx;

@@ -1,0 +1,78 @@
+//! Messages between an agent's thread and the executor (the baton protocol).
+
+use ep_core::transport::{QpIndex, SignalOp, SymAddr, WaitUntil};
+
+/// A vocabulary call, sent by the agent; the executor serves it when it schedules the agent.
+#[derive(Debug, Clone)]
+pub(crate) enum Req {
+    /// Implicit first request: the thread waits for permission to start.
+    Start,
+    Put {
+        peer: usize,
+        qp: QpIndex,
+        dst: SymAddr,
+        src: SymAddr,
+        len: u64,
+        signal: Option<(SymAddr, SignalOp, u64)>,
+    },
+    Amo {
+        peer: usize,
+        qp: QpIndex,
+        word: SymAddr,
+        value: u64,
+    },
+    Fence,
+    Quiet,
+    Store {
+        rank: usize,
+        addr: SymAddr,
+        bytes: Vec<u8>,
+        release: bool,
+    },
+    Load {
+        rank: usize,
+        addr: SymAddr,
+        len: u64,
+    },
+    LoadAcquire {
+        rank: usize,
+        addr: SymAddr,
+    },
+    Wait(WaitUntil),
+    Barrier,
+}
+
+impl Req {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Req::Start => "start",
+            Req::Put { signal: None, .. } => "put",
+            Req::Put { .. } => "put_signal",
+            Req::Amo { .. } => "amo_add",
+            Req::Fence => "fence",
+            Req::Quiet => "quiet",
+            Req::Store { release: false, .. } => "store",
+            Req::Store { .. } => "store_release",
+            Req::Load { .. } => "load",
+            Req::LoadAcquire { .. } => "load_acquire",
+            Req::Wait(_) => "wait",
+            Req::Barrier => "block_barrier",
+        }
+    }
+}
+
+/// The executor's answer.
+#[derive(Debug)]
+pub(crate) enum Resp {
+    Unit,
+    Bytes(Vec<u8>),
+    Word(u64),
+    Err(ep_core::Error),
+}
+
+/// What an agent thread sends.
+#[derive(Debug)]
+pub(crate) enum Msg {
+    Req(Req),
+    Done(ep_core::Result<()>),
+}
