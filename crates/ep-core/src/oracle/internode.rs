@@ -197,34 +197,37 @@ pub fn internode_combine(
         let k = args[s].topk_weights.map(|w| w.cols());
         let mut w = k.map(|k| Tensor2::filled(t_s, k, 0.0f32));
         for t in 0..t_s {
+            // Per node, (rank, row) of every rank of that node the token reached, ascending.
+            let mut per_node: Vec<Vec<(usize, usize)>> = vec![Vec::new(); num_nodes];
+            for (d, map) in maps.iter().enumerate() {
+                if let Some(&j) = map.get(&(s, t)) {
+                    per_node[d / NVL].push((d, j));
+                }
+            }
             for col in 0..h {
                 let b0 = args[s].bias.first().map_or(0.0, |b| b.get(t, col).to_f32());
                 let b1 = args[s].bias.get(1).map_or(0.0, |b| b.get(t, col).to_f32());
                 let mut acc = b0 + b1;
-                for n in 0..num_nodes {
-                    let mut reached = false;
+                for node in &per_node {
+                    if node.is_empty() {
+                        continue;
+                    }
+                    // Node-local partial, rounded to BF16 once.
                     let mut partial = 0.0f32;
-                    for d in n * NVL..(n + 1) * NVL {
-                        if let Some(&j) = maps[d].get(&(s, t)) {
-                            reached = true;
-                            partial += args[d].x.get(j, col).to_f32();
-                        }
+                    for &(d, j) in node {
+                        partial += args[d].x.get(j, col).to_f32();
                     }
-                    if reached {
-                        acc += bf16::from_f32(partial).to_f32();
-                    }
+                    acc += bf16::from_f32(partial).to_f32();
                 }
                 x.set(t, col, bf16::from_f32(acc));
             }
             if let Some(w) = w.as_mut() {
                 for kk in 0..w.cols() {
                     let mut acc = 0.0f32;
-                    for n in 0..num_nodes {
+                    for node in &per_node {
                         let mut partial = 0.0f32;
-                        for d in n * NVL..(n + 1) * NVL {
-                            if let (Some(&j), Some(wd)) =
-                                (maps[d].get(&(s, t)), args[d].topk_weights)
-                            {
+                        for &(d, j) in node {
+                            if let Some(wd) = args[d].topk_weights {
                                 partial += wd.get(j, kk);
                             }
                         }

@@ -466,22 +466,27 @@ pub fn intranode_combine(
         let k = args[s].topk_weights.map(|w| w.cols());
         let mut w = k.map(|k| Tensor2::filled(t_s, k, 0.0f32));
         for t in 0..t_s {
+            // (rank, row) of every rank the token reached, ascending rank.
+            let mut reached = Vec::new();
+            for (d, map) in maps.iter().enumerate() {
+                if let Some(&j) = map.get(&(s, t)) {
+                    reached.push((d, j));
+                }
+            }
             for col in 0..h {
                 let b0 = args[s].bias.first().map_or(0.0, |b| b.get(t, col).to_f32());
                 let b1 = args[s].bias.get(1).map_or(0.0, |b| b.get(t, col).to_f32());
                 let mut acc = b0 + b1;
-                for d in 0..inputs.len() {
-                    if let Some(&j) = maps[d].get(&(s, t)) {
-                        acc += args[d].x.get(j, col).to_f32();
-                    }
+                for &(d, j) in &reached {
+                    acc += args[d].x.get(j, col).to_f32();
                 }
                 x.set(t, col, bf16::from_f32(acc));
             }
             if let Some(w) = w.as_mut() {
                 for kk in 0..w.cols() {
                     let mut acc = 0.0f32;
-                    for d in 0..inputs.len() {
-                        if let (Some(&j), Some(wd)) = (maps[d].get(&(s, t)), args[d].topk_weights) {
+                    for &(d, j) in &reached {
+                        if let Some(wd) = args[d].topk_weights {
                             acc += wd.get(j, kk);
                         }
                     }

@@ -76,6 +76,8 @@ pub struct InternodeHandle {
     pub send_rdma_head: Tensor2<i32>,
     /// `[num_rdma_recv_tokens, 8]`, forwarder side: sequence number of each RDMA-received token
     /// in the `(channel, source node, NVL rank)` forward stream, or `-1`; rewritten by combine.
+    /// Sized exactly, also under `num_worst_tokens` (a GPU backend may pad it; padding rows
+    /// belong to no segment and are never read).
     pub send_nvl_head: Tensor2<i32>,
     /// Tokens received over RDMA as forwarder (last entry of `recv_rdma_rank_prefix_sum`).
     pub num_rdma_recv_tokens: usize,

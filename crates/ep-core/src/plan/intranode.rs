@@ -4,6 +4,15 @@
 //! at its final offset `rank_prefix_matrix[s-1][d] + channel start + index in channel`.
 //!
 //! Plan math works for any rank count (DeepEP's intranode kernels only launch for 2, 4 and 8).
+//!
+//! Tail rows (`num_worst_tokens > 0`, rows past the received count): DeepEP leaves them as
+//! garbage except `recv_topk_idx = -1` (spec §1.8). ep-rs fixes them so results are
+//! deterministic: zero data (BF16 `+0.0`, FP8 byte 0, scale `0.0`), `recv_topk_idx = -1`,
+//! `recv_topk_weights = 0.0`, `recv_src_idx = -1` (internode: `recv_src_meta =
+//! {src_rdma_rank: -1, mask: 0}`). Combine ignores tail rows.
+//!
+//! ep-rs rejects what DeepEP trusts (spec §2.2): a layout that is not the routing's own, a
+//! `num_worst_tokens` below the real count, handles whose offsets fall outside the outputs.
 
 use half::bf16;
 
@@ -79,7 +88,8 @@ pub struct DispatchOutput<H> {
     /// `[num_recv, K]` local expert ids (`-1` for experts elsewhere and in tail rows); `None`
     /// without top-k.
     pub recv_topk_idx: Option<Tensor2<ExpertIdx>>,
-    /// `[num_recv, K]` weights of local experts, `0.0` elsewhere; `None` without top-k.
+    /// `[num_recv, K]` weights of local experts (bit-equal), `0.0` elsewhere and in tail rows;
+    /// `None` without top-k.
     pub recv_topk_weights: Option<Tensor2<f32>>,
     /// `[L]` received `(token, slot)` pairs per local expert, aligned; empty when
     /// `num_worst_tokens > 0`.
