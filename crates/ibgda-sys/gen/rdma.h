@@ -1,0 +1,3 @@
+/* Input of generate.sh: the rdma-core headers ibgda-sys binds. */
+#include <infiniband/verbs.h>
+#include <infiniband/mlx5dv.h>
