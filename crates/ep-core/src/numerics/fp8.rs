@@ -159,7 +159,7 @@ pub fn block_scale(amax: f32, round_scale: bool) -> BlockScale {
 }
 
 fn check_row_shapes(hidden: usize, q_len: usize, scales_len: usize) -> Result<()> {
-    if hidden % FP8_BLOCK != 0 {
+    if !hidden.is_multiple_of(FP8_BLOCK) {
         return Err(Error::HiddenMisaligned {
             what: "hidden",
             value: hidden,

@@ -371,7 +371,7 @@ fn validate_params(r: usize, params: &LlParams) -> Result<()> {
             fix: "pass at least one expert per rank".into(),
         });
     }
-    if e % r != 0 {
+    if !e.is_multiple_of(r) {
         return Err(Error::ExpertsNotDivisible {
             num_experts: e,
             num_ranks: r,
@@ -381,7 +381,7 @@ fn validate_params(r: usize, params: &LlParams) -> Result<()> {
         return Err(Error::Ue8m0WithoutRoundScale);
     }
     let n = params.num_max_dispatch_tokens_per_rank;
-    if (r * n) % LL_PACKED_ROWS_MULTIPLE != 0 {
+    if !(r * n).is_multiple_of(LL_PACKED_ROWS_MULTIPLE) {
         return Err(Error::PackedRowsMisaligned {
             num_ranks: r,
             num_max_dispatch_tokens_per_rank: n,
@@ -392,7 +392,7 @@ fn validate_params(r: usize, params: &LlParams) -> Result<()> {
 
 /// `H` a positive multiple of 128, and of 512 with FP8 (spec §1.9).
 fn validate_hidden(hidden: usize, use_fp8: bool) -> Result<()> {
-    if hidden == 0 || hidden % LL_HIDDEN_MULTIPLE != 0 {
+    if hidden == 0 || !hidden.is_multiple_of(LL_HIDDEN_MULTIPLE) {
         return Err(Error::HiddenMisaligned {
             what: "hidden",
             value: hidden,
@@ -400,7 +400,7 @@ fn validate_hidden(hidden: usize, use_fp8: bool) -> Result<()> {
             why: "low-latency rows are moved in 128-channel blocks",
         });
     }
-    if use_fp8 && hidden % LL_FP8_HIDDEN_MULTIPLE != 0 {
+    if use_fp8 && !hidden.is_multiple_of(LL_FP8_HIDDEN_MULTIPLE) {
         return Err(Error::HiddenMisaligned {
             what: "hidden",
             value: hidden,
@@ -457,12 +457,15 @@ pub fn dispatch_rank(
     dispatch_one(inputs, params, shape, rank, &mut casts)
 }
 
+/// One token's FP8 cast: e4m3 bytes and `scale_inv` per 128 channels.
+type TokenCast = (Vec<u8>, Vec<f32>);
+
 /// The FP8 cast of each source token, done at most once (the sender casts a token once and
 /// sends the same bytes to all its experts, spec §3.6).
 struct SourceCasts<'a> {
     inputs: &'a [RankInputs],
     round_scale: bool,
-    cache: Vec<Vec<Option<(Vec<u8>, Vec<f32>)>>>,
+    cache: Vec<Vec<Option<TokenCast>>>,
 }
 
 impl<'a> SourceCasts<'a> {
@@ -475,7 +478,7 @@ impl<'a> SourceCasts<'a> {
     }
 
     /// `(bytes, scale_inv)` of token `t` of rank `s`; inputs are validated BF16.
-    fn get(&mut self, s: usize, t: usize) -> Result<&(Vec<u8>, Vec<f32>)> {
+    fn get(&mut self, s: usize, t: usize) -> Result<&TokenCast> {
         let slot = &mut self.cache[s][t];
         if slot.is_none() {
             let Activations::Bf16(x) = &self.inputs[s].x else {
@@ -900,10 +903,11 @@ fn row_lookup(me: usize, t_me: usize, handles: &[Option<LlHandle>], shape: LlSha
                     let (b, c) = h.block(l, me);
                     let end = (b + c).min(h.src_info.cols());
                     for row in b.min(end)..end {
-                        if let Ok(t) = usize::try_from(h.src_info.get(l, row)) {
-                            if t < t_me && by_token[t].is_none() {
-                                by_token[t] = Some(row);
-                            }
+                        if let Ok(t) = usize::try_from(h.src_info.get(l, row))
+                            && t < t_me
+                            && by_token[t].is_none()
+                        {
+                            by_token[t] = Some(row);
                         }
                     }
                     by_token
