@@ -11,7 +11,8 @@
 # the names of the libraries doctor looks for (as empty files), NVSHMEM's directory listing
 # with its version header, and `nvidia-smi topo -m`.
 # Not copied: anything secret. No environment of any process is copied (only whether PID 1
-# has a `container=` variable), no file contents beyond the attribute files listed above.
+# has a `container=` variable), only the IOMMU/PCI/nvidia words of the kernel command line, no
+# file contents beyond the attribute files listed above.
 set -u -o pipefail
 
 DEST=${1:?usage: capture-sysroot.sh DEST [NVSHMEM_LIB_DIR]}
@@ -43,7 +44,13 @@ link_as() { # link_as PATH: the same (relative) symlink under DEST
 
 # ---- /proc, /etc ----------------------------------------------------------------------------
 copy /proc/driver/nvidia/version /proc/driver/nvidia/params /proc/modules /proc/devices \
-     /proc/cmdline /proc/sys/kernel/osrelease
+     /proc/sys/kernel/osrelease
+# Only the kernel parameters doctor reads (IOMMU, PCI, nvidia.*): the rest can name hosts,
+# ports or boot secrets.
+mkdir -p "$DEST/proc"
+tr ' ' '\n' < /proc/cmdline | grep -E '^(iommu|intel_iommu|amd_iommu|iommu\.|nvidia\.|pci=)' \
+  | tr '\n' ' ' | sed 's/ $//' > "$DEST/proc/cmdline"
+echo >> "$DEST/proc/cmdline"
 mkdir -p "$DEST/proc/self"
 cat /proc/self/limits > "$DEST/proc/self/limits"
 copy /etc/os-release /usr/lib/os-release /etc/ld.so.conf

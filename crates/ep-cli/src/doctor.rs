@@ -474,6 +474,7 @@ fn run_probe(args: &DoctorArgs, facts: &Facts) -> ProbeResult {
     result.log = rank0
         .output
         .lines()
+        .filter(|l| !l.starts_with(PROBE_TAG))
         .filter(|l| {
             let l = l.to_ascii_lowercase();
             l.contains("init failed") || l.contains("warn") || l.contains("error")

@@ -198,3 +198,26 @@ fn plan_json_keeps_user_values() {
             .any(|e| e["name"] == "NVSHMEM_DISABLE_MNNVL")
     );
 }
+
+#[test]
+fn captured_gpu_machine() {
+    let out = doctor("gpu-machine", &["--json"]);
+    assert_eq!(out.status.code(), Some(0));
+    let v = json(&out);
+    assert_eq!(verdict(&v, "intranode-nvlink")["status"], "pass");
+    assert_eq!(verdict(&v, "low-latency-nvlink")["status"], "pass");
+    assert_eq!(verdict(&v, "ibgda-gpu-initiated")["usable"], false);
+    assert_eq!(v["report"]["ibgda"]["selected"], "none");
+    assert_eq!(
+        doctor("gpu-machine", &["--require", "low-latency-nvlink"])
+            .status
+            .code(),
+        Some(0)
+    );
+    assert_eq!(
+        doctor("gpu-machine", &["--require", "ibgda-gpu-initiated"])
+            .status
+            .code(),
+        Some(2)
+    );
+}

@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 
 use ep_core::setup::{
-    Capability, GatherOptions, IbgdaMode, Report, Status, Version, diagnose, gather,
+    Capability, GatherOptions, GpuLink, IbgdaMode, ProbeResult, Report, Status, Version, diagnose,
+    gather,
 };
 
 fn fixture(name: &str) -> PathBuf {
@@ -301,4 +302,85 @@ fn report_serialises() {
     assert_eq!(v["verdicts"][2]["capability"], "ibgda-gpu-initiated");
     assert_eq!(v["ibgda"]["selected"], "gpu-initiated");
     assert_eq!(v["checks"][0]["status"], "pass");
+}
+
+/// Captured on the project's GPU machine by `scripts/capture-sysroot.sh` (2x H200, driver
+/// 580.159.04, NVSHMEM 3.4.5 in /opt/torch/.venv, no RDMA NIC, no GDRCopy, in a container).
+#[test]
+fn captured_gpu_machine() {
+    let r = report("gpu-machine");
+    let d = dump(&r);
+    assert!(r.facts.container.in_container);
+    assert_eq!(r.facts.driver.version.as_deref(), Some("580.159.04"));
+    assert_eq!(r.facts.driver.open_module, Some(true));
+    assert_eq!(r.facts.driver.enable_stream_memops, Some(0));
+    assert_eq!(r.facts.driver.registry_dwords.as_deref(), Some(""));
+    // NVSHMEM 3.4.5 found where the pip package put it.
+    let n = r.facts.nvshmem.as_ref().unwrap();
+    assert_eq!(n.version().unwrap().0, Version::new(3, 4, 5));
+    assert!(
+        n.host_library
+            .as_deref()
+            .unwrap()
+            .ends_with("nvidia/nvshmem/lib/libnvshmem_host.so.3")
+    );
+    assert_eq!(status(&r, "nvshmem.found"), Status::Pass, "{d}");
+    assert_eq!(status(&r, "nvshmem.ibgda-plugin"), Status::Pass, "{d}");
+    // Driver keys not set, no GDRCopy, no NIC.
+    assert_eq!(status(&r, "driver.ibgda-keys"), Status::Fail, "{d}");
+    assert!(fix(&r, "driver.ibgda-keys").starts_with("Run these on the host"));
+    assert_ne!(status(&r, "gdrcopy"), Status::Pass, "{d}");
+    assert!(!r.facts.gdrcopy.module_loaded && !r.facts.gdrcopy.dev_node);
+    assert_eq!(status(&r, "nic.present"), Status::Fail, "{d}");
+    // NVLink P2P between the 2 GPUs (nvidia-smi topo -m, ANSI underline and all).
+    assert_eq!(r.facts.gpus.len(), 2);
+    let t = r.facts.topology.as_ref().unwrap();
+    assert_eq!(t.links[0][1], GpuLink::NvLink(18));
+    assert_eq!(status(&r, "gpu.topology"), Status::Pass, "{d}");
+    assert_eq!(r.verdict(Capability::IntranodeNvlink).status, Status::Pass);
+    assert_eq!(r.verdict(Capability::LowLatencyNvlink).status, Status::Pass);
+    assert!(!usable(&r, Capability::IbgdaGpuInitiated));
+    assert!(!usable(&r, Capability::IbgdaCpuAssisted));
+    assert_eq!(r.ibgda.selected, IbgdaMode::None);
+    assert_eq!(r.exit_code(&[]), 0);
+}
+
+/// What `ep doctor --probe` saw there: NVSHMEM up over P2P, IBGDA requested and failed. The
+/// fallback must fail the IBGDA verdicts and leave low-latency over NVLink usable.
+#[test]
+fn probe_fallback_is_loud() {
+    let mut facts = gather(&fixture("gpu-machine"), &GatherOptions::default());
+    facts.probe = Some(ProbeResult {
+        env: vec![("NVSHMEM_IB_ENABLE_IBGDA".into(), "1".into())],
+        initialized: true,
+        ibgda_requested: true,
+        transports_up: vec!["P2P".into()],
+        transports_failed: vec!["IBGDA".into()],
+        error: None,
+        log: vec![
+            "transport.cpp:nvshmemi_transport_init:282: init failed for transport: IBGDA".into(),
+        ],
+    });
+    let r = diagnose(&facts);
+    assert_eq!(status(&r, "probe.init"), Status::Pass);
+    let c = r.check("probe.ibgda").unwrap();
+    assert_eq!(c.status, Status::Fail);
+    assert!(
+        c.detail.contains("init failed for transport: IBGDA"),
+        "{}",
+        c.detail
+    );
+    assert!(
+        r.verdict(Capability::IbgdaGpuInitiated)
+            .because
+            .contains(&"probe.ibgda")
+    );
+    assert_eq!(r.verdict(Capability::LowLatencyNvlink).status, Status::Pass);
+
+    // A probe whose init failed blocks low-latency too.
+    facts.probe.as_mut().unwrap().initialized = false;
+    facts.probe.as_mut().unwrap().error =
+        Some("nvshmemx_hostlib_init_attr failed with status 7".into());
+    let r = diagnose(&facts);
+    assert!(!usable(&r, Capability::LowLatencyNvlink));
 }
