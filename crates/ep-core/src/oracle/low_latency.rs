@@ -467,6 +467,29 @@ pub fn combine(
         .map(|h| h.hidden)
         .next()
         .unwrap_or(128);
+    for (owner, h) in handles.iter().enumerate() {
+        let Some(h) = h else { continue };
+        let rows = r * p.num_max_dispatch_tokens_per_rank;
+        if h.layout_range.rows() != l_count
+            || h.layout_range.cols() != r
+            || h.src_info.rows() != l_count
+            || h.src_info.cols() != rows
+            || h.hidden != hidden
+        {
+            return Err(Error::ShapeMismatch {
+                what: "combine handle",
+                expected: format!(
+                    "layout_range [{l_count}, {r}], src_info [{l_count}, {rows}], H {hidden}"
+                ),
+                found: format!(
+                    "layout_range {:?}, src_info {:?}, H {} (rank {owner})",
+                    h.layout_range.shape(),
+                    h.src_info.shape(),
+                    h.hidden
+                ),
+            });
+        }
+    }
     let mut result = Vec::with_capacity(r);
     for (me, inp) in inputs.iter().enumerate() {
         if masked(p, me) {

@@ -280,10 +280,14 @@ pub struct LlHandle {
 }
 
 impl LlHandle {
-    /// `(begin, count)` of source `s`'s block at local expert `l`.
-    pub fn block(&self, l: usize, s: usize) -> (usize, usize) {
+    /// `(begin, count)` of source `s`'s block at local expert `l`; `None` outside the
+    /// `[L, R]` layout.
+    pub fn block(&self, l: usize, s: usize) -> Option<(usize, usize)> {
+        if l >= self.layout_range.rows() || s >= self.layout_range.cols() {
+            return None;
+        }
         let (b, c) = unpack_layout_range(self.layout_range.get(l, s));
-        (b as usize, c as usize)
+        Some((b as usize, c as usize))
     }
 }
 
@@ -709,7 +713,8 @@ pub fn canonicalize(out: &LlDispatchOutput) -> Result<LlCanonical> {
         };
         let mut blocks: Vec<(usize, usize, usize)> = (0..r)
             .map(|s| {
-                let (b, c) = handle.block(l, s);
+                // In range: the layout's shape was checked above.
+                let (b, c) = handle.block(l, s).unwrap_or((0, 0));
                 (b, c, s)
             })
             .collect();
@@ -900,7 +905,8 @@ fn row_lookup(me: usize, t_me: usize, handles: &[Option<LlHandle>], shape: LlSha
             Some(h) => (0..shape.num_local_experts)
                 .map(|l| {
                     let mut by_token = vec![None; t_me];
-                    let (b, c) = h.block(l, me);
+                    // Validated shapes: the block exists.
+                    let (b, c) = h.block(l, me).unwrap_or((0, 0));
                     let end = (b + c).min(h.src_info.cols());
                     for row in b.min(end)..end {
                         if let Ok(t) = usize::try_from(h.src_info.get(l, row))
