@@ -106,3 +106,51 @@ fn kernels_are_built_or_explain_why() {
         assert!(ep_kernels::kernels::nvcc().is_none());
     }
 }
+
+#[test]
+fn ep_core_plan_is_accepted_and_user_values_travel() {
+    use ep_core::config::{BufferConfig, IbgdaNicHandler, nvshmem_env_plan};
+    use ep_kernels::nvshmem::env::from_plan;
+    let mut cfg = BufferConfig::new(2);
+    cfg.low_latency_mode = true;
+    cfg.num_rdma_bytes = 1 << 28;
+    cfg.num_qps_per_rank = 1;
+    cfg.allow_nvlink_for_low_latency_mode = true;
+    let user =
+        std::collections::BTreeMap::from([("NVSHMEM_QP_DEPTH".to_string(), "2048".to_string())]);
+    let plan = nvshmem_env_plan(&cfg, &user, IbgdaNicHandler::Auto).unwrap();
+    let entries = from_plan(&plan);
+    for e in &entries {
+        eprintln!(
+            "plan {}={} ({}){}",
+            e.var,
+            e.value,
+            e.reason,
+            if e.user_set { " [user-set]" } else { "" }
+        );
+    }
+    let qp = entries
+        .iter()
+        .find(|e| e.var == "NVSHMEM_QP_DEPTH")
+        .unwrap();
+    assert_eq!((qp.value.as_str(), qp.user_set), ("2048", true));
+    assert!(
+        entries
+            .iter()
+            .any(|e| e.var == "NVSHMEM_DISABLE_NVLS" && e.value == "1")
+    );
+    // A rank started from an environment without the user's variable still gets it.
+    let mut cmd = Command::new("/bin/sh");
+    cmd.args(["-c", "echo $NVSHMEM_QP_DEPTH"])
+        .env_remove("NVSHMEM_QP_DEPTH");
+    let applied = apply_to_command(&mut cmd, &entries);
+    let a = applied
+        .iter()
+        .find(|a| a.var == "NVSHMEM_QP_DEPTH")
+        .unwrap();
+    assert_eq!(a.source, Source::User);
+    assert_eq!(
+        String::from_utf8_lossy(&cmd.output().unwrap().stdout).trim(),
+        "2048"
+    );
+}

@@ -10,7 +10,10 @@ use std::time::Duration;
 
 use cudarc::driver::CudaContext;
 use ep_kernels::kernels::BringupKernels;
-use ep_kernels::nvshmem::env::{EnvEntry, Source};
+use std::collections::BTreeMap;
+
+use ep_core::config::{BufferConfig, IbgdaNicHandler, nvshmem_env_plan};
+use ep_kernels::nvshmem::env::{EnvEntry, Source, from_plan};
 use ep_kernels::nvshmem::launch::{RankLaunch, is_rank_process, launch_ranks, rank_from_env};
 use ep_kernels::nvshmem::{Bootstrap, BringUp, IbgdaState, TcpRendezvous};
 
@@ -22,36 +25,29 @@ fn marker(rank: u32, phase: u64) -> u64 {
     0x5EED_0000_0000_0000 | (phase << 44) | (u64::from(rank) << 32)
 }
 
-/// The NVSHMEM environment plan of spec §1.2 for a low-latency buffer over NVLink (what
-/// ep-core's plan produces), with IBGDA requested so the report shows whether it came up.
+/// ep-core's NVSHMEM environment plan (spec §1.2) for a 2-rank low-latency buffer that may use
+/// NVLink: IBGDA is requested, so the report shows whether it came up.
 fn plan() -> Vec<EnvEntry> {
-    vec![
-        EnvEntry::new(
-            "NVSHMEM_DISABLE_P2P",
-            "0",
-            "allow NVLink in low-latency mode",
-        ),
-        EnvEntry::new("NVSHMEM_IB_ENABLE_IBGDA", "1", "GPU-initiated RDMA"),
-        EnvEntry::new("NVSHMEM_IBGDA_NUM_RC_PER_PE", "1", "RC QPs per peer PE"),
-        EnvEntry::new("NVSHMEM_QP_DEPTH", "1024", "QP depth above in-flight WRs"),
-        EnvEntry::new("NVSHMEM_MAX_TEAMS", "7", "6 default teams + 1"),
-        EnvEntry::new(
-            "NVSHMEM_DISABLE_NVLS",
-            "1",
-            "never NVLink SHArP on the shared machine",
-        ),
-        EnvEntry::new(
-            "NVSHMEM_CUMEM_GRANULARITY",
-            "536870912",
-            "512 MiB heap chunks",
-        ),
-        EnvEntry::new("NVSHMEM_DISABLE_MNNVL", "1", "no multi-node NVLink"),
-        EnvEntry::new(
-            "NVSHMEM_SYMMETRIC_SIZE",
-            "1073741824",
-            "1 GiB heap is plenty here",
-        ),
-    ]
+    let mut cfg = BufferConfig::new(2);
+    cfg.low_latency_mode = true;
+    cfg.num_rdma_bytes = 1 << 28;
+    cfg.num_qps_per_rank = 1;
+    cfg.allow_nvlink_for_low_latency_mode = true;
+    let user: BTreeMap<String, String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("NVSHMEM_"))
+        .collect();
+    let plan = nvshmem_env_plan(&cfg, &user, IbgdaNicHandler::Auto).expect("env plan");
+    let entries = from_plan(&plan);
+    for e in &entries {
+        eprintln!(
+            "plan {}={} ({}){}",
+            e.var,
+            e.value,
+            e.reason,
+            if e.user_set { " [user-set]" } else { "" }
+        );
+    }
+    entries
 }
 
 #[test]
@@ -111,13 +107,18 @@ fn two_process_bringup() {
             Source::User => "user (kept)",
         };
         eprintln!(
-            "env {}={} from {who}{}",
+            "env {}={} from {who}{}{}",
             a.var,
             a.value,
             if a.value != a.planned {
                 format!(", plan wanted {}", a.planned)
             } else {
                 String::new()
+            },
+            if a.set_here {
+                ""
+            } else {
+                " (already in the environment)"
             }
         );
     }

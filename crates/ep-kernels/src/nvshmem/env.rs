@@ -40,6 +40,20 @@ impl EnvEntry {
     }
 }
 
+/// The entries of ep-core's plan (`ep_core::config::nvshmem_env_plan`): a user-set entry
+/// carries the user's value, so a rank started from another environment still sees it.
+pub fn from_plan(plan: &ep_core::config::EnvPlan) -> Vec<EnvEntry> {
+    plan.entries
+        .iter()
+        .map(|e| EnvEntry {
+            var: e.name.to_string(),
+            value: e.effective().to_string(),
+            reason: e.reason.to_string(),
+            user_set: e.is_user_set(),
+        })
+        .collect()
+}
+
 /// Plain `(var, value)` pairs become entries without a reason.
 pub fn from_pairs<K: AsRef<str>, V: AsRef<str>>(pairs: &[(K, V)]) -> Vec<EnvEntry> {
     pairs
@@ -68,6 +82,8 @@ pub struct Applied {
     pub planned: String,
     /// Who decided.
     pub source: Source,
+    /// The variable was absent and is set by the apply step (false: already present, kept).
+    pub set_here: bool,
 }
 
 /// Resolves the plan against an environment lookup: user values win.
@@ -79,6 +95,7 @@ pub fn resolve(plan: &[EnvEntry], lookup: impl Fn(&str) -> Option<String>) -> Ve
                 value: user,
                 planned: e.value.clone(),
                 source: Source::User,
+                set_here: false,
             },
             None => Applied {
                 var: e.var.clone(),
@@ -89,6 +106,7 @@ pub fn resolve(plan: &[EnvEntry], lookup: impl Fn(&str) -> Option<String>) -> Ve
                 } else {
                     Source::Plan
                 },
+                set_here: true,
             },
         })
         .collect()
@@ -110,10 +128,8 @@ pub fn apply_to_command(cmd: &mut Command, plan: &[EnvEntry]) -> Vec<Applied> {
         Some((_, v)) => v.clone(),
         None => std::env::var(var).ok(),
     });
-    for a in &applied {
-        if a.source == Source::Plan {
-            cmd.env(&a.var, &a.value);
-        }
+    for a in applied.iter().filter(|a| a.set_here) {
+        cmd.env(&a.var, &a.value);
     }
     applied
 }
@@ -126,11 +142,9 @@ pub fn apply_to_command(cmd: &mut Command, plan: &[EnvEntry]) -> Vec<Applied> {
 /// the start of `main`, before any thread (CUDA's included) is created.
 pub unsafe fn set_in_process(plan: &[EnvEntry]) -> Vec<Applied> {
     let applied = resolve(plan, |var| std::env::var(var).ok());
-    for a in &applied {
-        if a.source == Source::Plan {
-            // SAFETY: the caller guarantees no concurrent environment access (contract above).
-            unsafe { std::env::set_var(&a.var, &a.value) };
-        }
+    for a in applied.iter().filter(|a| a.set_here) {
+        // SAFETY: the caller guarantees no concurrent environment access (contract above).
+        unsafe { std::env::set_var(&a.var, &a.value) };
     }
     applied
 }
