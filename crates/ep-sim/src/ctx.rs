@@ -55,8 +55,8 @@ impl AgentCtx for SimCtx {
     fn call(&self) -> u64 {
         self.call
     }
-    fn work_requests(&self, dst: SymAddr, len: u64) -> u32 {
-        self.fabric.work_requests(dst, len)
+    fn work_requests(&self, dst: SymAddr, src: SymAddr, len: u64) -> u32 {
+        self.fabric.work_requests(dst, src, len)
     }
     fn put(
         &mut self,

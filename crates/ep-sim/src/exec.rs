@@ -141,7 +141,8 @@ pub(crate) fn run_phase(
         }
     }
     w.violation = None;
-    w.begin_phase(phase.call, &specs, &phase.assume_zero, phase.rings.clone()).map_err(SimError::Violation)?;
+    w.begin_phase(phase.call, &specs, &phase.assume_zero, phase.rings.clone())
+        .map_err(SimError::Violation)?;
     let (tx, rx) = mpsc::channel::<(usize, Msg)>();
     let call = phase.call;
     let result = thread::scope(|s| {

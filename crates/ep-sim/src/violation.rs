@@ -258,8 +258,9 @@ pub enum Violation {
     /// A post into a full QP where full QPs are an error: the protocol under-counted its work
     /// requests (often a chunk-straddling put counted as one).
     #[error(
-        "QP depth exceeded: {agent} posted op {op} ({work_requests} work requests, crosses a heap chunk: {straddles_chunk}) \
-         to rank {peer} {qp} holding {outstanding} outstanding of depth {depth}; count every work request against the depth"
+        "QP depth exceeded: {agent} posted op {op} ({work_requests} work requests) to rank {peer} {qp} holding \
+         {outstanding} outstanding of depth {depth}; puts split at heap chunk boundaries among them (op, work requests): \
+         {split_ops:?}; count every work request (AgentCtx::work_requests) against the depth"
     )]
     QpDepthExceeded {
         /// The poster.
@@ -276,8 +277,10 @@ pub enum Violation {
         op: u64,
         /// Its work requests.
         work_requests: u32,
-        /// Whether it crossed a heap chunk boundary (and so became several work requests).
-        straddles_chunk: bool,
+        /// Outstanding puts on this QP (this one included) that crossed a heap chunk boundary and
+        /// so became several work requests: (op, work requests). Non-empty when a chunk-straddling
+        /// put was counted as one.
+        split_ops: Vec<(u64, u32)>,
     },
     /// Every live agent is parked and nothing in flight can wake any of them.
     #[error("deadlock: {}", waiting.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]

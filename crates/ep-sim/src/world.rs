@@ -12,7 +12,7 @@ use std::sync::Arc;
 use ep_core::Error;
 use ep_core::transport::{
     AllocRequest, FabricParams, Init, PhaseReport, QpFullPolicy, QpIndex, Region, RingDecl,
-    SignalOp, SymAddr, SymAlloc, WaitUntil,
+    SignalOp, SymAddr, SymAlloc, WaitUntil, chunk_pieces,
 };
 
 use crate::clock::{HOST_KEY, KeyDesc, Keys, VClock};
@@ -120,6 +120,8 @@ pub(crate) struct Agent {
     fence_dep: BTreeMap<usize, u64>,
     fence_vc: BTreeMap<usize, VClock>,
     acquired_writers: BTreeSet<u32>,
+    /// Last value this agent acquired from each word (rank, offset), this phase.
+    acquired: BTreeMap<(usize, u64), u64>,
     pub(crate) pending: Option<Pending>,
     pub(crate) done: bool,
     pub(crate) parked_since: Option<u64>,
@@ -454,6 +456,7 @@ impl World {
                 fence_dep: BTreeMap::new(),
                 fence_vc: BTreeMap::new(),
                 acquired_writers: BTreeSet::new(),
+                acquired: BTreeMap::new(),
                 pending: Some(Pending {
                     req: Req::Start,
                     prog: Prog::None,
@@ -552,6 +555,12 @@ impl World {
                 ev.push(Event::Agent(i));
             } else if !a.done && a.parked_since.is_none() {
                 a.parked_since = Some(self.now);
+                if a.pending
+                    .as_ref()
+                    .is_some_and(|p| matches!(p.req, Req::Put { .. } | Req::Amo { .. }))
+                {
+                    self.stats.qp_full_waits += 1;
+                }
             }
         }
         for (&k, q) in &self.qps {
@@ -785,7 +794,7 @@ impl World {
                 };
                 let region = Region::new(addr, bytes.len() as u64);
                 let who = format!("{} op {op}", a.r);
-                self.check_write(tr, region, &who, None);
+                self.check_write(tr, region, &who, None, None);
                 self.heaps[tr].write(addr.0, &bytes, None, stamp);
                 if release {
                     self.release_point(i);
@@ -886,6 +895,7 @@ impl World {
         if stamp.key != HOST_KEY {
             self.agents[i].acquired_writers.insert(stamp.key);
         }
+        self.agents[i].acquired.insert((rank, addr), v);
         v
     }
 
@@ -927,20 +937,14 @@ impl World {
                     let out = self.qps.get(&(rank, peer, qp)).map_or(0, |q| q.outstanding);
                     let n = plan.len() as u32;
                     if out + n > self.fabric.qp_depth {
-                        let data_wrs = plan
-                            .iter()
-                            .filter(|w| matches!(w.kind, WrKind::Data { .. }))
-                            .count();
-                        self.flag(Violation::QpDepthExceeded {
-                            agent: self.agents[i].r.clone(),
-                            peer,
-                            qp: QpIndex(qp),
-                            depth: self.fabric.qp_depth,
-                            outstanding: out,
-                            op,
-                            work_requests: n,
-                            straddles_chunk: data_wrs > 1,
-                        });
+                        let v = self.depth_exceeded(i, op, (rank, peer, qp), &plan, out);
+                        self.flag(v);
+                    }
+                }
+                for w in &plan {
+                    if let WrKind::Data { dst, len, .. } = w.kind {
+                        let who = format!("op {op} posted by {} (qp{qp})", self.agents[i].r);
+                        self.check_ring_write(peer, Region::new(SymAddr(dst), len), &who, None);
                     }
                 }
                 (op, peer, qp, plan, 0)
@@ -974,6 +978,38 @@ impl World {
         Ok(Served::Respond(Resp::Unit))
     }
 
+    /// The violation for posting `plan` (op `op`) into QP `k` holding `out` work requests.
+    fn depth_exceeded(&self, i: usize, op: u64, k: QpKey, plan: &[WrPlan], out: u32) -> Violation {
+        let data = |p: &[WrPlan]| {
+            p.iter()
+                .filter(|w| matches!(w.kind, WrKind::Data { .. }))
+                .count() as u32
+        };
+        let mut split_ops = Vec::new();
+        if let Some(q) = self.qps.get(&k) {
+            let mut per_op: BTreeMap<u64, u32> = BTreeMap::new();
+            for w in q.posted.iter().chain(q.delivered.iter()) {
+                if matches!(self.wrs[w].kind, WrKind::Data { .. }) {
+                    *per_op.entry(self.wrs[w].op).or_default() += 1;
+                }
+            }
+            split_ops.extend(per_op.into_iter().filter(|&(_, n)| n > 1));
+        }
+        if data(plan) > 1 {
+            split_ops.push((op, data(plan)));
+        }
+        Violation::QpDepthExceeded {
+            agent: self.agents[i].r.clone(),
+            peer: k.1,
+            qp: QpIndex(k.2),
+            depth: self.fabric.qp_depth,
+            outstanding: out,
+            op,
+            work_requests: plan.len() as u32,
+            split_ops,
+        }
+    }
+
     /// Validates a post and splits it into work requests (one per heap chunk touched).
     #[allow(clippy::type_complexity, reason = "internal tuple")]
     fn plan_post(
@@ -1003,22 +1039,16 @@ impl World {
                 check_qp(qp)?;
                 self.check_bounds(peer, dst.0, len, "put destination")?;
                 self.check_bounds(rank, src.0, len, "put source")?;
-                let g = self.fabric.granularity.max(1);
-                let mut plan = Vec::new();
-                let mut off = 0;
-                while off < len {
-                    let d = dst.0 + off;
-                    let s = src.0 + off;
-                    let n = (len - off).min(g - d % g).min(g - s % g);
-                    plan.push(WrPlan {
+                let mut plan: Vec<WrPlan> = chunk_pieces(self.fabric.granularity, dst, src, len)
+                    .into_iter()
+                    .map(|(off, n)| WrPlan {
                         kind: WrKind::Data {
-                            dst: d,
-                            src: s,
+                            dst: dst.0 + off,
+                            src: src.0 + off,
                             len: n,
                         },
-                    });
-                    off += n;
-                }
+                    })
+                    .collect();
                 if let Some((w, op, value)) = signal {
                     self.check_word(peer, w.0, "put_signal signal")?;
                     plan.push(WrPlan {
@@ -1163,7 +1193,13 @@ impl World {
         match wr.kind {
             WrKind::Data { dst, src, len } => {
                 let (bytes, valid) = self.heaps[k.0].read_with_valid(src, len);
-                self.check_write(dst_rank, Region::new(SymAddr(dst), len), &who, Some(wr.op));
+                self.check_write(
+                    dst_rank,
+                    Region::new(SymAddr(dst), len),
+                    &who,
+                    Some(wr.op),
+                    Some((id, wr.slot, k.2)),
+                );
                 self.heaps[dst_rank].write(dst, &bytes, Some(&valid), stamp);
                 if len <= 64 && dst % 8 == 0 && len % 8 == 0 {
                     for w in (dst..dst + len).step_by(8) {
@@ -1179,7 +1215,13 @@ impl World {
                     SignalOp::Set => value,
                     SignalOp::Add => old.wrapping_add(value),
                 };
-                self.check_write(dst_rank, Region::new(SymAddr(word), 8), &who, Some(wr.op));
+                self.check_write(
+                    dst_rank,
+                    Region::new(SymAddr(word), 8),
+                    &who,
+                    Some(wr.op),
+                    None,
+                );
                 self.heaps[dst_rank].write(word, &new.to_le_bytes(), None, stamp);
                 let c = match (op, self.sync.get(&(dst_rank, word))) {
                     (SignalOp::Add, Some(c)) => {
@@ -1193,7 +1235,13 @@ impl World {
             }
             WrKind::Amo { word, value } => {
                 let old = self.heaps[dst_rank].read_u64(word);
-                self.check_write(dst_rank, Region::new(SymAddr(word), 8), &who, Some(wr.op));
+                self.check_write(
+                    dst_rank,
+                    Region::new(SymAddr(word), 8),
+                    &who,
+                    Some(wr.op),
+                    None,
+                );
                 self.heaps[dst_rank].write(
                     word,
                     &old.wrapping_add(value).to_le_bytes(),
@@ -1253,7 +1301,15 @@ impl World {
     // ---- checks ------------------------------------------------------------------------------
 
     /// Checks a write of `region` on `rank` by `who` (own op excluded from source checks).
-    fn check_write(&mut self, rank: usize, region: Region, who: &str, own_op: Option<u64>) {
+    #[allow(clippy::type_complexity, reason = "internal tuple")]
+    fn check_write(
+        &mut self,
+        rank: usize,
+        region: Region,
+        who: &str,
+        own_op: Option<u64>,
+        data_wr: Option<(u64, SlotKey, u16)>,
+    ) {
         if region.len == 0 {
             return;
         }
@@ -1272,8 +1328,12 @@ impl World {
             };
             self.flag(v);
         }
-        for ri in 0..self.rings.len() {
-            let ring = &self.rings[ri];
+        self.check_ring_write(rank, region, who, data_wr);
+    }
+
+    /// The first live ring slot `region` on `rank` touches: (ring, slot, head, tail).
+    fn live_ring_slot(&mut self, rank: usize, region: Region) -> Option<(RingDecl, u64, u64, u64)> {
+        for ring in self.rings.clone() {
             if ring.rank != rank {
                 continue;
             }
@@ -1281,25 +1341,58 @@ impl World {
             if !slots.overlaps(&region) {
                 continue;
             }
-            let ring = ring.clone();
             let head = self.heaps[ring.head_rank].read_u64(ring.head.0);
             let tail = self.heaps[ring.rank].read_u64(ring.tail.0);
             let first = (region.addr.0.max(slots.addr.0) - slots.addr.0) / ring.slot_bytes;
             let last = (region.end().min(slots.end()) - 1 - slots.addr.0) / ring.slot_bytes;
             for s in first..=last {
                 if slot_live(&ring, head, tail, s) {
-                    self.flag(Violation::RingOverrun {
-                        ring: ring.name.clone(),
-                        rank,
-                        slot: s,
-                        head,
-                        tail,
-                        capacity: ring.capacity,
-                        writer: who.to_owned(),
-                    });
-                    break;
+                    return Some((ring, s, head, tail));
                 }
             }
+        }
+        None
+    }
+
+    /// A write into a live ring slot is an overrun.
+    ///
+    /// A delivered data work request `data_wr` (id, sender slot, QP) that lands in a slot made
+    /// live by a tail update its own sender posted **later** on another QP is not an overrun: the
+    /// tail overtook its data, which the reader's check reports as `SignalBeforeData`.
+    fn check_ring_write(
+        &mut self,
+        rank: usize,
+        region: Region,
+        who: &str,
+        data_wr: Option<(u64, SlotKey, u16)>,
+    ) {
+        if let Some((ring, slot, head, tail)) = self.live_ring_slot(rank, region) {
+            if let Some((id, slot_key, qp)) = data_wr {
+                let mut stamp = Stamp::default();
+                self.heaps[ring.rank].granules(ring.tail.0, 8, |_, _, s| stamp = s);
+                if let KeyDesc::Stream {
+                    rank: sr,
+                    index: si,
+                    target,
+                    qp: tq,
+                } = self.keys.desc(stamp.key)
+                    && (sr, si) == slot_key
+                    && target == ring.rank
+                    && tq != qp
+                    && stamp.op > id
+                {
+                    return;
+                }
+            }
+            self.flag(Violation::RingOverrun {
+                ring: ring.name,
+                rank,
+                slot,
+                head,
+                tail,
+                capacity: ring.capacity,
+                writer: who.to_owned(),
+            });
         }
     }
 
@@ -1319,7 +1412,12 @@ impl World {
                 continue;
             }
             let head = self.heaps[ring.head_rank].read_u64(ring.head.0);
-            let tail = self.heaps[ring.rank].read_u64(ring.tail.0);
+            // The reader may use only the tail it acquired (none acquired: nothing is live).
+            let tail_mem = self.heaps[ring.rank].read_u64(ring.tail.0);
+            let tail = self.agents[i]
+                .acquired
+                .get(&(ring.rank, ring.tail.0))
+                .map_or(head, |&t| t.min(tail_mem));
             let first = (region.addr.0.max(slots.addr.0) - slots.addr.0) / ring.slot_bytes;
             let last = (region.end().min(slots.end()) - 1 - slots.addr.0) / ring.slot_bytes;
             for s in first..=last {
@@ -1363,13 +1461,30 @@ impl World {
                     sender: self.slot_ref(wr.slot),
                     delivered: false,
                 },
-                None => Violation::ReadOfUndelivered {
-                    rank,
-                    reader,
-                    data: region,
-                    put_op: wr.op,
-                    sender: self.slot_ref(wr.slot),
-                    qp: QpIndex(wr.qp.2),
+                None => match self.live_ring_slot(rank, region) {
+                    // The put in flight targets a slot whose entry is live: the producer overran.
+                    Some((ring, slot, head, tail)) => Violation::RingOverrun {
+                        ring: ring.name,
+                        rank,
+                        slot,
+                        head,
+                        tail,
+                        capacity: ring.capacity,
+                        writer: format!(
+                            "work request {w} (op {}) of {} on qp{}, still in flight",
+                            wr.op,
+                            self.slot_ref(wr.slot),
+                            wr.qp.2
+                        ),
+                    },
+                    None => Violation::ReadOfUndelivered {
+                        rank,
+                        reader,
+                        data: region,
+                        put_op: wr.op,
+                        sender: self.slot_ref(wr.slot),
+                        qp: QpIndex(wr.qp.2),
+                    },
                 },
             };
             self.flag(v);

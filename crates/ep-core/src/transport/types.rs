@@ -196,25 +196,27 @@ impl FabricParams {
         }
     }
 
-    /// Work requests an RDMA transfer of `len` bytes at `dst` becomes: one per heap chunk it
-    /// touches (spec §3.8: `put_nbi_warp` splits at lkey/rkey chunk boundaries). At least one.
+    /// Work requests an RDMA transfer of `len` bytes from `src` to `dst` becomes: one per piece
+    /// between consecutive heap chunk boundaries of either side (spec §3.8: `put_nbi_warp` splits
+    /// at lkey and rkey chunk boundaries). At least one.
     #[must_use]
-    pub fn work_requests(&self, dst: SymAddr, len: u64) -> u32 {
-        chunk_pieces(self.granularity, dst, len).len().max(1) as u32
+    pub fn work_requests(&self, dst: SymAddr, src: SymAddr, len: u64) -> u32 {
+        chunk_pieces(self.granularity, dst, src, len).len().max(1) as u32
     }
 }
 
-/// The pieces `[start, end)` of `[dst, dst + len)` that lie in one heap chunk each.
+/// The pieces of a transfer of `len` bytes from `src` to `dst` that lie in one heap chunk on both
+/// sides, as `(offset, length)` from the start of the transfer.
 #[must_use]
-pub fn chunk_pieces(granularity: u64, dst: SymAddr, len: u64) -> Vec<(u64, u64)> {
+pub fn chunk_pieces(granularity: u64, dst: SymAddr, src: SymAddr, len: u64) -> Vec<(u64, u64)> {
     let g = granularity.max(1);
     let mut out = Vec::new();
-    let mut a = dst.0;
-    let end = dst.0 + len;
-    while a < end {
-        let next = ((a / g) + 1).saturating_mul(g).min(end);
-        out.push((a, next));
-        a = next;
+    let mut off = 0;
+    while off < len {
+        let (d, s) = (dst.0 + off, src.0 + off);
+        let n = (len - off).min(g - d % g).min(g - s % g);
+        out.push((off, n));
+        off += n;
     }
     out
 }

@@ -53,8 +53,10 @@ pub trait AgentCtx {
     fn num_ranks(&self) -> usize;
     /// The call this phase belongs to (the host's call counter; 0 when not a call).
     fn call(&self) -> u64;
-    /// Work requests an RDMA transfer of `len` bytes to `dst` becomes (one per heap chunk touched).
-    fn work_requests(&self, dst: SymAddr, len: u64) -> u32;
+    /// Work requests a put of `len` bytes from `src` to `dst` becomes: one per piece between heap
+    /// chunk boundaries of either side ([`super::FabricParams::work_requests`]). A protocol that
+    /// budgets QP slots must count these, not puts.
+    fn work_requests(&self, dst: SymAddr, src: SymAddr, len: u64) -> u32;
 
     // ---- RDMA class ------------------------------------------------------------------------
 

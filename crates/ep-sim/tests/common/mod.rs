@@ -556,7 +556,7 @@ pub fn credit_stream(
                 let need = if mutation == Mutation::StraddleUncounted {
                     1
                 } else {
-                    u64::from(c.work_requests(d, len))
+                    u64::from(c.work_requests(d, src.at(m * stride), len))
                 };
                 if credits + need > depth {
                     c.quiet()?;
