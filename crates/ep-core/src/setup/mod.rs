@@ -14,13 +14,17 @@
 //! with caveats. Check ids are stable (`driver.ibgda-keys`, `gdrcopy`, `nic.roce-gid`...) and
 //! listed in `diagnose.rs`.
 
+mod checks;
 mod diagnose;
 mod facts;
 mod gather;
 mod parse;
 mod report;
 
-pub use diagnose::{IBGDA_MODPROBE_FILE, IBGDA_MODPROBE_LINE, MEMLOCK_MIN, closest_nics, diagnose};
+pub use checks::driver::{IBGDA_MODPROBE_FILE, IBGDA_MODPROBE_LINE};
+pub use checks::gpu::closest_nics;
+pub use checks::system::MEMLOCK_MIN;
+pub use diagnose::diagnose;
 pub use facts::{
     AcsBridge, ContainerFacts, DevNodes, DriverFacts, Facts, GdrcopyFacts, GidEntry, GpuLink,
     GpuPci, LibraryFacts, MemlockLimit, ModprobeFacts, ModprobeFile, NicFacts, NvshmemFacts,
