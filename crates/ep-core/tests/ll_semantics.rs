@@ -243,8 +243,10 @@ fn oracle_expert_outputs(
                         let rows = o.handle.src_info.cols();
                         let mut t = Tensor2::filled(rows, o.handle.hidden, bf16::ZERO);
                         for row in 0..o.recv_count[l] as usize {
-                            t.row_mut(row)
-                                .copy_from_slice(&f(l, &oracle::received_row_f32(o, l, row)));
+                            t.row_mut(row).copy_from_slice(&f(
+                                l,
+                                &oracle::received_row_f32(o, l, row).unwrap(),
+                            ));
                         }
                         t
                     })

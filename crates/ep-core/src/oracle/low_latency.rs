@@ -415,27 +415,46 @@ fn dispatch_unchecked(
 }
 
 /// Dequantised (or widened) received row, from the definitions: `f32(e4m3) · scale_inv`, with
-/// UE8M0 bytes read as `2^(byte - 127)`.
-pub fn received_row_f32(out: &LlDispatchOutput, l: usize, row: usize) -> Vec<f32> {
+/// UE8M0 bytes read as `2^(byte - 127)`. `None` if `(l, row)` is outside the arrays or the
+/// scales do not cover the row.
+pub fn received_row_f32(out: &LlDispatchOutput, l: usize, row: usize) -> Option<Vec<f32>> {
+    let fits = |rows: usize, cols: usize, need_cols: usize| row < rows && cols >= need_cols;
     match &out.recv_x {
-        LlRecvX::Bf16(x) => x[l].row(row).iter().map(|v| v.to_f32()).collect(),
-        LlRecvX::Fp8 { data, scales } => data[l]
-            .row(row)
-            .iter()
-            .enumerate()
-            .map(|(c, &b)| from_e4m3(b) * scales[l].get(row, c / 128))
-            .collect(),
-        LlRecvX::Fp8Ue8m0 { data, scales } => data[l]
-            .row(row)
-            .iter()
-            .enumerate()
-            .map(|(c, &b)| {
-                let i = c / 128;
-                let byte = (scales[l].get(row, i / 4) as u32 >> (8 * (i % 4))) & 0xff;
-                let scale = 2f64.powi(byte as i32 - 127) as f32;
-                from_e4m3(b) * scale
-            })
-            .collect(),
+        LlRecvX::Bf16(x) => {
+            let x = x.get(l)?;
+            fits(x.rows(), x.cols(), 0).then(|| x.row(row).iter().map(|v| v.to_f32()).collect())
+        }
+        LlRecvX::Fp8 { data, scales } => {
+            let (d, s) = (data.get(l)?, scales.get(l)?);
+            if !fits(d.rows(), d.cols(), 0) || !fits(s.rows(), s.cols(), d.cols().div_ceil(128)) {
+                return None;
+            }
+            Some(
+                d.row(row)
+                    .iter()
+                    .enumerate()
+                    .map(|(c, &b)| from_e4m3(b) * s.get(row, c / 128))
+                    .collect(),
+            )
+        }
+        LlRecvX::Fp8Ue8m0 { data, scales } => {
+            let (d, s) = (data.get(l)?, scales.get(l)?);
+            if !fits(d.rows(), d.cols(), 0) || !fits(s.rows(), s.cols(), d.cols().div_ceil(512)) {
+                return None;
+            }
+            Some(
+                d.row(row)
+                    .iter()
+                    .enumerate()
+                    .map(|(c, &b)| {
+                        let i = c / 128;
+                        let byte = (s.get(row, i / 4) as u32 >> (8 * (i % 4))) & 0xff;
+                        let scale = 2f64.powi(byte as i32 - 127) as f32;
+                        from_e4m3(b) * scale
+                    })
+                    .collect(),
+            )
+        }
     }
 }
 
