@@ -1,5 +1,5 @@
 //! NVSHMEM bring-up for the GPU backend: load and version-check the host library, apply the
-//! environment plan before init ([`env`]), bootstrap through a [`Rendezvous`] (unique id) or
+//! environment plan before init ([`env`](mod@env)), bootstrap through a [`Rendezvous`] (unique id) or
 //! NVSHMEM's own MPI/PMIx/PMI launcher integration, initialise, report what came up
 //! ([`report`]), allocate symmetric memory, hand out peer pointers, finalise.
 //!
