@@ -215,6 +215,8 @@ pub(crate) struct World {
     pub(crate) trace: Option<Vec<TraceEvent>>,
     pub(crate) stats: Stats,
     last_delivered_seq: BTreeMap<u32, u64>,
+    /// Virtual time and counters when the running phase began.
+    phase_start: (u64, Stats),
 }
 
 /// What serving a request did.
@@ -252,6 +254,7 @@ impl World {
             trace: trace.then(Vec::new),
             stats: Stats::default(),
             last_delivered_seq: BTreeMap::new(),
+            phase_start: (0, Stats::default()),
         }
     }
 
@@ -396,6 +399,7 @@ impl World {
         rings: Vec<RingDecl>,
     ) -> Result<(), Box<Violation>> {
         self.call = call;
+        self.phase_start = (self.now, self.stats.clone());
         for &(rank, region) in assume_zero {
             let mut w = region.addr.0 / 8 * 8;
             while w < region.end() {
@@ -477,11 +481,12 @@ impl World {
         }
         self.agents.clear();
         self.rings.clear();
+        let (t0, s0) = std::mem::take(&mut self.phase_start);
         PhaseReport {
-            time_ns: self.now,
-            operations: self.stats.operations,
-            work_requests: self.stats.delivered,
-            qp_full_waits: self.stats.qp_full_waits,
+            time_ns: self.now - t0,
+            operations: self.stats.operations - s0.operations,
+            work_requests: self.stats.delivered - s0.delivered,
+            qp_full_waits: self.stats.qp_full_waits - s0.qp_full_waits,
         }
     }
 

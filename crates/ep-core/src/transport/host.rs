@@ -93,7 +93,9 @@ pub struct Phase<'a> {
     /// Which phase.
     pub kind: PhaseKind,
     /// The call this phase belongs to (a receive half run later as a hook carries its send
-    /// half's call). Calls number from 1; 0 means "not part of a call".
+    /// half's call). Calls number from 1; 0 means "not part of a call". A checker may report an
+    /// ordinary load in a phase of call `k` that reads bytes written by a later call: a hook run
+    /// after the next call on its buffer.
     pub call: u64,
     /// The agents.
     pub agents: Vec<AgentSpec<'a>>,
@@ -149,10 +151,11 @@ impl<'a> Phase<'a> {
     }
 }
 
-/// What running a phase cost, in the backend's units.
+/// What running one phase cost, in the backend's units (counts are for this phase only).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PhaseReport {
-    /// Virtual (simulator) or measured (GPU) time at the end of the phase, in nanoseconds.
+    /// Duration of the phase: virtual ticks in the simulator (one per event), measured
+    /// nanoseconds on the GPU.
     pub time_ns: u64,
     /// Agent operations executed.
     pub operations: u64,

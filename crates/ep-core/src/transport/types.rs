@@ -322,3 +322,40 @@ pub enum SignalOp {
     /// Add the value (wrapping).
     Add,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transfers_split_at_chunk_boundaries_of_either_side() {
+        let f = FabricParams {
+            granularity: 100,
+            ..FabricParams::single_node(2)
+        };
+        assert_eq!(f.work_requests(SymAddr(0), SymAddr(0), 100), 1);
+        assert_eq!(f.work_requests(SymAddr(50), SymAddr(0), 100), 2);
+        assert_eq!(f.work_requests(SymAddr(50), SymAddr(20), 100), 3);
+        assert_eq!(f.work_requests(SymAddr(0), SymAddr(0), 0), 1);
+        assert_eq!(
+            chunk_pieces(100, SymAddr(50), SymAddr(20), 100),
+            vec![(0, 50), (50, 30), (80, 20)]
+        );
+    }
+
+    #[test]
+    fn reach_follows_nodes_and_regions_overlap() {
+        let f = FabricParams {
+            ranks_per_node: 2,
+            ..FabricParams::single_node(4)
+        };
+        assert_eq!(f.reach(1, 1), Reach::Local);
+        assert_eq!(f.reach(0, 1), Reach::NvLink);
+        assert_eq!(f.reach(1, 2), Reach::Rdma);
+        assert!(!Reach::Rdma.load_store());
+        let a = Region::new(SymAddr(0), 16);
+        assert!(a.overlaps(&Region::new(SymAddr(15), 1)));
+        assert!(!a.overlaps(&Region::new(SymAddr(16), 4)));
+        assert!(Cmp::Ge.holds(5, 5) && !Cmp::Gt.holds(5, 5) && Cmp::Ne.holds(1, 2));
+    }
+}
