@@ -1,9 +1,11 @@
-//! The `ep` command: `ep doctor` (machine checks for NVLink, NVSHMEM and IBGDA). Each
+//! The `ep` command: `ep layout` (plan + oracle on a generated workload) and `ep doctor`
+//! (machine checks for NVLink, NVSHMEM and IBGDA). Each
 //! subcommand lives in its own module; `main` parses and dispatches.
 
 use clap::{Parser, Subcommand};
 
 mod doctor;
+mod layout;
 
 /// ep-rs command-line tools.
 #[derive(Debug, Parser)]
@@ -19,6 +21,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Generate a seeded workload, plan every rank's dispatch/combine, check against the oracle.
+    Layout(layout::LayoutArgs),
     /// Check this machine for intranode NVLink, NVSHMEM and IBGDA, with the exact fixes.
     Doctor(doctor::DoctorArgs),
     /// Internal: one rank of `ep doctor --probe` (initialises NVSHMEM and reports).
@@ -29,6 +33,7 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
+        Command::Layout(args) => layout::run(&args),
         Command::Doctor(args) => doctor::run(&args),
         Command::NvshmemProbe => doctor::probe_child(),
     };
