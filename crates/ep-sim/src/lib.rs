@@ -30,6 +30,38 @@
 //!   throughput, without the checks.
 //!
 //! Thread safety: [`Sim`] is `Send`; one phase runs at a time (`&mut self`).
+//!
+//! # Example: a signal that overtakes its data
+//! ```
+//! use ep_core::transport::*;
+//! use ep_sim::{Sim, SimConfig, Violation};
+//!
+//! let mut fabric = FabricParams::single_node(2);
+//! fabric.ranks_per_node = 1; // two nodes: RDMA only
+//! fabric.rc_per_pe = 2;
+//! let mut sim = Sim::new(SimConfig::new(fabric, 42));
+//! let mut alloc = |name: &str, init| {
+//!     sim.alloc(AllocRequest { name: name.into(), bytes: 64, align: 128, init }).unwrap()
+//! };
+//! let (data, src, flag) = (alloc("data", Init::Poison), alloc("src", Init::Poison), alloc("flag", Init::Zero));
+//! let (d, f) = (data.clone(), flag.clone());
+//! let phase = Phase::new(PhaseKind::Custom("demo".into()), 1)
+//!     .agent(0, 0, "sender", move |c: &mut dyn AgentCtx| {
+//!         c.store(0, src.at(0), &[7; 64])?;
+//!         c.put(1, QpIndex(0), data.at(0), src.at(0), 64)?;
+//!         // Bug: the signal goes on QP 1 with no fence, so it may overtake the data.
+//!         c.amo_add(1, QpIndex(1), flag.at(0), 1)?;
+//!         c.quiet()
+//!     })
+//!     .agent(1, 0, "receiver", move |c: &mut dyn AgentCtx| {
+//!         let until = WaitUntil { rank: 1, word: f.at(0), cmp: Cmp::Eq, value: 1, what: "flag".into() };
+//!         c.wait(&until)?;
+//!         let mut row = [0u8; 64];
+//!         c.load(1, d.at(0), &mut row)
+//!     });
+//! let err = sim.run(phase).unwrap_err();
+//! assert!(matches!(err.violation(), Some(Violation::SignalBeforeData { .. })));
+//! ```
 
 mod clock;
 mod config;
