@@ -294,7 +294,9 @@ pub enum Error {
         detail: String,
     },
     /// An access outside every symmetric allocation, or a misaligned word.
-    #[error("rank {rank}: bad access {what} at {addr:#x}+{len}; access only allocated, aligned memory")]
+    #[error(
+        "rank {rank}: bad access {what} at {addr:#x}+{len}; access only allocated, aligned memory"
+    )]
     BadAccess {
         /// Rank whose heap was addressed.
         rank: usize,
@@ -324,7 +326,9 @@ pub enum Error {
         rc_per_pe: u16,
     },
     /// The symmetric heap cannot hold the allocation.
-    #[error("symmetric heap exhausted: {requested} bytes requested, {available} left; raise the heap size")]
+    #[error(
+        "symmetric heap exhausted: {requested} bytes requested, {available} left; raise the heap size"
+    )]
     HeapExhausted {
         /// Bytes asked for.
         requested: u64,

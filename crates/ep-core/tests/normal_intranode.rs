@@ -71,6 +71,13 @@ fn case_strategy() -> impl Strategy<Value = (Case, DispatchOptions)> {
         )
 }
 
+/// Per-rank expert outputs, per-rank weights, and per-rank biases.
+type CombineInputs = (
+    Vec<Tensor2<bf16>>,
+    Vec<Tensor2<f32>>,
+    Vec<Vec<Tensor2<bf16>>>,
+);
+
 /// Random per-rank combine inputs aligned with each rank's dispatch rows.
 fn combine_inputs(
     seed: u64,
@@ -79,11 +86,7 @@ fn combine_inputs(
     hidden: usize,
     num_biases: usize,
     with_weights: bool,
-) -> (
-    Vec<Tensor2<bf16>>,
-    Vec<Tensor2<f32>>,
-    Vec<Vec<Tensor2<bf16>>>,
-) {
+) -> CombineInputs {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
     let k = inputs[0].num_topk();
     let ys = outs
