@@ -5,7 +5,7 @@ mod normal_support;
 
 use ep_core::plan::layout::{
     NUM_MAX_NVL_PEERS, channel_range, get_dispatch_layout, get_dispatch_layout_for_rank,
-    num_rdma_ranks,
+    num_nodes,
 };
 use ep_core::{Error, ExpertIdx, Tensor2, oracle};
 use proptest::prelude::*;
@@ -81,8 +81,8 @@ fn channel_ranges_tile_the_tokens() {
     }
     assert_eq!(channel_range(10, 4, 3), 9..10);
     assert_eq!(channel_range(3, 8, 5), 3..3);
-    assert_eq!(num_rdma_ranks(8), 1);
-    assert_eq!(num_rdma_ranks(24), 3);
+    assert_eq!(num_nodes(8), 1);
+    assert_eq!(num_nodes(24), 3);
     assert_eq!(NUM_MAX_NVL_PEERS, 8);
 }
 

@@ -9,8 +9,9 @@ use crate::error::{Error, Result};
 use crate::routing::{ExpertIdx, validate_routing};
 use crate::tensor::Tensor2;
 
-/// GPUs per NVLink domain (`NUM_MAX_NVL_PEERS`, spec §0): ranks `8n..8n+7` form node `n`.
-pub const NUM_MAX_NVL_PEERS: usize = 8;
+/// GPUs per NVLink domain (spec §0): ranks `8n..8n+7` form node `n`. Defined once, in
+/// [`crate::config`].
+pub use crate::config::NUM_MAX_NVL_PEERS;
 
 /// The output of [`get_dispatch_layout`] (spec §1.7).
 #[derive(Clone, Debug, PartialEq)]
@@ -26,10 +27,10 @@ pub struct DispatchLayout {
     pub is_token_in_rank: Tensor2<bool>,
 }
 
-/// Number of RDMA ranks (nodes) `RR = max(ceil(R / 8), 1)` (spec conventions; DeepEP's
-/// internode mode needs `R % 8 == 0`, where this is `R / 8`; plan math also accepts a
-/// partial last node so that intranode-style planning works for any `R`).
-pub fn num_rdma_ranks(num_ranks: usize) -> usize {
+/// Nodes spanned by `num_ranks` ranks, `max(ceil(R / 8), 1)`: the length of
+/// `num_tokens_per_rdma_rank`. Equal to [`crate::config::num_rdma_ranks`] (`R / 8`) for every
+/// `R` DeepEP accepts (`R % 8 == 0` above 8); layout planning also accepts a partial last node.
+pub fn num_nodes(num_ranks: usize) -> usize {
     num_ranks.div_ceil(NUM_MAX_NVL_PEERS).max(1)
 }
 
@@ -92,7 +93,7 @@ pub fn get_dispatch_layout_for_rank(
     let num_local = local_experts(num_experts, num_ranks)?;
     validate_routing(topk_idx, num_experts, rank)?;
     let num_tokens = topk_idx.rows();
-    let rr = num_rdma_ranks(num_ranks);
+    let rr = num_nodes(num_ranks);
 
     let mut num_tokens_per_expert = vec![0i32; num_experts];
     let mut num_tokens_per_rank = vec![0i32; num_ranks];
