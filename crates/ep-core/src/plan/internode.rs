@@ -21,8 +21,8 @@ use crate::plan::combine::{
     CombineArgs, CombineOutput, check_combine_args, combine_row, combine_weights, rewrite_heads,
 };
 use crate::plan::intranode::{
-    DispatchOptions, DispatchOutput, DispatchShape, check_dispatch, check_same_activation_kind,
-    copy_row, empty_like, expert_list, handle_mismatch, output_rows, remap_topk, sender_channels,
+    DispatchOptions, DispatchOutput, DispatchShape, check_dispatch, copy_row, empty_like,
+    expert_list, handle_mismatch, output_rows, remap_topk, scatter_cached, sender_channels,
 };
 use crate::plan::layout::{DispatchLayout, NUM_MAX_NVL_PEERS, channel_range};
 use crate::routing::{Activations, ExpertIdx, RankInputs};
@@ -425,40 +425,10 @@ pub fn internode_dispatch_cached(
             "recv_gbl_channel_prefix_matrix is not [R, C]".into(),
         ));
     }
-    for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
-        check_same_activation_kind(xs[0], x, s)?;
-        if h.is_token_in_rank.shape() != (x.num_tokens(), r) {
-            return Err(Error::ShapeMismatch {
-                what: "cached dispatch: handle is_token_in_rank versus x",
-                expected: format!("({}, {r}) on rank {s}", x.num_tokens()),
-                found: format!("{:?}", h.is_token_in_rank.shape()),
-            });
-        }
-    }
+    let itr: Vec<&Tensor2<bool>> = handles.iter().map(|h| &h.is_token_in_rank).collect();
+    let start = |s: usize, c: usize| own.recv_gbl_channel_prefix_matrix.get(s, c) as usize;
     let rows = own.recv_src_meta.len();
-    let mut recv_x = empty_like(xs[0], rows);
-    for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
-        for c in 0..c_count {
-            let mut row = own.recv_gbl_channel_prefix_matrix.get(s, c) as usize;
-            for t in channel_range(x.num_tokens(), c_count, c) {
-                if !h.is_token_in_rank.get(t, rank) {
-                    continue;
-                }
-                if row >= own.num_recv_tokens.min(rows) {
-                    return Err(handle_mismatch(
-                        rank,
-                        format!(
-                            "row {row} of source {s} past {} received rows",
-                            own.num_recv_tokens
-                        ),
-                    ));
-                }
-                copy_row(&mut recv_x, row, x, t);
-                row += 1;
-            }
-        }
-    }
-    Ok(recv_x)
+    scatter_cached(xs, &itr, rank, rows, own.num_recv_tokens, c_count, start)
 }
 
 /// Internode combine for every rank (spec §2.3) with the two roundings described in the module

@@ -539,38 +539,55 @@ pub fn intranode_dispatch_cached(
             "prefix matrices are not [R, R] / [R, C]".into(),
         ));
     }
-    for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
-        check_same_activation_kind(xs[0], x, s)?;
-        if h.is_token_in_rank.shape() != (x.num_tokens(), r) {
-            return Err(Error::ShapeMismatch {
-                what: "cached dispatch: handle is_token_in_rank versus x",
-                expected: format!("({}, {r}) on rank {s}", x.num_tokens()),
-                found: format!("{:?}", h.is_token_in_rank.shape()),
-            });
-        }
-    }
-    let rows = own.recv_src_idx.len();
-    let mut recv_x = empty_like(xs[0], rows);
-    for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
+    let itr: Vec<&Tensor2<bool>> = handles.iter().map(|h| &h.is_token_in_rank).collect();
+    let start = |s: usize, c: usize| {
         let block = if s == 0 {
             0
         } else {
             own.rank_prefix_matrix.get(s - 1, rank)
         };
-        let num_tokens = x.num_tokens();
+        (block + own.recv_channel_prefix_matrix.get(s, c)) as usize
+    };
+    let rows = own.recv_src_idx.len();
+    scatter_cached(xs, &itr, rank, rows, own.num_recv_tokens, c_count, start)
+}
+
+/// The data path shared by intranode and internode cached dispatch: receiver `rank` takes,
+/// per source `s` and channel `c`, the tokens `t ∈ chan(c)` with `itr[s][t][rank]`, in order,
+/// into consecutive rows from `start(s, c)`. Checks shapes and that rows stay below
+/// `min(num_recv, rows)`.
+pub(crate) fn scatter_cached(
+    xs: &[&Activations],
+    itr: &[&Tensor2<bool>],
+    rank: usize,
+    rows: usize,
+    num_recv: usize,
+    c_count: usize,
+    start: impl Fn(usize, usize) -> usize,
+) -> Result<Activations> {
+    let r = itr.len();
+    for (s, (x, h)) in xs.iter().zip(itr).enumerate() {
+        check_same_activation_kind(xs[0], x, s)?;
+        if h.shape() != (x.num_tokens(), r) {
+            return Err(Error::ShapeMismatch {
+                what: "cached dispatch: handle is_token_in_rank versus x",
+                expected: format!("({}, {r}) on rank {s}", x.num_tokens()),
+                found: format!("{:?}", h.shape()),
+            });
+        }
+    }
+    let mut recv_x = empty_like(xs[0], rows);
+    for (s, (x, h)) in xs.iter().zip(itr).enumerate() {
         for c in 0..c_count {
-            let mut row = (block + own.recv_channel_prefix_matrix.get(s, c)) as usize;
-            for t in channel_range(num_tokens, c_count, c) {
-                if !h.is_token_in_rank.get(t, rank) {
+            let mut row = start(s, c);
+            for t in channel_range(x.num_tokens(), c_count, c) {
+                if !h.get(t, rank) {
                     continue;
                 }
-                if row >= own.num_recv_tokens.min(rows) {
+                if row >= num_recv.min(rows) {
                     return Err(handle_mismatch(
                         rank,
-                        format!(
-                            "row {row} of source {s} past {} received rows",
-                            own.num_recv_tokens
-                        ),
+                        format!("row {row} of source {s} past {num_recv} received rows"),
                     ));
                 }
                 copy_row(&mut recv_x, row, x, t);
