@@ -341,6 +341,13 @@ fn captured_gpu_machine() {
     assert_eq!(r.verdict(Capability::LowLatencyNvlink).status, Status::Pass);
     assert!(!usable(&r, Capability::IbgdaGpuInitiated));
     assert!(!usable(&r, Capability::IbgdaCpuAssisted));
+    // A failed capability names only its blockers: GDRCopy merely warns (NVSHMEM 3.4.5 has
+    // the host-memory proxy), the missing NIC blocks.
+    assert_eq!(
+        r.verdict(Capability::IbgdaCpuAssisted).because,
+        vec!["nic.present"],
+        "{d}"
+    );
     assert_eq!(r.ibgda.selected, IbgdaMode::None);
     assert_eq!(r.exit_code(&[]), 0);
 }

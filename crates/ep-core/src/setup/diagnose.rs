@@ -67,24 +67,26 @@ pub fn diagnose(facts: &Facts) -> Report {
 }
 
 fn verdict(cap: Capability, checks: &[Check]) -> Verdict {
-    let relevant = checks.iter().filter(|c| c.needed_for.contains(&cap));
-    let mut status = Status::Pass;
-    let mut because = Vec::new();
-    for c in relevant {
-        match c.status {
-            Status::Fail => {
-                status = Status::Fail;
-                because.push(c.id);
-            }
-            Status::Warn => {
-                if status == Status::Pass {
-                    status = Status::Warn;
-                }
-                because.push(c.id);
-            }
-            Status::Pass | Status::Skip => {}
-        }
-    }
+    let relevant: Vec<&Check> = checks
+        .iter()
+        .filter(|c| c.needed_for.contains(&cap))
+        .collect();
+    let ids = |st: Status| -> Vec<&'static str> {
+        relevant
+            .iter()
+            .filter(|c| c.status == st)
+            .map(|c| c.id)
+            .collect()
+    };
+    let (fails, warns) = (ids(Status::Fail), ids(Status::Warn));
+    // A failed capability names only what blocks it; a usable one names its caveats.
+    let (status, because) = if !fails.is_empty() {
+        (Status::Fail, fails)
+    } else if !warns.is_empty() {
+        (Status::Warn, warns)
+    } else {
+        (Status::Pass, Vec::new())
+    };
     Verdict {
         capability: cap,
         status,

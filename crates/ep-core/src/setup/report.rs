@@ -132,7 +132,7 @@ pub struct Verdict {
     pub status: Status,
     /// Whether it can be used (`status != Fail`).
     pub usable: bool,
-    /// Ids of the checks that failed or warned.
+    /// `Fail`: ids of the checks that block it; `Warn`: ids of the checks that warned (caveats).
     pub because: Vec<&'static str>,
 }
 
