@@ -474,4 +474,15 @@ pub enum Error {
         /// What is wrong.
         detail: String,
     },
+
+    // ---- workload / digest ----
+    /// A routing description that cannot be parsed or generated (`uniform`, `zipf:S`,
+    /// `hot:F`).
+    #[error("invalid routing {routing:?}: {fix}")]
+    InvalidRouting {
+        /// The routing as given.
+        routing: String,
+        /// What is wrong and what to write instead.
+        fix: String,
+    },
 }

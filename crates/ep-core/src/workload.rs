@@ -12,13 +12,31 @@
 //!   same values cast by DeepEP's test helper `per_token_cast_to_fp8` (e4m3 bytes plus
 //!   per-128-channel scales, [`crate::numerics::fp8::per_token_cast_to_fp8`]).
 //!
+//! Routings ([`Routing`], parsed from `uniform`, `zipf:S`, `hot:F`):
+//! - `Uniform`: every set of `K` distinct experts equally likely (the default; its output is
+//!   pinned bit for bit by a golden digest);
+//! - `Zipf { exponent: S }`: expert popularity follows a Zipf law: the expert at popularity
+//!   position `i` ([`WorkloadSpec::zipf_order`], a seeded permutation of the experts shared by
+//!   all ranks, so hot experts are spread over ranks as in real models) has weight
+//!   `(i + 1)^-S`, and each token draws `K` distinct experts by weighted sampling without
+//!   replacement (slot by slot, each draw proportional to the weights still available);
+//! - `Hot { fraction: F }`: each token independently, with probability `F`, puts expert 0 in
+//!   slot 0 and draws its other `K - 1` experts uniformly among the rest; the other tokens are
+//!   routed uniformly (so expert 0 leads a fraction `F + (1 - F) / E` of tokens on average).
+//!
 //! Portability: every rank and every purpose (routing, weights, activations, masking) has its
 //! own ChaCha8 stream, `ChaCha8Rng::seed_from_u64(seed)` with stream `4 * rank + purpose`, so rank
 //! `r`'s data depends only on `(seed, r)` and the shapes — not on `R` or on generation order —
 //! and changing `H` leaves the routing alone. Only raw `u32`/`u64` draws are used (ChaCha's output
 //! is specified); integers in a range use Lemire's multiply-and-reject, normals the polar
-//! Box–Muller method with a logarithm written here from IEEE `+ - * /` and `sqrt` only, so no
-//! platform `libm` can change a bit.
+//! Box–Muller method with a logarithm written here from IEEE `+ - * /` and `sqrt` only, and
+//! Zipf weights `exp(-S ln(i + 1))` from that logarithm and an exponential written the same way,
+//! so no platform `libm` can change a bit. The Zipf popularity order uses its own stream
+//! (`u64::MAX`), which depends on the seed alone.
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::str::FromStr;
 
 use half::bf16;
 use rand::{RngCore, SeedableRng};
@@ -28,14 +46,130 @@ use crate::error::{Error, Result};
 use crate::routing::{Activations, ExpertIdx, RankInputs};
 use crate::tensor::Tensor2;
 
-/// How tokens choose their experts. More distributions (skewed, group-limited as in DeepEP's
-/// internode test) can be added without breaking callers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// How tokens choose their experts (module docs give the exact distributions). More
+/// distributions (group-limited as in DeepEP's internode test) can be added without breaking
+/// callers.
+///
+/// Parsed from and printed as `uniform`, `zipf:S`, `hot:F` ([`FromStr`], [`fmt::Display`];
+/// printing then parsing gives the same value). Equality and hashing compare the parameters'
+/// bit patterns.
+#[derive(Clone, Copy, Debug, Default)]
 #[non_exhaustive]
 pub enum Routing {
     /// Every set of `K` distinct experts is equally likely.
     #[default]
     Uniform,
+    /// Expert popularity follows a Zipf law with this exponent (finite, `>= 0`; `0` is
+    /// uniform popularity, larger is more skewed).
+    Zipf {
+        /// `S` in `weight(i) = (i + 1)^-S`.
+        exponent: f64,
+    },
+    /// A fraction of tokens put expert 0 first.
+    Hot {
+        /// Probability, in `[0, 1]`, that a token puts expert 0 in slot 0.
+        fraction: f64,
+    },
+}
+
+impl Routing {
+    /// Checks the parameter: Zipf exponent finite and `>= 0`, hot fraction in `[0, 1]`.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |fix: &str| {
+            Err(Error::InvalidRouting {
+                routing: self.to_string(),
+                fix: fix.into(),
+            })
+        };
+        match *self {
+            Self::Uniform => Ok(()),
+            Self::Zipf { exponent } if !(exponent.is_finite() && exponent >= 0.0) => {
+                bad("the Zipf exponent must be a finite number >= 0, e.g. zipf:1.2")
+            }
+            Self::Hot { fraction } if !(0.0..=1.0).contains(&fraction) => {
+                bad("the hot fraction must lie in [0, 1], e.g. hot:0.5")
+            }
+            Self::Zipf { .. } | Self::Hot { .. } => Ok(()),
+        }
+    }
+
+    /// `(variant, parameter bits)`: the identity used by `Eq` and `Hash`.
+    fn key(&self) -> (u8, u64) {
+        match *self {
+            Self::Uniform => (0, 0),
+            Self::Zipf { exponent } => (1, exponent.to_bits()),
+            Self::Hot { fraction } => (2, fraction.to_bits()),
+        }
+    }
+}
+
+impl PartialEq for Routing {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for Routing {}
+
+impl Hash for Routing {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.key().hash(state);
+    }
+}
+
+impl fmt::Display for Routing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Uniform => f.write_str("uniform"),
+            Self::Zipf { exponent } => write!(f, "zipf:{exponent}"),
+            Self::Hot { fraction } => write!(f, "hot:{fraction}"),
+        }
+    }
+}
+
+impl FromStr for Routing {
+    type Err = Error;
+
+    /// Parses `uniform`, `zipf:S` (`S` finite, `>= 0`) or `hot:F` (`F` in `[0, 1]`); names are
+    /// case-insensitive, surrounding spaces ignored.
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |fix: String| Error::InvalidRouting {
+            routing: s.into(),
+            fix,
+        };
+        let text = s.trim();
+        let (name, value) = match text.split_once(':') {
+            Some((n, v)) => (n.trim(), Some(v.trim())),
+            None => (text, None),
+        };
+        let number = |what: &str, example: &str| -> Result<f64> {
+            let v = value.ok_or_else(|| bad(format!("{what} needs a value, e.g. {example}")))?;
+            v.parse::<f64>()
+                .map_err(|_| bad(format!("{v:?} is not a number; write e.g. {example}")))
+        };
+        let routing = match name.to_ascii_lowercase().as_str() {
+            "uniform" => match value {
+                None => Self::Uniform,
+                Some(_) => return Err(bad("uniform takes no value; write `uniform`".into())),
+            },
+            "zipf" => Self::Zipf {
+                exponent: number("zipf", "zipf:1.2")?,
+            },
+            "hot" => Self::Hot {
+                fraction: number("hot", "hot:0.5")?,
+            },
+            _ => {
+                return Err(bad(
+                    "unknown routing; use uniform, zipf:S (S >= 0) or hot:F (F in [0, 1])".into(),
+                ));
+            }
+        };
+        routing.validate().map_err(|_| match routing {
+            Self::Zipf { .. } => bad("the Zipf exponent must be a finite number >= 0".into()),
+            _ => bad("the hot fraction must lie in [0, 1]".into()),
+        })?;
+        Ok(routing)
+    }
 }
 
 /// What to generate: shapes, seed and options.
@@ -66,6 +200,8 @@ const ROUTING: u64 = 0;
 const WEIGHTS: u64 = 1;
 const ACTIVATIONS: u64 = 2;
 const MASK: u64 = 3;
+/// Stream of the Zipf popularity order: the seed's alone, shared by every rank.
+const POPULARITY: u64 = u64::MAX;
 
 impl WorkloadSpec {
     /// A BF16, uniformly routed workload without masked slots.
@@ -111,6 +247,7 @@ impl WorkloadSpec {
                 self.num_topk, self.num_experts
             ));
         }
+        self.routing.validate()?;
         let slots = self.num_tokens.checked_mul(self.num_topk);
         if slots.is_none_or(|s| self.masked_per_rank > s) {
             return bad(format!(
@@ -139,6 +276,20 @@ impl WorkloadSpec {
         self.rank_inputs(rank)
     }
 
+    /// The experts from most to least popular under [`Routing::Zipf`] with this seed: a
+    /// seeded permutation of `0..E` (its own stream, so it depends on the seed and `E` only).
+    pub fn zipf_order(&self) -> Vec<ExpertIdx> {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        rng.set_stream(POPULARITY);
+        let e = self.num_experts;
+        let mut perm: Vec<ExpertIdx> = (0..e as ExpertIdx).collect();
+        for i in 0..e.saturating_sub(1) {
+            let j = i + below(&mut rng, (e - i) as u64) as usize;
+            perm.swap(i, j);
+        }
+        perm
+    }
+
     fn stream(&self, rank: usize, purpose: u64) -> ChaCha8Rng {
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
         rng.set_stream(4 * rank as u64 + purpose);
@@ -153,8 +304,13 @@ impl WorkloadSpec {
             self.num_experts,
         );
 
+        let mut rng = self.stream(rank, ROUTING);
         let mut topk_idx = match self.routing {
-            Routing::Uniform => uniform_routing(&mut self.stream(rank, ROUTING), t, k, e),
+            Routing::Uniform => uniform_routing(&mut rng, t, k, e),
+            Routing::Zipf { exponent } => {
+                zipf_routing(&mut rng, t, k, &zipf_weights(&self.zipf_order(), exponent))
+            }
+            Routing::Hot { fraction } => hot_routing(&mut rng, t, k, e, fraction),
         };
 
         let mut rng = self.stream(rank, WEIGHTS);
@@ -193,6 +349,87 @@ fn uniform_routing(rng: &mut ChaCha8Rng, t: usize, k: usize, e: usize) -> Tensor
     let mut out = Tensor2::filled(t, k, -1);
     for token in 0..t {
         for slot in 0..k {
+            let j = slot + below(rng, (e - slot) as u64) as usize;
+            perm.swap(slot, j);
+            out.set(token, slot, perm[slot]);
+        }
+    }
+    out
+}
+
+/// Zipf weight of each expert id: `(i + 1)^-S = exp(-S ln(i + 1))` for the expert at
+/// popularity position `i` of `order`.
+fn zipf_weights(order: &[ExpertIdx], exponent: f64) -> Vec<f64> {
+    let mut w = vec![0.0; order.len()];
+    for (i, &e) in order.iter().enumerate() {
+        w[e as usize] = portable_exp(-exponent * portable_ln((i + 1) as f64));
+    }
+    w
+}
+
+/// `K` distinct experts per token by weighted sampling without replacement: slot by slot, one
+/// uniform draw in `[0, remaining weight)` walks the untaken experts in id order. The running
+/// total is updated by subtraction in a fixed order (deterministic); if rounding leaves the
+/// draw past the last untaken expert, that expert is taken.
+fn zipf_routing(rng: &mut ChaCha8Rng, t: usize, k: usize, weights: &[f64]) -> Tensor2<ExpertIdx> {
+    let e = weights.len();
+    let total_all: f64 = weights.iter().sum();
+    let mut out = Tensor2::filled(t, k, -1);
+    let mut taken = vec![false; e];
+    for token in 0..t {
+        taken.iter_mut().for_each(|x| *x = false);
+        let mut total = total_all;
+        for slot in 0..k {
+            let u = unit_f64(rng) * total;
+            let mut acc = 0.0;
+            let mut pick = None;
+            let mut last = None;
+            for (id, &w) in weights.iter().enumerate() {
+                if taken[id] {
+                    continue;
+                }
+                if last.is_none() || w > 0.0 {
+                    last = Some(id);
+                }
+                acc += w;
+                if acc > u && w > 0.0 {
+                    pick = Some(id);
+                    break;
+                }
+            }
+            // `k <= e` is validated, so an untaken expert remains.
+            let Some(id) = pick.or(last) else { break };
+            taken[id] = true;
+            total -= weights[id];
+            out.set(token, slot, id as ExpertIdx);
+        }
+    }
+    out
+}
+
+/// Per token, with probability `fraction` expert 0 in slot 0 and `K - 1` other experts drawn
+/// uniformly from the rest; otherwise `K` distinct experts uniformly (as [`uniform_routing`]).
+fn hot_routing(
+    rng: &mut ChaCha8Rng,
+    t: usize,
+    k: usize,
+    e: usize,
+    fraction: f64,
+) -> Tensor2<ExpertIdx> {
+    let mut perm: Vec<ExpertIdx> = (0..e as ExpertIdx).collect();
+    let mut out = Tensor2::filled(t, k, -1);
+    for token in 0..t {
+        let hot = unit_f64(rng) < fraction;
+        let mut first = 0;
+        if hot && k > 0 {
+            // Expert 0 is somewhere in the permutation; move it to the front.
+            if let Some(p) = perm.iter().position(|&x| x == 0) {
+                perm.swap(0, p);
+            }
+            out.set(token, 0, 0);
+            first = 1;
+        }
+        for slot in first..k {
             let j = slot + below(rng, (e - slot) as u64) as usize;
             perm.swap(slot, j);
             out.set(token, slot, perm[slot]);
@@ -275,6 +512,40 @@ fn portable_ln(x: f64) -> f64 {
     2.0 * sum + e as f64 * std::f64::consts::LN_2
 }
 
+/// `e^x` from IEEE basic operations only (the same bits everywhere): `x = k ln 2 + r` with
+/// `|r| <= ln 2 / 2` (Cody–Waite reduction; `k` rounded half away from zero by an exact cast), `e^r` by its Taylor
+/// series to `r^20` (Horner; remainder < 1e-25), scaled by `2^k` built from its bits. Returns
+/// `0` below `-745`, `+inf` above `709`, NaN for NaN. Relative error about 1e-15.
+fn portable_exp(x: f64) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    if x > 709.0 {
+        return f64::INFINITY;
+    }
+    if x < -745.0 {
+        return 0.0;
+    }
+    let q = x / std::f64::consts::LN_2;
+    let k = (q + if q < 0.0 { -0.5 } else { 0.5 }) as i64;
+    // Cody–Waite: ln 2 = LN2_HI + LN2_LO with LN2_HI's low 21 bits zero, so `k * LN2_HI` is
+    // exact for any `k` here and `r` keeps full precision even for `|x|` near 700.
+    const LN2_HI: f64 = f64::from_bits(0x3fe6_2e42_fee0_0000);
+    const LN2_LO: f64 = f64::from_bits(0x3dea_39ef_3579_3c76);
+    let r = (x - k as f64 * LN2_HI) - k as f64 * LN2_LO;
+    let mut p = 1.0;
+    for n in (1..=20).rev() {
+        p = 1.0 + r * p / f64::from(n);
+    }
+    let pow2 = |k: i64| f64::from_bits(((k + 1023) as u64) << 52);
+    if k >= -1022 {
+        p * pow2(k)
+    } else {
+        // Subnormal result: scale in two exact-power steps.
+        p * pow2(k + 600) * pow2(-600)
+    }
+}
+
 /// FNV-1a (64-bit) over every rank's shapes and bits, in rank order: a portable fingerprint of a
 /// workload (pin it in tests; compare it across repeats, like DeepEP's `hash_tensor`).
 pub fn digest(inputs: &[RankInputs]) -> u64 {
@@ -335,6 +606,35 @@ mod tests {
             assert!((a - b).abs() <= 1e-15 * b.abs().max(1.0), "{x}: {a} vs {b}");
             x *= 1.37;
         }
+    }
+
+    #[test]
+    fn portable_exp_matches_std() {
+        let mut x = -700.0f64;
+        while x < 709.0 {
+            let (a, b) = (portable_exp(x), x.exp());
+            assert!((a - b).abs() <= 4e-15 * b, "{x}: {a} vs {b}");
+            x += 0.731;
+        }
+        assert_eq!(portable_exp(0.0), 1.0);
+        assert_eq!(portable_exp(-1000.0), 0.0);
+        assert_eq!(portable_exp(1000.0), f64::INFINITY);
+        assert!(portable_exp(f64::NAN).is_nan());
+    }
+
+    #[test]
+    fn zipf_weights_follow_the_power_law() {
+        let order: Vec<ExpertIdx> = vec![2, 0, 1, 3];
+        let w = zipf_weights(&order, 1.5);
+        for (i, &e) in order.iter().enumerate() {
+            let want = ((i + 1) as f64).powf(-1.5);
+            assert!(
+                (w[e as usize] - want).abs() < 1e-14,
+                "{i}: {} vs {want}",
+                w[e as usize]
+            );
+        }
+        assert_eq!(zipf_weights(&order, 0.0), vec![1.0; 4]);
     }
 
     #[test]
