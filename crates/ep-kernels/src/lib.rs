@@ -16,5 +16,6 @@
 mod error;
 pub mod kernels;
 pub mod nvshmem;
+pub mod topology;
 
 pub use error::{Error, Result};
