@@ -351,6 +351,58 @@ pub enum Error {
         /// Its error or panic message.
         detail: String,
     },
+    /// A QP entered the error state (the peer or the link failed): posts kept succeeding locally
+    /// but nothing more was delivered, and the agent's `quiet` found the error completions. Which
+    /// rank to suspect is `peer`.
+    #[error(
+        "rank {rank} {agent}: QP qp{qp} to rank {peer} is in error state ({lost} work requests not delivered, \
+         first lost: {first_lost}); rank {peer} or the link to it failed: poison the buffer and reset collectively"
+    )]
+    QpError {
+        /// Rank of the agent that found the error.
+        rank: usize,
+        /// The agent (index and role).
+        agent: String,
+        /// The peer of the QP.
+        peer: usize,
+        /// The QP index towards `peer`.
+        qp: u16,
+        /// Work requests flushed without delivery.
+        lost: u64,
+        /// What the first lost work request was ("put of 512 bytes to heap+0x80", ...).
+        first_lost: String,
+    },
+    /// A wait for completions (`quiet`, or a post waiting for a slot of a full QP) exceeded its
+    /// bound: a completion was lost or the peer stopped acknowledging.
+    #[error(
+        "rank {rank} {agent}: timed out in {during} waiting for completions on QP qp{qp} to rank {peer} \
+         ({outstanding} work requests outstanding, oldest: {oldest}); suspect rank {peer}, its link, or a lost completion"
+    )]
+    CompletionTimeout {
+        /// Rank of the waiting agent.
+        rank: usize,
+        /// The agent (index and role).
+        agent: String,
+        /// The peer of the QP.
+        peer: usize,
+        /// The QP index towards `peer`.
+        qp: u16,
+        /// `"quiet"` or `"post to a full QP"`.
+        during: &'static str,
+        /// Work requests still outstanding on the QP.
+        outstanding: u64,
+        /// The oldest outstanding work request.
+        oldest: String,
+    },
+    /// A rank stopped (its agents never finished the phase); the others finished or timed out.
+    /// A Buffer is poisoned by it; in low-latency shrink mode it masks `rank` instead (spec §2.7).
+    #[error("rank {rank} failed: {detail}; mask it (shrink mode) or poison the buffer and reset collectively")]
+    RankFailed {
+        /// The rank that stopped.
+        rank: usize,
+        /// Where its agents stopped, and why if known.
+        detail: String,
+    },
 
     // ---- normal mode ----
     /// A rank count a normal-mode plan cannot work with.

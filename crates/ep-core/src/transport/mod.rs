@@ -4,12 +4,15 @@
 //! - [`types`]: heap addresses, agents, QPs, reachability, fabric parameters, wait conditions;
 //! - [`vocab`]: [`AgentCtx`], the per-agent protocol vocabulary with its ordering and visibility
 //!   promises (the memory model);
-//! - [`host`]: [`Transport`], the host face, and [`Phase`], what it executes.
+//! - [`host`]: [`Transport`], the host face, and [`Phase`], what it executes;
+//! - [`fault`]: the typed errors faults end in, and what the layer above does with them.
 
+pub mod fault;
 pub mod host;
 pub mod types;
 pub mod vocab;
 
+pub use fault::{fault_rank, is_fault};
 pub use host::{AgentBody, AgentSpec, Phase, PhaseKind, PhaseReport, RingDecl, Transport};
 pub use types::{
     AgentId, AllocRequest, Cmp, FabricParams, Init, QpFullPolicy, QpIndex, Reach, Region, SignalOp,

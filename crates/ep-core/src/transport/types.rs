@@ -70,7 +70,10 @@ pub enum Init {
     Zero,
     /// Poison: contents are undefined; reading before writing is a violation.
     Poison,
-    /// Scratch: poison at allocation **and again before every phase**; nothing survives a call.
+    /// Scratch: poison at allocation **and again before every phase** (in the simulator). Phases,
+    /// not calls: a send half and its receive half (the hook) are different phases, so nothing
+    /// written into scratch survives into the next phase, even of the same call. Use `Poison` for
+    /// staging that lives from one phase to the next.
     Scratch,
 }
 

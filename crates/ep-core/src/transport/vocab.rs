@@ -68,6 +68,12 @@ pub trait AgentCtx {
     /// reader on `peer` only through a signal or acquire chain that orders it. The source is read
     /// at delivery and must not be written until completion (after the next `quiet`). Posting waits
     /// for a free QP slot when the QP is full (or fails, under [`super::QpFullPolicy::Error`]).
+    ///
+    /// A put is not a signal. A reader that waits on (acquires) a word a put wrote acquires what the
+    /// putting agent had ordered before it only for puts of at most 64 bytes, 8-byte aligned (an
+    /// inline write, like IBGDA's `rma_p`); through a longer put it acquires nothing, and reading
+    /// the data it published is a race. To publish data, use [`AgentCtx::put_signal`] or an
+    /// `amo_add` on the same QP after the put.
     fn put(&mut self, peer: usize, qp: QpIndex, dst: SymAddr, src: SymAddr, len: u64)
     -> Result<()>;
 
@@ -129,6 +135,21 @@ pub trait AgentCtx {
     /// after the backend's timeout it fails with [`crate::Error::WaitTimeout`] naming what it
     /// waited for and the last value seen.
     fn wait(&mut self, until: &WaitUntil) -> Result<u64>;
+
+    /// Bounded wait that hands an expired bound back to the caller instead of failing the phase:
+    /// `Ok(Some(value))` when the condition held (acquire, as [`AgentCtx::wait`]), `Ok(None)` when
+    /// the bound expired. For low-latency shrink mode (spec §2.7): the agent that built the wait
+    /// knows which peer it awaited and masks it ([`super::fault`]). Other errors stay errors.
+    ///
+    /// The default maps [`crate::Error::WaitTimeout`] from [`AgentCtx::wait`] to `None`; backends
+    /// whose timeouts tear the phase down override it.
+    fn wait_or_expire(&mut self, until: &WaitUntil) -> Result<Option<u64>> {
+        match self.wait(until) {
+            Ok(v) => Ok(Some(v)),
+            Err(crate::Error::WaitTimeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
 
     /// Block barrier among the agents of this agent's block on this rank (`__syncthreads` /
     /// `bar.sync`): release/acquire among them. Bounded like `wait`.
