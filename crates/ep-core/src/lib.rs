@@ -16,10 +16,12 @@
 //! - [`numerics`]: BF16 rounding, FP8 e4m3 casts and scales;
 //! - [`config`]: `Config`, size hints, `BufferConfig` validation, the NVSHMEM environment plan;
 //! - [`workload`]: seeded, portable generation of routings and activations;
+//! - [`digest`]: canonical, backend-independent digests of every output;
 //! - [`transport`]: the `Transport` trait (host face and protocol vocabulary);
 //! - [`setup`]: machine checks behind `ep doctor`.
 
 pub mod config;
+pub mod digest;
 pub mod error;
 pub mod numerics;
 pub mod oracle;

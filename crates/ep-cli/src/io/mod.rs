@@ -1,0 +1,1 @@
+//! NumPy I/O placeholder.

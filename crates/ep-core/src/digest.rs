@@ -1,0 +1,352 @@
+//! Canonical digests of dispatch and combine outputs: one SHA-256 per rank and one over the
+//! run, equal for equal *semantics* (spec §2), whatever backend, machine or legal placement
+//! produced them — the simulator and a GPU run of the same inputs must give the same digest,
+//! run after run (DeepEP's tests compare `hash_tensor` across repeats the same way).
+//!
+//! # Canonical form
+//!
+//! What a backend may legally do differently is left out; everything the spec defines is in.
+//!
+//! Normal mode (intranode, spec §2.2), rank `d`, `n` = rows actually received
+//! (`handle.num_recv_tokens`):
+//! - `recv_x` rows `0..n` only: worst-token padding (`num_worst_tokens > 0`, spec §1.8) is
+//!   garbage in DeepEP and excluded; FP8 as raw e4m3 bytes plus the scales;
+//! - `recv_topk_idx`, `recv_topk_weights` rows `0..n` (when top-k was passed);
+//! - `num_recv_tokens_per_expert_list` (empty with worst-token sizing);
+//! - `rank_prefix_matrix` column `d` only (the only column DeepEP defines on rank `d`);
+//! - `channel_prefix_matrix`, `recv_channel_prefix_matrix`, `recv_src_idx` rows `0..n`;
+//! - `send_head` with every negative entry read as `-1`: dispatch returns `-1` for "not sent",
+//!   combine rewrites those entries in place to other negative values (spec §3.4, §7.1), so the
+//!   digest is the same before and after a combine;
+//! - `combined_x` and `combined_topk_weights` (when given).
+//!
+//! Low-latency mode (spec §2.4, §2.5), rank `d`: a masked rank is the tag `masked` alone;
+//! otherwise the canonical form of [`crate::plan::low_latency::canonicalize`] — the format, then
+//! per local expert its `packed_recv_count` and, per source rank, the **multiset** of its rows
+//! (`src_info`, data bits, scale bits; sorted), so block offsets (`layout_range` begins), the
+//! order of rows inside a block and rows past the count are all excluded — then `combined_x`.
+//!
+//! Floats are hashed by their bit patterns (BF16 as `u16`, f32 as `u32`), never by value.
+//!
+//! # Byte format, version [`FORMAT_VERSION`] = 1
+//!
+//! All integers little-endian. A rank digest is SHA-256 of:
+//! 1. the ASCII tag `ep-rs/outputs/v1/`, the mode tag (`normal-intranode` or `low-latency`),
+//!    a `0` byte, the rank as `u64`;
+//! 2. then fields in the order listed above. A field is its name (`u8` length + ASCII bytes),
+//!    then either `0xff` (absent: no top-k, no combine) or its number of dimensions (`u8`), each
+//!    dimension as `u64`, and its elements row-major: `i32`/`i64` as themselves, f32 and BF16 by
+//!    their bits, bytes as they are.
+//!
+//!    Low-latency outputs start with a field `format` of dimensions `[L]` holding one byte
+//!    (`0` BF16, `1` FP8 with f32 scales, `2` FP8 with UE8M0 scales); then, per local expert, a
+//!    field `expert` of dimensions `[R]` holding its `i32` count, followed, per source, by the
+//!    `u64` row count and per sorted row: `src_info` (`i32`), data length (`u64`) and bytes,
+//!    scale count (`u64`) and one `u32` each.
+//!
+//! The run digest is SHA-256 of `ep-rs/outputs/v1/total/`, the mode tag, a `0` byte, the rank
+//! count as `u64`, and the rank digests' 32 bytes in rank order.
+//!
+//! Any change to this format bumps [`FORMAT_VERSION`] and the tags; the golden digest in
+//! `tests/digest.rs` pins it.
+
+use std::fmt;
+
+use half::bf16;
+use sha2::Digest as _;
+use sha2::Sha256;
+
+use crate::error::{Error, Result};
+use crate::plan::combine::CombineOutput;
+use crate::plan::intranode::IntranodeDispatch;
+use crate::plan::low_latency::{LlDispatchOutput, LlFormat, canonicalize};
+use crate::routing::Activations;
+use crate::tensor::Tensor2;
+
+/// Version of the canonical byte format above; recorded next to every digest.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Mode tag of normal-mode intranode outputs.
+const NORMAL: &str = "normal-intranode";
+/// Mode tag of low-latency outputs.
+const LOW_LATENCY: &str = "low-latency";
+
+/// A SHA-256 digest; prints as 64 lowercase hex digits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Digest(pub [u8; 32]);
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The digests of a run: one per rank (rank order) and the total over them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RunDigest {
+    /// Per-rank digests.
+    pub ranks: Vec<Digest>,
+    /// Digest of the whole run (mode, rank count, rank digests).
+    pub total: Digest,
+}
+
+/// Feeds the canonical byte format into SHA-256.
+struct Writer(Sha256);
+
+impl Writer {
+    fn new(tag: &str, mode: &str, index: u64) -> Self {
+        let mut h = Sha256::new();
+        h.update(tag.as_bytes());
+        h.update(mode.as_bytes());
+        h.update([0u8]);
+        h.update(index.to_le_bytes());
+        Self(h)
+    }
+
+    fn bytes(&mut self, b: &[u8]) {
+        self.0.update(b);
+    }
+
+    fn u64(&mut self, v: u64) {
+        self.0.update(v.to_le_bytes());
+    }
+
+    fn header(&mut self, name: &str, dims: &[usize]) {
+        self.0.update([name.len() as u8]);
+        self.0.update(name.as_bytes());
+        self.0.update([dims.len() as u8]);
+        for &d in dims {
+            self.u64(d as u64);
+        }
+    }
+
+    fn absent(&mut self, name: &str) {
+        self.0.update([name.len() as u8]);
+        self.0.update(name.as_bytes());
+        self.0.update([0xffu8]);
+    }
+
+    fn i32s(&mut self, name: &str, dims: &[usize], v: impl IntoIterator<Item = i32>) {
+        self.header(name, dims);
+        for x in v {
+            self.0.update(x.to_le_bytes());
+        }
+    }
+
+    fn i64s(&mut self, name: &str, dims: &[usize], v: &[i64]) {
+        self.header(name, dims);
+        for x in v {
+            self.0.update(x.to_le_bytes());
+        }
+    }
+
+    fn f32s(&mut self, name: &str, dims: &[usize], v: &[f32]) {
+        self.header(name, dims);
+        for x in v {
+            self.0.update(x.to_bits().to_le_bytes());
+        }
+    }
+
+    fn bf16s(&mut self, name: &str, dims: &[usize], v: &[bf16]) {
+        self.header(name, dims);
+        for x in v {
+            self.0.update(x.to_bits().to_le_bytes());
+        }
+    }
+
+    fn finish(self) -> Digest {
+        Digest(self.0.finalize().into())
+    }
+}
+
+/// First `n` rows of a tensor's data (`n` checked by the caller).
+fn head<T>(t: &Tensor2<T>, n: usize) -> &[T] {
+    &t.data()[..n * t.cols()]
+}
+
+fn check_rows(rank: usize, what: &'static str, rows: usize, n: usize) -> Result<()> {
+    if rows < n {
+        return Err(Error::ShapeMismatch {
+            what,
+            expected: format!("at least {n} rows (received count on rank {rank})"),
+            found: format!("{rows} rows"),
+        });
+    }
+    Ok(())
+}
+
+/// Digest of rank `rank`'s normal-mode (intranode) outputs: its dispatch and, when given, its
+/// combine. `rank` selects the defined column of `rank_prefix_matrix`.
+pub fn normal_rank(
+    rank: usize,
+    dispatch: &IntranodeDispatch,
+    combine: Option<&CombineOutput>,
+) -> Result<Digest> {
+    let h = &dispatch.handle;
+    let n = h.num_recv_tokens;
+    let r = h.rank_prefix_matrix.rows();
+    if rank >= h.rank_prefix_matrix.cols() {
+        return Err(Error::RankOutOfRange { rank, num_ranks: r });
+    }
+    let mut w = Writer::new("ep-rs/outputs/v1/", NORMAL, rank as u64);
+    match &dispatch.recv_x {
+        Activations::Bf16(x) => {
+            check_rows(rank, "recv_x", x.rows(), n)?;
+            w.bf16s("recv_x", &[n, x.cols()], head(x, n));
+        }
+        Activations::Fp8 { data, scales } => {
+            check_rows(rank, "recv_x", data.rows(), n)?;
+            check_rows(rank, "recv_x_scales", scales.rows(), n)?;
+            w.header("recv_x_fp8", &[n, data.cols()]);
+            w.bytes(head(data, n));
+            w.f32s("recv_x_scales", &[n, scales.cols()], head(scales, n));
+        }
+    }
+    match &dispatch.recv_topk_idx {
+        Some(t) => {
+            check_rows(rank, "recv_topk_idx", t.rows(), n)?;
+            w.i64s("recv_topk_idx", &[n, t.cols()], head(t, n));
+        }
+        None => w.absent("recv_topk_idx"),
+    }
+    match &dispatch.recv_topk_weights {
+        Some(t) => {
+            check_rows(rank, "recv_topk_weights", t.rows(), n)?;
+            w.f32s("recv_topk_weights", &[n, t.cols()], head(t, n));
+        }
+        None => w.absent("recv_topk_weights"),
+    }
+    let list = &dispatch.num_recv_tokens_per_expert_list;
+    w.i32s(
+        "num_recv_tokens_per_expert_list",
+        &[list.len()],
+        list.iter().copied(),
+    );
+    w.i32s(
+        "rank_prefix_matrix[:, rank]",
+        &[r],
+        (0..r).map(|i| h.rank_prefix_matrix.get(i, rank)),
+    );
+    for (name, m) in [
+        ("channel_prefix_matrix", &h.channel_prefix_matrix),
+        ("recv_channel_prefix_matrix", &h.recv_channel_prefix_matrix),
+    ] {
+        w.i32s(name, &[m.rows(), m.cols()], m.data().iter().copied());
+    }
+    check_rows(rank, "recv_src_idx", h.recv_src_idx.len(), n)?;
+    w.i32s("recv_src_idx", &[n], h.recv_src_idx[..n].iter().copied());
+    let sh = &h.send_head;
+    w.i32s(
+        "send_head",
+        &[sh.rows(), sh.cols()],
+        sh.data().iter().map(|&v| v.max(-1)),
+    );
+    match combine {
+        Some(c) => {
+            let x = &c.combined_x;
+            w.bf16s("combined_x", &[x.rows(), x.cols()], x.data());
+            match &c.combined_topk_weights {
+                Some(t) => w.f32s("combined_topk_weights", &[t.rows(), t.cols()], t.data()),
+                None => w.absent("combined_topk_weights"),
+            }
+        }
+        None => {
+            w.absent("combined_x");
+            w.absent("combined_topk_weights");
+        }
+    }
+    Ok(w.finish())
+}
+
+/// Digests of every rank's normal-mode outputs; `combine` is empty (dispatch only) or one per
+/// rank.
+pub fn normal(dispatch: &[IntranodeDispatch], combine: &[CombineOutput]) -> Result<RunDigest> {
+    if !combine.is_empty() && combine.len() != dispatch.len() {
+        return Err(Error::RankCountMismatch {
+            expected: dispatch.len(),
+            found: combine.len(),
+        });
+    }
+    let ranks = dispatch
+        .iter()
+        .enumerate()
+        .map(|(r, d)| normal_rank(r, d, combine.get(r)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(total(NORMAL, ranks))
+}
+
+/// Digest of rank `rank`'s low-latency outputs: its dispatch (`None` = masked rank) and, when
+/// given, its `combined_x`.
+pub fn low_latency_rank(
+    rank: usize,
+    dispatch: Option<&LlDispatchOutput>,
+    combined_x: Option<&Tensor2<bf16>>,
+) -> Result<Digest> {
+    let mut w = Writer::new("ep-rs/outputs/v1/", LOW_LATENCY, rank as u64);
+    let Some(out) = dispatch else {
+        w.absent("masked");
+        return Ok(w.finish());
+    };
+    let canon = canonicalize(out)?;
+    let format: u8 = match canon.format {
+        LlFormat::Bf16 => 0,
+        LlFormat::Fp8 => 1,
+        LlFormat::Fp8Ue8m0 => 2,
+    };
+    w.header("format", &[canon.experts.len()]);
+    w.bytes(&[format]);
+    for e in &canon.experts {
+        w.i32s("expert", &[e.per_source.len()], [e.count]);
+        for rows in &e.per_source {
+            w.u64(rows.len() as u64);
+            for row in rows {
+                w.bytes(&row.src_info.to_le_bytes());
+                w.u64(row.data.len() as u64);
+                w.bytes(&row.data);
+                w.u64(row.scales.len() as u64);
+                for s in &row.scales {
+                    w.bytes(&s.to_le_bytes());
+                }
+            }
+        }
+    }
+    match combined_x {
+        Some(x) => w.bf16s("combined_x", &[x.rows(), x.cols()], x.data()),
+        None => w.absent("combined_x"),
+    }
+    Ok(w.finish())
+}
+
+/// Digests of every rank's low-latency outputs (`None` = masked rank); `combined_x` is empty
+/// (dispatch only) or one per rank.
+pub fn low_latency(
+    dispatch: &[Option<LlDispatchOutput>],
+    combined_x: &[Option<Tensor2<bf16>>],
+) -> Result<RunDigest> {
+    if !combined_x.is_empty() && combined_x.len() != dispatch.len() {
+        return Err(Error::RankCountMismatch {
+            expected: dispatch.len(),
+            found: combined_x.len(),
+        });
+    }
+    let ranks = dispatch
+        .iter()
+        .enumerate()
+        .map(|(r, d)| low_latency_rank(r, d.as_ref(), combined_x.get(r).and_then(Option::as_ref)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(total(LOW_LATENCY, ranks))
+}
+
+fn total(mode: &str, ranks: Vec<Digest>) -> RunDigest {
+    let mut w = Writer::new("ep-rs/outputs/v1/total/", mode, ranks.len() as u64);
+    for d in &ranks {
+        w.bytes(&d.0);
+    }
+    RunDigest {
+        total: w.finish(),
+        ranks,
+    }
+}
