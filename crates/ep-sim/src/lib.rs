@@ -65,11 +65,16 @@
 
 mod clock;
 mod config;
+pub mod cost;
 mod ctx;
 mod exec;
+pub mod fault;
 mod memory;
+pub mod park;
 mod proto;
+mod sync;
 mod threads;
+mod tmem;
 mod violation;
 mod world;
 
@@ -78,6 +83,7 @@ use ep_core::transport::{
 };
 
 pub use config::{Policy, SimConfig};
+pub use fault::{Fault, Trigger};
 pub use threads::ThreadSim;
 pub use violation::{AgentRef, SimError, Violation, Waiting};
 pub use world::{Stats, TraceEvent};
