@@ -23,7 +23,7 @@
 //! ```
 
 use cudarc::driver::result;
-use cudarc::driver::sys::{self, CUdevice, CUdevice_attribute, CUdevice_P2PAttribute};
+use cudarc::driver::sys::{self, CUdevice, CUdevice_P2PAttribute, CUdevice_attribute};
 
 use crate::error::{Error, Result};
 
@@ -108,7 +108,10 @@ pub fn gpu_topology() -> Result<GpuTopology> {
                 dev,
                 CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED,
             ),
-            dma_buf: flag(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED),
+            dma_buf: flag(
+                dev,
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+            ),
         });
         handles.push(dev);
     }

@@ -1,10 +1,14 @@
 //! `diagnose`: facts in, checks and verdicts out. Pure; every branch is exercised by the fixture
 //! trees under `tests/fixtures/doctor`.
 
+use super::checks::cuda::gpu_cuda;
 use super::checks::driver::{
     driver_ibgda_keys, driver_kernel_module, driver_loaded, gdrcopy, gpu_memory_registration,
 };
 use super::checks::gpu::{gpu_count, gpu_device_nodes, gpu_nic_affinity, gpu_topology};
+use super::checks::live_rdma::{
+    gdrcopy_open, nic_devx, nic_verbs_ports, probe_registration, rdma_verbs_consistency,
+};
 use super::checks::nvshmem::{nvjitlink, nvshmem_consistency, nvshmem_found, nvshmem_ibgda_plugin};
 use super::checks::rdma::{
     nic_device_nodes, nic_mlx5, nic_port_active, nic_present, nic_roce_gid, rdma_libraries,
@@ -20,20 +24,25 @@ pub fn diagnose(facts: &Facts) -> Report {
     let mut checks = vec![
         driver_loaded(f),
         gpu_count(f),
+        gpu_cuda(f),
         gpu_device_nodes(f),
         gpu_topology(f),
         driver_ibgda_keys(f),
         driver_kernel_module(f),
         gpu_memory_registration(f),
         gdrcopy(f),
+        gdrcopy_open(f),
         nvshmem_found(f),
         nvshmem_consistency(f),
         nvshmem_ibgda_plugin(f),
         nvjitlink(f),
         rdma_libraries(f),
+        rdma_verbs_consistency(f),
         nic_present(f),
         nic_mlx5(f),
+        nic_devx(f),
         nic_port_active(f),
+        nic_verbs_ports(f),
         nic_roce_gid(f),
         nic_device_nodes(f),
         memlock(f),
@@ -41,6 +50,7 @@ pub fn diagnose(facts: &Facts) -> Report {
         gpu_nic_affinity(f),
     ];
     checks.extend(probe(f));
+    checks.push(probe_registration(f));
     let verdicts: Vec<Verdict> = Capability::ALL
         .iter()
         .map(|&cap| verdict(cap, &checks))

@@ -8,6 +8,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use super::live::{CudaFacts, GdrcopyLive, RegistrationProbe, VerbsFacts};
+
 /// A `major.minor.patch` version (driver, NVSHMEM, kernel).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Version {
@@ -94,6 +96,18 @@ pub struct Facts {
     pub nvshmem: Option<NvshmemFacts>,
     /// Result of `--probe` (a real NVSHMEM start-up in a child process); `None` when not run.
     pub probe: Option<ProbeResult>,
+    /// CUDA's device and peer view (live only; `None` with `--sysroot`).
+    #[serde(default)]
+    pub cuda: Option<CudaFacts>,
+    /// rdma-core's device list, ports, GIDs and mlx5 DevX (live only).
+    #[serde(default)]
+    pub verbs: Option<VerbsFacts>,
+    /// GDRCopy loaded and `gdr_open` called (live only).
+    #[serde(default)]
+    pub gdrcopy_live: Option<GdrcopyLive>,
+    /// `--probe` registration of GPU memory with a NIC (live only).
+    #[serde(default)]
+    pub registration: Option<RegistrationProbe>,
 }
 
 impl Facts {

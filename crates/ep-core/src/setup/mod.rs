@@ -5,8 +5,10 @@
 //! 1. [`gather`] reads [`Facts`] from `/proc`, `/sys`, `/etc`, `/dev` under a directory (`/` on
 //!    the machine itself, a fixture tree in tests). No device is opened, no library loaded.
 //! 2. The caller adds what only live libraries can tell: the loaded NVSHMEM's own version
-//!    (nvshmem-sys), the `--probe` result ([`ProbeResult`]) and, where CUDA is there, a
-//!    [`Topology`].
+//!    (nvshmem-sys), the `--probe` result ([`ProbeResult`]), `nvidia-smi`'s [`Topology`], and
+//!    the live probes: CUDA's devices and peer access ([`CudaFacts`]), rdma-core's devices,
+//!    ports and DevX ([`VerbsFacts`]), `gdr_open` ([`GdrcopyLive`]) and the GPU memory
+//!    registration ([`RegistrationProbe`]). Checks reading live facts are skipped without them.
 //! 3. [`diagnose`] turns facts into a [`Report`]: checks (pass / warn / fail / skip, each with
 //!    its exact fix), one [`Verdict`] per [`Capability`], and the [`IbgdaMode`] ep-rs will use.
 //!
@@ -18,6 +20,7 @@ mod checks;
 mod diagnose;
 mod facts;
 mod gather;
+mod live;
 mod parse;
 mod report;
 
@@ -33,6 +36,11 @@ pub use facts::{
 };
 pub use gather::{
     GatherOptions, SAVED_TOPO, Sysroot, find_nvshmem, gather, inspect_nvshmem, nvshmem_dirs,
+};
+pub use live::{
+    Attempt, CudaDevice, CudaFacts, CudaPeer, DevxOpen, GdrcopyLive, RegistrationProbe,
+    VerbsDevice, VerbsFacts, VerbsPort, format_gid, gid_type_name, link_layer_name,
+    port_state_name,
 };
 pub use parse::{nvidia_smi_topo, nvshmem_log, nvshmem_version_header};
 pub use report::{Capability, Check, IbgdaMode, IbgdaModeReport, Report, Status, Verdict};

@@ -1,8 +1,10 @@
 //! GPU checks: count, device nodes, peer-to-peer / NVLink topology, closest NIC per GPU.
 
 use crate::setup::facts::{Facts, GpuLink, PcieDistance};
+use crate::setup::live::CudaFacts;
 use crate::setup::report::{Capability, Check, Status};
 
+use super::cuda::cuda_ordinal;
 use super::{INTRA, LL, check, in_container};
 
 /// GPUs this process can open: `/dev/nvidiaN` nodes when any exist, else the PCI functions.
@@ -24,7 +26,12 @@ pub(crate) fn gpu_count(f: &Facts) -> Check {
     const T: &str = "NVIDIA GPUs";
     let n = usable_gpu_count(f);
     let topo_n = f.topology.as_ref().map_or(0, |t| t.gpu_count());
-    let n = n.max(topo_n);
+    let cuda_n = f
+        .cuda
+        .as_ref()
+        .filter(|c| c.error.is_none() && !c.library_missing)
+        .map(|c| c.devices.len());
+    let n = n.max(topo_n).max(cuda_n.unwrap_or(0));
     if n == 0 {
         return check(
             ID,
@@ -36,11 +43,14 @@ pub(crate) fn gpu_count(f: &Facts) -> Check {
         );
     }
     let addrs: Vec<&str> = f.gpus.iter().map(|g| g.pci_address.as_str()).collect();
-    let list = if addrs.is_empty() {
+    let mut list = if addrs.is_empty() {
         String::new()
     } else {
         format!(" ({})", addrs.join(", "))
     };
+    if let Some(k) = cuda_n {
+        list.push_str(&format!("; CUDA sees {k}"));
+    }
     check(
         ID,
         T,
@@ -102,16 +112,47 @@ pub(crate) fn gpu_device_nodes(f: &Facts) -> Check {
     )
 }
 
+/// Both directions of a CUDA pair allow peer access (`None`: CUDA not asked or the pair not
+/// mapped).
+fn cuda_p2p(
+    f: &Facts,
+    c: Option<&CudaFacts>,
+    n: usize,
+    i: usize,
+    j: usize,
+) -> Option<(bool, bool)> {
+    let c = c?;
+    let (a, b) = (cuda_ordinal(f, c, n, i)?, cuda_ordinal(f, c, n, j)?);
+    let (ab, ba) = (c.peer(a, b)?, c.peer(b, a)?);
+    Some((
+        ab.can_access_peer && ba.can_access_peer,
+        ab.native_atomics && ba.native_atomics,
+    ))
+}
+
+const NVLINK_FIX: &str = "Use GPUs that share NVLink (set CUDA_VISIBLE_DEVICES to such a set); \
+                          check `nvidia-smi nvlink --status` for links that are down.";
+
 pub(crate) fn gpu_topology(f: &Facts) -> Check {
     const ID: &str = "gpu.topology";
     const T: &str = "GPU peer-to-peer / NVLink topology";
     let caps = &[INTRA, LL];
-    let n = usable_gpu_count(f).max(f.topology.as_ref().map_or(0, |t| t.gpu_count()));
+    let cuda = f
+        .cuda
+        .as_ref()
+        .filter(|c| c.error.is_none() && !c.library_missing);
+    let cuda_n = cuda.map_or(0, |c| c.devices.len());
+    let n = usable_gpu_count(f)
+        .max(f.topology.as_ref().map_or(0, |t| t.gpu_count()))
+        .max(cuda_n);
     if n == 0 {
         return check(ID, T, &[], Status::Skip, "no GPU", None);
     }
     let Some(t) = &f.topology else {
-        if n == 1 {
+        if let Some(c) = cuda.filter(|_| cuda_n >= 2) {
+            return cuda_only_topology(c);
+        }
+        if n == 1 || cuda_n == 1 {
             return check(
                 ID,
                 T,
@@ -148,20 +189,63 @@ pub(crate) fn gpu_topology(f: &Facts) -> Check {
     let mut nvlinks = Vec::new();
     let mut pcie_p2p = Vec::new();
     let mut none = Vec::new();
+    // nvidia-smi shows NVLink, CUDA refuses peer access.
+    let mut conflicts = Vec::new();
+    let (mut cuda_yes, mut cuda_checked) = (0, 0);
     for i in 0..m {
         for j in i + 1..m {
+            let p2p = cuda_p2p(f, cuda, m, i, j);
+            if let Some((ok, _)) = p2p {
+                cuda_checked += 1;
+                cuda_yes += usize::from(ok);
+            }
+            let pair = format!("GPU{i}-GPU{j}");
             match t.links[i][j] {
+                GpuLink::NvLink(k) if p2p.is_some_and(|(ok, _)| !ok) => {
+                    conflicts.push(format!("{pair} (NV{k})"))
+                }
                 GpuLink::NvLink(k) => nvlinks.push(k),
                 GpuLink::Pcie {
                     p2p: Some(false), ..
                 }
-                | GpuLink::None => none.push(format!("GPU{i}-GPU{j}")),
+                | GpuLink::None => none.push(pair),
+                GpuLink::Pcie { p2p: None, .. } if p2p.is_some_and(|(ok, _)| !ok) => {
+                    none.push(format!("{pair} (CUDA: no peer access)"))
+                }
                 GpuLink::Pcie { distance, .. } => {
-                    pcie_p2p.push(format!("GPU{i}-GPU{j} ({})", distance.label()))
+                    pcie_p2p.push(format!("{pair} ({})", distance.label()))
                 }
                 GpuLink::Same => {}
             }
         }
+    }
+    let cuda_note = if cuda_checked == 0 {
+        String::new()
+    } else if cuda_yes == cuda_checked {
+        format!("; P2P via CUDA: yes ({cuda_checked} pairs)")
+    } else {
+        format!("; P2P via CUDA: yes for {cuda_yes} of {cuda_checked} pairs")
+    };
+    if !conflicts.is_empty() {
+        return check(
+            ID,
+            T,
+            caps,
+            Status::Fail,
+            format!(
+                "{} show NVLink in `nvidia-smi topo -m`, but CUDA refuses peer access \
+                 (cuDeviceCanAccessPeer = 0){cuda_note}",
+                conflicts.join(", ")
+            ),
+            Some(
+                "NVSwitch systems (HGX 8-GPU) need the fabric manager: `sudo systemctl enable \
+                 --now nvidia-fabricmanager` (same version as the driver; `nvidia-smi -q | grep \
+                 -A2 Fabric` shows its state). Check `nvidia-smi nvlink --status` for links that \
+                 are down, and `nvidia-smi topo -p2p r` for what the driver allows; in a VM, the \
+                 hypervisor must pass peer-to-peer through."
+                    .to_string(),
+            ),
+        );
     }
     if !none.is_empty() {
         return check(
@@ -170,15 +254,11 @@ pub(crate) fn gpu_topology(f: &Facts) -> Check {
             caps,
             Status::Fail,
             format!(
-                "no peer-to-peer path between {} (source: {})",
+                "no peer-to-peer path between {} (source: {}){cuda_note}",
                 none.join(", "),
                 t.source
             ),
-            Some(
-                "Use GPUs that share NVLink (set CUDA_VISIBLE_DEVICES to such a set); check \
-                 `nvidia-smi nvlink --status` for links that are down."
-                    .to_string(),
-            ),
+            Some(NVLINK_FIX.to_string()),
         );
     }
     if !pcie_p2p.is_empty() {
@@ -189,16 +269,12 @@ pub(crate) fn gpu_topology(f: &Facts) -> Check {
             caps,
             status,
             format!(
-                "PCIe only between {} (source: {}): DeepEP allows at most 2 ranks over PCIe, \
-                 and low-latency writes over PCIe can be reordered",
+                "PCIe only between {} (source: {}){cuda_note}: DeepEP allows at most 2 ranks \
+                 over PCIe, and low-latency writes over PCIe can be reordered",
                 pcie_p2p.join(", "),
                 t.source
             ),
-            Some(
-                "Use GPUs connected by NVLink; check `nvidia-smi nvlink --status` for links \
-                 that are down."
-                    .to_string(),
-            ),
+            Some(NVLINK_FIX.to_string()),
         );
     }
     let min = nvlinks.iter().copied().min().unwrap_or(0);
@@ -214,8 +290,73 @@ pub(crate) fn gpu_topology(f: &Facts) -> Check {
         caps,
         Status::Pass,
         format!(
-            "NVLink between all {m} GPUs ({links}; source: {})",
+            "NVLink between all {m} GPUs ({links}; source: {}){cuda_note}",
             t.source
+        ),
+        None,
+    )
+}
+
+/// The topology from CUDA alone (no `nvidia-smi`): peer access per pair, native atomics as the
+/// NVLink hint; link counts unknown.
+fn cuda_only_topology(c: &CudaFacts) -> Check {
+    const ID: &str = "gpu.topology";
+    const T: &str = "GPU peer-to-peer / NVLink topology";
+    let caps = &[INTRA, LL];
+    let m = c.devices.len();
+    let (mut none, mut pcie_like, mut nvlink_like) = (Vec::new(), Vec::new(), 0);
+    for i in 0..m {
+        for j in i + 1..m {
+            let (Some(ab), Some(ba)) = (c.peer(i, j), c.peer(j, i)) else {
+                continue;
+            };
+            let pair = format!("CUDA{i}-CUDA{j}");
+            if !(ab.can_access_peer && ba.can_access_peer) {
+                none.push(pair);
+            } else if ab.native_atomics && ba.native_atomics {
+                nvlink_like += 1;
+            } else {
+                pcie_like.push(pair);
+            }
+        }
+    }
+    let note = "link types unknown: `nvidia-smi` not found (source: cuda)";
+    if !none.is_empty() {
+        return check(
+            ID,
+            T,
+            caps,
+            Status::Fail,
+            format!(
+                "CUDA refuses peer access between {} ({note})",
+                none.join(", ")
+            ),
+            Some(NVLINK_FIX.to_string()),
+        );
+    }
+    if !pcie_like.is_empty() {
+        let status = if m <= 2 { Status::Warn } else { Status::Fail };
+        return check(
+            ID,
+            T,
+            caps,
+            status,
+            format!(
+                "peer access without native atomics between {} (a PCIe path; {note}): DeepEP \
+                 allows at most 2 ranks over PCIe",
+                pcie_like.join(", ")
+            ),
+            Some(NVLINK_FIX.to_string()),
+        );
+    }
+    check(
+        ID,
+        T,
+        caps,
+        Status::Pass,
+        format!(
+            "P2P via CUDA: yes between all {m} GPUs ({nvlink_like} pairs), with native atomics \
+             (an NVLink-class path); {note}"
         ),
         None,
     )

@@ -1,8 +1,10 @@
 //! The individual checks of `diagnose`, one module per area. Each check says which
 //! capabilities its failure blocks (`needed_for`).
 
+pub(crate) mod cuda;
 pub(crate) mod driver;
 pub(crate) mod gpu;
+pub(crate) mod live_rdma;
 pub(crate) mod nvshmem;
 pub(crate) mod probe;
 pub(crate) mod rdma;
