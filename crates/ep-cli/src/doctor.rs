@@ -5,20 +5,26 @@
 //! came up.
 
 use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::ptr::NonNull;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
 use clap::Args;
 use ep_core::config::{BufferConfig, EnvPlan, IbgdaNicHandler, nvshmem_env_plan};
 use ep_core::setup::{
-    Capability, Facts, GatherOptions, NvshmemFacts, ProbeResult, Report, Status, Topology, Version,
-    diagnose, gather, inspect_nvshmem, nvidia_smi_topo,
+    Attempt, Capability, CudaDevice, CudaFacts, CudaPeer, DevxOpen, Facts, GatherOptions,
+    GdrcopyLive, GidEntry, NvshmemFacts, ProbeResult, RegistrationProbe, Report, Status, Topology,
+    VerbsDevice, VerbsFacts, VerbsPort, Version, closest_nics, diagnose, format_gid, gather,
+    gid_type_name, inspect_nvshmem, link_layer_name, nvidia_smi_topo, port_state_name,
 };
 use ep_kernels::nvshmem::launch::{RankLaunch, launch_ranks, rank_from_env};
 use ep_kernels::nvshmem::report::env_true;
 use ep_kernels::nvshmem::{Bootstrap, BringUp, IbgdaState, TcpRendezvous, env::EnvEntry};
+use ep_kernels::topology::{RegistrationBuffer, gpu_topology};
+use ibgda_sys::{GdrApi, IbVerbs, Mlx5Dv};
 use serde::{Deserialize, Serialize};
 
 /// Marks the probe child's result line on its stdout.
@@ -101,6 +107,9 @@ pub(crate) fn run(args: &DoctorArgs) -> Result<i32> {
     let mut facts = gather_facts(args);
     if args.probe {
         facts.probe = Some(run_probe(args, &facts));
+        if is_live(args) {
+            facts.registration = Some(probe_registration(&facts));
+        }
     }
     let report = diagnose(&facts);
     let code = report.exit_code(&args.require);
@@ -172,8 +181,11 @@ fn gather_facts(args: &DoctorArgs) -> Facts {
     if live {
         live_nvshmem(&mut facts, args.nvshmem.as_deref());
         if facts.topology.is_none() {
-            facts.topology = cuda_p2p_topology().or_else(nvidia_smi_topology);
+            facts.topology = nvidia_smi_topology();
         }
+        facts.cuda = Some(cuda_p2p_topology());
+        facts.verbs = Some(live_verbs());
+        facts.gdrcopy_live = Some(live_gdrcopy());
     }
     facts
 }
@@ -221,11 +233,254 @@ fn live_nvshmem(facts: &mut Facts, explicit: Option<&Path>) {
     }
 }
 
-/// GPU peer access and NVLink from CUDA. ep-kernels exposes no peer-access query yet
-/// (`cuDeviceCanAccessPeer` / `cuDeviceGetP2PAttribute`), so this returns `None` and the
-/// topology comes from `nvidia-smi topo -m`.
-fn cuda_p2p_topology() -> Option<Topology> {
-    None
+/// GPU count and peer access from the CUDA driver API (ep-kernels' `gpu_topology`), mapped to
+/// ep-core's facts. `nvidia-smi topo -m` stays the source of link types (the driver API does
+/// not name links); `diagnose` matches CUDA ordinals to `nvidia-smi`'s GPUs by PCI bus id and
+/// fails the topology where nvidia-smi shows NVLink but CUDA refuses peer access.
+fn cuda_p2p_topology() -> CudaFacts {
+    let mut c = CudaFacts {
+        visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
+        ..CudaFacts::default()
+    };
+    match gpu_topology() {
+        Ok(t) => {
+            c.driver_version = Some(t.driver_version);
+            c.devices = t
+                .devices
+                .iter()
+                .map(|d| CudaDevice {
+                    name: d.name.clone(),
+                    pci_bus_id: d.pci_bus_id.clone(),
+                    gpu_direct_rdma: d.gpu_direct_rdma,
+                    dma_buf: d.dma_buf,
+                })
+                .collect();
+            c.peers = t
+                .peers
+                .iter()
+                .map(|row| {
+                    row.iter()
+                        .map(|p| {
+                            p.map(|p| CudaPeer {
+                                can_access_peer: p.can_access_peer,
+                                access_supported: p.access_supported,
+                                native_atomics: p.native_atomics,
+                                performance_rank: p.performance_rank,
+                            })
+                        })
+                        .collect()
+                })
+                .collect();
+        }
+        Err(e) => {
+            c.library_missing = matches!(e, ep_kernels::Error::CudaDriverMissing);
+            if let ep_kernels::Error::Cuda { source, .. } = &e {
+                c.error_code = Some(format!("{:?}", source.0));
+            }
+            c.error = Some(e.to_string());
+        }
+    }
+    c
+}
+
+fn os_errno(e: &ibgda_sys::Error) -> Option<i32> {
+    match e {
+        ibgda_sys::Error::Null { errno, .. } | ibgda_sys::Error::Call { errno, .. } => Some(*errno),
+        _ => None,
+    }
+}
+
+/// rdma-core's own view: the device list, per device mlx5 support, ports and GIDs through
+/// verbs, and whether a DevX context opens.
+fn live_verbs() -> VerbsFacts {
+    let mut v = VerbsFacts::default();
+    let verbs = match IbVerbs::load(None) {
+        Ok(l) => l,
+        Err(e) => {
+            v.load_error = Some(e.to_string());
+            return v;
+        }
+    };
+    v.library = Some(verbs.path().display().to_string());
+    v.dmabuf_mr = verbs.ext.is_some();
+    let mlx5 = match Mlx5Dv::load(None) {
+        Ok(m) => {
+            v.mlx5_library = Some(m.path().display().to_string());
+            Some(m)
+        }
+        Err(e) => {
+            v.mlx5_error = Some(e.to_string());
+            None
+        }
+    };
+    let list = match verbs.get_device_list() {
+        Ok(l) => l,
+        Err(ibgda_sys::Error::NoRdmaSubsystem) => {
+            v.no_rdma_subsystem = true;
+            return v;
+        }
+        Err(e) => {
+            v.list_error = Some(e.to_string());
+            return v;
+        }
+    };
+    for &dev in list.as_slice() {
+        // SAFETY: `dev` comes from the live list, which outlives this loop.
+        v.devices
+            .push(unsafe { verbs_device(&verbs, mlx5.as_ref(), dev) });
+    }
+    v
+}
+
+/// # Safety
+/// `dev` comes from a live device list of `verbs`.
+unsafe fn verbs_device(
+    verbs: &IbVerbs,
+    mlx5: Option<&Mlx5Dv>,
+    dev: *mut ibgda_sys::ibv_device,
+) -> VerbsDevice {
+    // SAFETY: forwarded contract.
+    let name = unsafe { verbs.get_device_name(dev) };
+    let mut d = VerbsDevice {
+        name,
+        // SAFETY: forwarded contract; same rdma-core.
+        mlx5: mlx5.map(|m| unsafe { m.is_supported(dev) }),
+        ..VerbsDevice::default()
+    };
+    // SAFETY: forwarded contract; the context is closed below.
+    match unsafe { verbs.open_device(dev) } {
+        Ok(ctx) => {
+            // SAFETY: `ctx` is open.
+            d.ports = unsafe { verbs_ports(verbs, ctx) };
+            // SAFETY: nothing was allocated from `ctx`.
+            let _ = unsafe { verbs.close_device(ctx) };
+        }
+        Err(e) => {
+            d.open_errno = os_errno(&e);
+            d.open_error = Some(e.to_string());
+        }
+    }
+    if let (Some(m), Some(true)) = (mlx5, d.mlx5) {
+        // SAFETY: forwarded contract; a context that opens is closed at once.
+        d.devx = Some(match unsafe { m.open_device_devx(dev) } {
+            Ok(ctx) => {
+                // SAFETY: nothing was allocated from `ctx`.
+                let _ = unsafe { verbs.close_device(ctx) };
+                DevxOpen {
+                    opened: true,
+                    ..DevxOpen::default()
+                }
+            }
+            Err(e) => DevxOpen {
+                opened: false,
+                errno: os_errno(&e),
+                error: Some(e.to_string()),
+            },
+        });
+    }
+    d
+}
+
+/// # Safety
+/// `ctx` is open.
+unsafe fn verbs_ports(verbs: &IbVerbs, ctx: NonNull<ibgda_sys::ibv_context>) -> Vec<VerbsPort> {
+    // SAFETY: forwarded contract.
+    let Ok(attr) = (unsafe { verbs.query_device(ctx) }) else {
+        return Vec::new();
+    };
+    let mut ports = Vec::new();
+    for port in 1..=attr.phys_port_cnt {
+        // SAFETY: forwarded contract.
+        let Ok(p) = (unsafe { verbs.query_port(ctx, port) }) else {
+            continue;
+        };
+        ports.push(VerbsPort {
+            port: port.into(),
+            state: port_state_name(p.state),
+            link_layer: link_layer_name(p.link_layer).to_string(),
+            gid_table_len: u32::try_from(p.gid_tbl_len).unwrap_or(0),
+            gids: Vec::new(),
+        });
+    }
+    let total: usize = ports.iter().map(|p| p.gid_table_len as usize).sum();
+    // SAFETY: forwarded contract.
+    if let Ok(table) = unsafe { verbs.query_gid_table(ctx, total.max(1)) } {
+        for e in table {
+            // SAFETY: any 16 bytes are a valid `raw` view of the GID union.
+            let raw = unsafe { e.gid.raw };
+            if raw == [0; 16] {
+                continue;
+            }
+            if let Some(p) = ports.iter_mut().find(|p| p.port == e.port_num) {
+                p.gids.push(GidEntry {
+                    index: e.gid_index,
+                    gid: format_gid(&raw),
+                    kind: Some(gid_type_name(e.gid_type).to_string()),
+                    ndev: None,
+                });
+            }
+        }
+    } else {
+        // rdma-core < 32: index by index, without GID types.
+        for p in &mut ports {
+            for i in 0..p.gid_table_len.min(256) {
+                // SAFETY: forwarded contract.
+                let Ok(g) = (unsafe { verbs.query_gid(ctx, p.port as u8, i as i32) }) else {
+                    continue;
+                };
+                // SAFETY: any 16 bytes are a valid `raw` view of the GID union.
+                let raw = unsafe { g.raw };
+                if raw != [0; 16] {
+                    p.gids.push(GidEntry {
+                        index: i,
+                        gid: format_gid(&raw),
+                        kind: None,
+                        ndev: None,
+                    });
+                }
+            }
+        }
+    }
+    for p in &mut ports {
+        p.gids.sort_by_key(|g| g.index);
+    }
+    ports
+}
+
+/// Loads GDRCopy and calls `gdr_open`; when that fails, tells a missing driver from a device
+/// node this user cannot open.
+fn live_gdrcopy() -> GdrcopyLive {
+    let mut g = GdrcopyLive::default();
+    let api = match GdrApi::load(None) {
+        Ok(a) => a,
+        Err(e) => {
+            g.library_error = Some(e.to_string());
+            return g;
+        }
+    };
+    g.library = Some(api.path().display().to_string());
+    let (major, minor) = api.runtime_version();
+    g.runtime_version = Some(format!("{major}.{minor}"));
+    match api.open() {
+        Ok(h) => {
+            g.opened = true;
+            // SAFETY: `h` is open.
+            if let Ok((a, b)) = unsafe { api.driver_version(h) } {
+                g.driver_version = Some(format!("{a}.{b}"));
+            }
+            // SAFETY: nothing was pinned through `h`.
+            let _ = unsafe { api.close(h) };
+        }
+        Err(_) => {
+            g.dev_access_error = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/gdrdrv")
+                .err()
+                .map(|e| e.to_string());
+        }
+    }
+    g
 }
 
 /// `nvidia-smi topo -m`, parsed; `None` when nvidia-smi is absent or fails.
@@ -406,6 +661,145 @@ struct ProbeLine {
     remote_peers: Vec<u32>,
     ibgda: String,
     error: Option<String>,
+}
+
+/// Bytes of GPU memory the registration probe registers.
+const REGISTRATION_BYTES: usize = 2 << 20;
+
+/// `--probe` on the machine itself: registers a small GPU buffer with the NIC closest to
+/// GPU 0, through dma-buf and through peer memory, and reports which worked.
+fn probe_registration(facts: &Facts) -> RegistrationProbe {
+    let skip = |why: String| RegistrationProbe {
+        skipped: Some(why),
+        ..RegistrationProbe::default()
+    };
+    let Some(v) = facts.verbs.as_ref() else {
+        return skip("rdma-core not queried".to_string());
+    };
+    let opened: Vec<&str> = v
+        .devices
+        .iter()
+        .filter(|d| d.open_error.is_none())
+        .map(|d| d.name.as_str())
+        .collect();
+    if opened.is_empty() {
+        let why = if v.no_rdma_subsystem {
+            "no RDMA NIC (no kernel RDMA support)".to_string()
+        } else if v.devices.is_empty() {
+            "no RDMA NIC (libibverbs lists none)".to_string()
+        } else {
+            "no RDMA device opens (see nic.verbs-ports)".to_string()
+        };
+        return skip(why);
+    }
+    // The NIC closest to GPU 0 when known, else the first mlx5 device that opens.
+    let closest = closest_nics(facts)
+        .into_iter()
+        .next()
+        .and_then(|(_, best)| best.map(|(nic, _)| nic))
+        .filter(|n| opened.contains(&n.as_str()));
+    let nic = closest
+        .or_else(|| {
+            opened
+                .iter()
+                .find(|n| n.starts_with("mlx5"))
+                .map(|n| n.to_string())
+        })
+        .unwrap_or_else(|| opened[0].to_string());
+    let buf = match RegistrationBuffer::alloc(0, REGISTRATION_BYTES) {
+        Ok(b) => b,
+        Err(e) => return skip(format!("no GPU buffer to register: {e}")),
+    };
+    let mut r = RegistrationProbe {
+        nic: Some(nic.clone()),
+        gpu: Some(0),
+        ..RegistrationProbe::default()
+    };
+    if let Err(e) = register_on(&nic, &buf, &mut r) {
+        return skip(format!("cannot open {nic} for the probe: {e}"));
+    }
+    r
+}
+
+/// Opens `nic`, allocates a protection domain, tries both registrations of `buf`, and
+/// releases everything before returning.
+fn register_on(
+    nic: &str,
+    buf: &RegistrationBuffer,
+    r: &mut RegistrationProbe,
+) -> Result<(), ibgda_sys::Error> {
+    let verbs = IbVerbs::load(None)?;
+    let list = verbs.get_device_list()?;
+    let dev = list
+        .as_slice()
+        .iter()
+        .copied()
+        // SAFETY: `d` comes from the live list.
+        .find(|&d| unsafe { verbs.get_device_name(d) } == nic)
+        .ok_or(ibgda_sys::Error::Null {
+            op: "ibv_get_device_list (device gone)",
+            errno: 19,
+        })?;
+    // SAFETY: `dev` comes from the live list; the context is closed below.
+    let ctx = unsafe { verbs.open_device(dev) }?;
+    // SAFETY: `ctx` is open; the PD is freed below.
+    let pd = match unsafe { verbs.alloc_pd(ctx) } {
+        Ok(pd) => pd,
+        Err(e) => {
+            // SAFETY: nothing was allocated from `ctx`.
+            let _ = unsafe { verbs.close_device(ctx) };
+            return Err(e);
+        }
+    };
+    let access = ibgda_sys::IBV_ACCESS_LOCAL_WRITE
+        | ibgda_sys::IBV_ACCESS_REMOTE_WRITE
+        | ibgda_sys::IBV_ACCESS_REMOTE_READ
+        | ibgda_sys::IBV_ACCESS_REMOTE_ATOMIC;
+    let attempt = |res: Result<NonNull<ibgda_sys::ibv_mr>, String>| match res {
+        Ok(mr) => {
+            // SAFETY: `mr` was just registered and no work request uses it.
+            let _ = unsafe { verbs.dereg_mr(mr) };
+            Attempt {
+                ok: true,
+                error: None,
+            }
+        }
+        Err(e) => Attempt {
+            ok: false,
+            error: Some(e),
+        },
+    };
+    r.dmabuf = Some(match buf.dmabuf_fd() {
+        Err(e) => Attempt {
+            ok: false,
+            error: Some(e.to_string()),
+        },
+        Ok(fd) => {
+            // SAFETY: `pd` is live; `fd` covers the whole buffer and stays open until after
+            // `attempt` deregisters the MR.
+            let mr = unsafe {
+                verbs.reg_dmabuf_mr(pd, 0, buf.len(), buf.device_ptr(), fd.as_raw_fd(), access)
+            };
+            attempt(mr.map_err(|e| e.to_string()))
+        }
+    });
+    // SAFETY: `pd` is live; the device range stays allocated until `buf` drops, after the
+    // deregistration in `attempt`.
+    let peer = unsafe {
+        verbs.reg_mr(
+            pd,
+            buf.device_ptr() as *mut std::ffi::c_void,
+            buf.len(),
+            access,
+        )
+    }
+    .map_err(|e| e.to_string());
+    r.peermem = Some(attempt(peer));
+    // SAFETY: every MR of `pd` was deregistered.
+    let _ = unsafe { verbs.dealloc_pd(pd) };
+    // SAFETY: the PD is freed.
+    let _ = unsafe { verbs.close_device(ctx) };
+    Ok(())
 }
 
 /// Starts `ep __nvshmem-probe` once per probe rank with the plan's environment and collects

@@ -221,3 +221,74 @@ fn captured_gpu_machine() {
         Some(2)
     );
 }
+
+const LIVE_CHECKS: [&str; 6] = [
+    "gpu.cuda",
+    "rdma.verbs-consistency",
+    "nic.devx",
+    "nic.verbs-ports",
+    "gdrcopy.open",
+    "probe.gpu-registration",
+];
+
+fn check<'a>(v: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
+    v["report"]["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap_or_else(|| panic!("no check {id}"))
+}
+
+#[test]
+fn sysroot_skips_live_probes() {
+    let out = doctor("gpu-machine", &["--json"]);
+    let v = json(&out);
+    for k in ["cuda", "verbs", "gdrcopy_live", "registration"] {
+        assert!(
+            v["report"]["facts"][k].is_null(),
+            "{k}: {}",
+            v["report"]["facts"][k]
+        );
+    }
+    for id in LIVE_CHECKS {
+        assert_eq!(check(&v, id)["status"], "skip", "{id}");
+    }
+}
+
+#[test]
+fn live_run_queries_cuda_verbs_and_gdrcopy_without_panicking() {
+    // On any machine (no GPU, no NIC, no GDRCopy in CI): typed facts, never a panic.
+    let out = ep(&["doctor", "--json"]);
+    assert!(
+        matches!(out.status.code(), Some(0..=2)),
+        "{:?}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = json(&out);
+    let facts = &v["report"]["facts"];
+    for k in ["cuda", "verbs", "gdrcopy_live"] {
+        assert!(facts[k].is_object(), "{k} missing: {}", facts[k]);
+    }
+    // Registration runs only with --probe.
+    assert!(facts["registration"].is_null());
+    for id in LIVE_CHECKS {
+        let st = check(&v, id)["status"].as_str().unwrap().to_string();
+        assert!(
+            ["pass", "warn", "fail", "skip"].contains(&st.as_str()),
+            "{id}: {st}"
+        );
+    }
+    // Where CUDA answered, its device count is what gpu.count reports.
+    if let Some(devs) = facts["cuda"]["devices"]
+        .as_array()
+        .filter(|d| !d.is_empty())
+    {
+        let detail = check(&v, "gpu.count")["detail"].as_str().unwrap();
+        assert!(
+            detail.contains(&format!("CUDA sees {}", devs.len())),
+            "{detail}"
+        );
+    }
+}

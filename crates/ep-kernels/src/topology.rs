@@ -22,8 +22,11 @@
 //! # Ok::<(), ep_kernels::Error>(())
 //! ```
 
-use cudarc::driver::result;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
+
 use cudarc::driver::sys::{self, CUdevice, CUdevice_P2PAttribute, CUdevice_attribute};
+use cudarc::driver::{CudaContext, result};
 
 use crate::error::{Error, Result};
 
@@ -173,6 +176,94 @@ fn peer(a: CUdevice, b: CUdevice) -> Result<PeerInfo> {
         )? != 0,
         performance_rank: attr(CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK)?,
     })
+}
+
+/// A small device allocation (`cuMemAlloc`, outside cudarc's memory pool) for `ep doctor
+/// --probe`'s registration of GPU memory with a NIC: the device pointer for `ibv_reg_mr`
+/// (peer memory) and a dma-buf file descriptor for `ibv_reg_dmabuf_mr`. Freed on drop:
+/// deregister every memory region over it first.
+pub struct RegistrationBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl std::fmt::Debug for RegistrationBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistrationBuffer")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl RegistrationBuffer {
+    /// Allocates `len` bytes (rounded up to 2 MiB, the GPU page size dma-buf export needs) on
+    /// device `ordinal`. [`Error::CudaDriverMissing`] without libcuda.
+    pub fn alloc(ordinal: usize, len: usize) -> Result<Self> {
+        // SAFETY: is_culib_present only tries to dlopen libcuda.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::CudaDriverMissing);
+        }
+        let len = len.max(1).next_multiple_of(2 << 20);
+        let ctx = CudaContext::new(ordinal).map_err(Error::cuda("cuDevicePrimaryCtxRetain"))?;
+        ctx.bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        // SAFETY: the context is current on this thread; the allocation is freed in drop.
+        let ptr = unsafe { result::malloc_sync(len) }.map_err(Error::cuda("cuMemAlloc"))?;
+        Ok(Self { ctx, ptr, len })
+    }
+
+    /// The device address.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes allocated.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never empty (kept for the `len` convention).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `cuMemGetHandleForAddressRange(CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)` over the whole
+    /// buffer: fails on drivers or kernels without dma-buf (proprietary module, kernel < 5.12).
+    pub fn dmabuf_fd(&self) -> Result<OwnedFd> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: `fd` is a valid out-parameter for an int handle; the range is one live
+        // allocation of this context.
+        unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                self.ptr,
+                self.len,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        }
+        .result()
+        .map_err(Error::cuda("cuMemGetHandleForAddressRange(DMA_BUF_FD)"))?;
+        // SAFETY: on success the driver returned a new file descriptor that we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+impl Drop for RegistrationBuffer {
+    fn drop(&mut self) {
+        // A failure here leaks device memory of a process about to exit; nothing to surface.
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from malloc_sync in this context and is freed once; the
+            // type's contract has the caller deregister its memory regions before the drop.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
 }
 
 #[cfg(test)]

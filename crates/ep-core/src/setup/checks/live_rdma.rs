@@ -448,7 +448,15 @@ pub(crate) fn gdrcopy_open(f: &Facts) -> Check {
     let host = if in_container(f) { "On the host: " } else { "" };
     let (detail, fix) = if let Some(e) = &g.library_error {
         (
-            format!("library missing: {e}"),
+            format!(
+                "library missing: {}",
+                e.lines()
+                    .next()
+                    .unwrap_or_default()
+                    .split("; searched")
+                    .next()
+                    .unwrap_or_default()
+            ),
             "Install GDRCopy's user library (https://github.com/NVIDIA/gdrcopy: package \
              `libgdrapi`, or `make lib_install` from source) where the loader finds it, then \
              `sudo ldconfig`."
