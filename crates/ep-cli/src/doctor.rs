@@ -1,8 +1,11 @@
-//! `ep doctor`: gathers facts (files under a sysroot, plus live NVSHMEM and `nvidia-smi` on the
-//! machine itself), runs ep-core's `diagnose`, prints checks with their exact fixes and one
-//! verdict per capability; `--plan` prints the NVSHMEM environment plan; `--probe` starts
-//! NVSHMEM for real in child processes (`ep __nvshmem-probe`) and reports which transports
-//! came up.
+//! `ep doctor`: gathers facts (files under a sysroot, plus, on the machine itself, the loaded
+//! NVSHMEM, `nvidia-smi topo -m`, CUDA's devices and peer access, rdma-core's device list,
+//! ports, GIDs and mlx5 DevX, and GDRCopy's `gdr_open`), runs ep-core's `diagnose`, prints
+//! checks with their exact fixes and one verdict per capability; `--plan` prints the NVSHMEM
+//! environment plan; `--probe` starts NVSHMEM for real in child processes (`ep
+//! __nvshmem-probe`) and reports which transports came up, and registers a small GPU buffer
+//! with the NIC (dma-buf, then peer memory). With `--sysroot` (another machine's files) no live
+//! probe runs.
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
