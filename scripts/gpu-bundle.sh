@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds, on the development machine, the release test executables and examples that need a GPU
-# (ep-kernels, nvshmem-sys, ibgda-sys) and collects them in bundle/ (git-ignored) for the GPU
+# (ep-kernels, nvshmem-sys, ibgda-sys) and the `ep` binary, and collects them in bundle/ (git-ignored) for the GPU
 # machine, which has no Rust toolchain. Then, with the device tool:
 #   run(command: "bash scripts/gpu-run.sh", carry: ["bundle"], kind: "nvidia-h200-x2")
 # nvcc must be reachable at build time for the kernels (see GPU.md: the pip toolchain in
@@ -39,6 +39,9 @@ for line in open(sys.argv[1]):
     print(f"{dest}  ({os.path.getsize(dest) >> 10} KiB)")
 PY
 rm -f "$json"
+# The `ep` binary itself: `ep doctor` (live probes) and, later, `ep bench --backend gpu`.
+cargo build --release -p ep-cli
+cp "$CARGO_TARGET_DIR/release/ep" bundle/ep
 if ! grep -q "Some(" "$(ls -t "$CARGO_TARGET_DIR"/release/build/ep-kernels-*/out/kernels.rs | head -1)"; then
   echo "WARNING: ep-kernels was built without nvcc: the GPU tests will fail (see GPU.md)" >&2
 fi

@@ -31,5 +31,15 @@ for t in bundle/tests/*; do
   grep -E "^test |SKIPPED|RANK|phase|transports|ibgda|NVSHMEM|init took|env |panicked|FAILED|test result" "$out/$name.log" | head -80
   if [ $rc -eq 0 ]; then pass=$((pass+1)); else fail=$((fail+1)); echo "$name exited $rc"; tail -40 "$out/$name.log"; fi
 done
+if [ -x bundle/ep ]; then
+  # The doctor for real: live probes (CUDA, rdma-core, GDRCopy), then --probe (NVSHMEM started
+  # in two child processes with the plan's environment; GPU-memory registration with a NIC).
+  echo "=== ep doctor"
+  bundle/ep doctor 2>&1 | tee "$out/doctor.txt"; echo "ep doctor exited ${PIPESTATUS[0]}"
+  echo "=== ep doctor --probe --json"
+  bundle/ep doctor --probe --json >"$out/doctor-probe.json" 2>"$out/doctor-probe.stderr"
+  echo "ep doctor --probe exited $?"
+  bundle/ep doctor --probe 2>&1 | grep -E "probe|capabilit|PASS  |FAIL  |WARN  " | tail -30
+fi
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ]
