@@ -537,4 +537,83 @@ pub enum Error {
         /// What is wrong and what to write instead.
         fix: String,
     },
+
+    // ---- protocol / buffer ----
+    /// A `Buffer` arena too small for a call (docs/protocol.md §2.1, §3.1).
+    #[error(
+        "{what}: needs {needed} bytes, the buffer has {available}; {fix}"
+    )]
+    ArenaTooSmall {
+        /// Which arena and what it must hold.
+        what: String,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes available.
+        available: u64,
+        /// What to do.
+        fix: String,
+    },
+    /// A value beyond a fixed protocol limit (channels, local experts, ...).
+    #[error("{what} = {value} exceeds the protocol's limit {max}; {fix}")]
+    ProtocolLimit {
+        /// What.
+        what: &'static str,
+        /// The value asked for.
+        value: usize,
+        /// The limit.
+        max: usize,
+        /// What to do.
+        fix: &'static str,
+    },
+    /// A low-latency operation launched while the receive hook of an earlier one has not run
+    /// (docs/protocol.md §3.7).
+    #[error(
+        "low-latency call {pending_call}'s receive hook has not run; run it before launching the \
+         next low-latency operation on this buffer"
+    )]
+    LowLatencyHookPending {
+        /// The call whose hook is pending.
+        pending_call: u64,
+    },
+    /// A hook that is not pending (already run, or of another buffer).
+    #[error("no pending low-latency hook of call {call}; each hook runs exactly once")]
+    LowLatencyHookNotPending {
+        /// The hook's call.
+        call: u64,
+    },
+    /// Low-latency memory used by something else since the last clean (spec case 20).
+    #[error(
+        "the low-latency buffer was used by other kernels since its last clean; call \
+         clean_low_latency_buffer before the next low-latency operation"
+    )]
+    LowLatencyNeedsClean,
+    /// A mask operation on a buffer built without `enable_shrink` (spec §2.7).
+    #[error("rank masking needs enable_shrink = true in BufferConfig")]
+    ShrinkNotEnabled,
+    /// A signal word holds a value of another call than the one awaited: the memory was used by
+    /// something else, or a protocol bug.
+    #[error(
+        "rank {rank}: signal word {word:#x} carries call {found} while call {call} waits; clean the \
+         buffer (clean_low_latency_buffer) if other kernels used its memory"
+    )]
+    SignalEpochMismatch {
+        /// Rank of the word.
+        rank: usize,
+        /// Word offset.
+        word: u64,
+        /// The waiting call.
+        call: u64,
+        /// The call in the word.
+        found: u64,
+    },
+    /// A low-latency combine whose routing differs from its dispatch's: ep-rs reduces on the
+    /// expert's rank with the weights that travelled with dispatch (docs/protocol.md §3.5).
+    #[error(
+        "rank {rank}: low-latency combine got other topk_idx/topk_weights than its dispatch; \
+         combine with the same routing and weights"
+    )]
+    LowLatencyRoutingChanged {
+        /// The rank.
+        rank: usize,
+    },
 }

@@ -18,20 +18,25 @@
 //! - [`workload`]: seeded, portable generation of routings and activations;
 //! - [`digest`]: canonical, backend-independent digests of every output;
 //! - [`transport`]: the `Transport` trait (host face and protocol vocabulary);
+//! - [`protocol`]: ep-rs's protocol (docs/protocol.md): agents, layouts, signal encodings;
+//! - [`buffer`]: `Buffer`, DeepEP's API over any `Transport`;
 //! - [`setup`]: machine checks behind `ep doctor`.
 
+pub mod buffer;
 pub mod config;
 pub mod digest;
 pub mod error;
 pub mod numerics;
 pub mod oracle;
 pub mod plan;
+pub mod protocol;
 pub mod routing;
 pub mod setup;
 pub mod tensor;
 pub mod transport;
 pub mod workload;
 
+pub use buffer::Buffer;
 pub use error::{Error, Result};
 pub use routing::{Activations, ExpertIdx, RankInputs, validate_inputs, validate_routing};
 pub use tensor::Tensor2;

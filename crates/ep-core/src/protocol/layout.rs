@@ -1,0 +1,441 @@
+//! Every offset, size and per-token rule of the protocol (docs/protocol.md §2.1, §2.2, §3.1,
+//! §3.2), in one place. Agents and `Buffer` use only these; `ep_protocol.cuh` mirrors them for
+//! CUDA and `crates/ep-kernels/tests/protocol_rules.rs` checks the two agree.
+//!
+//! All offsets are bytes from the start of their allocation.
+
+use std::ops::Range;
+
+/// Spacing of signal words: each word in its own 16-byte granule (docs/protocol.md §1.2).
+pub const WORD_STRIDE: u64 = 16;
+/// Most channels a normal-mode call may use (`Config::num_channels()`); sizes the control words.
+pub const MAX_CHANNELS: usize = 64;
+/// Most local experts a normal-mode call may have; sizes the count records.
+pub const MAX_LOCAL_EXPERTS: usize = 1024;
+/// Top-k entries a low-latency meta record has room for (spec §0, `kNumMaxTopK`).
+pub const LL_MAX_TOPK: usize = 11;
+/// Bytes of one low-latency meta entry `(l u16, pos u16, w f32)`.
+pub const LL_META_ENTRY_BYTES: u64 = 8;
+/// Alignment of allocations and regions.
+pub const REGION_ALIGN: u64 = 128;
+
+/// `x` rounded up to a multiple of 16.
+#[must_use]
+pub const fn align16(x: u64) -> u64 {
+    x.div_ceil(16) * 16
+}
+
+/// `x` rounded up to a multiple of 128.
+#[must_use]
+pub const fn align128(x: u64) -> u64 {
+    x.div_ceil(128) * 128
+}
+
+/// `chan(T, C, c)` (spec §2.1): channel `c`'s contiguous token range.
+#[must_use]
+pub fn channel_range(num_tokens: usize, num_channels: usize, channel: usize) -> Range<usize> {
+    crate::plan::layout::channel_range(num_tokens, num_channels, channel)
+}
+
+/// Call parity: which half of a double-buffered region call `call` uses.
+#[must_use]
+pub const fn parity(call: u64) -> u64 {
+    call & 1
+}
+
+// ---- normal intranode: control words (allocation `normal.ctrl`) ---------------------------------
+
+/// Word offsets of the normal-mode control allocation of `num_ranks` ranks
+/// (docs/protocol.md §2.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NormalCtrl {
+    /// `R`.
+    pub num_ranks: usize,
+}
+
+impl NormalCtrl {
+    fn r(self) -> u64 {
+        self.num_ranks as u64
+    }
+    /// Bytes of the control allocation: `16 · (4R + 2 + 2R·MAX_CHANNELS)`.
+    #[must_use]
+    pub fn bytes(self) -> u64 {
+        WORD_STRIDE * (4 * self.r() + 2 + 2 * self.r() * MAX_CHANNELS as u64)
+    }
+    /// `notify[p][s]`: source `s`'s count record of parity `p` is in place.
+    #[must_use]
+    pub fn notify(self, p: u64, s: usize) -> u64 {
+        WORD_STRIDE * (p * self.r() + s as u64)
+    }
+    /// `table_ready[p]` (local): the owner's table of parity `p` is in place.
+    #[must_use]
+    pub fn table_ready(self, p: u64) -> u64 {
+        WORD_STRIDE * (2 * self.r() + p)
+    }
+    /// `done[s][c]`: sender `(s, c)` stored all its rows into this rank.
+    #[must_use]
+    pub fn done(self, s: usize, c: usize) -> u64 {
+        WORD_STRIDE * (2 * self.r() + 2 + (s * MAX_CHANNELS + c) as u64)
+    }
+    /// `pulled[s][c]`: combine reducer `(s, c)` finished reading this rank's combine rows.
+    #[must_use]
+    pub fn pulled(self, s: usize, c: usize) -> u64 {
+        WORD_STRIDE
+            * (2 * self.r() + 2 + self.r() * MAX_CHANNELS as u64 + (s * MAX_CHANNELS + c) as u64)
+    }
+    /// `ready[d]`: rank `d` accepts rows of the current cached dispatch.
+    #[must_use]
+    pub fn ready(self, d: usize) -> u64 {
+        WORD_STRIDE * (2 * self.r() + 2 + 2 * self.r() * MAX_CHANNELS as u64 + d as u64)
+    }
+    /// `y_ready[d]`: rank `d`'s combine rows of the current combine are in place.
+    #[must_use]
+    pub fn y_ready(self, d: usize) -> u64 {
+        WORD_STRIDE * (3 * self.r() + 2 + 2 * self.r() * MAX_CHANNELS as u64 + d as u64)
+    }
+}
+
+// ---- normal intranode: data (allocation `normal.data`) --------------------------------------------
+
+/// Offsets of the normal-mode data allocation (docs/protocol.md §2.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NormalData {
+    /// `R`.
+    pub num_ranks: usize,
+    /// Bytes of the data allocation.
+    pub data_bytes: u64,
+}
+
+/// Bytes of a count record of `num_ranks` ranks: `a16(4·(R + MAX_CHANNELS + MAX_LOCAL_EXPERTS))`.
+#[must_use]
+pub fn count_record_bytes(num_ranks: usize) -> u64 {
+    align16(4 * (num_ranks + MAX_CHANNELS + MAX_LOCAL_EXPERTS) as u64)
+}
+
+/// Bytes of a table of `num_ranks` ranks: `a16(4·(2R + 1 + R·MAX_CHANNELS))`.
+#[must_use]
+pub fn table_bytes(num_ranks: usize) -> u64 {
+    align16(4 * (2 * num_ranks + 1 + num_ranks * MAX_CHANNELS) as u64)
+}
+
+/// Byte offsets inside a count record: `(rank counts, channel prefix, expert counts)`.
+#[must_use]
+pub fn count_record_fields(num_ranks: usize) -> (u64, u64, u64) {
+    let r = num_ranks as u64;
+    (0, 4 * r, 4 * (r + MAX_CHANNELS as u64))
+}
+
+/// Byte offsets inside a table: `(send_base, recv_begin, recv_chan)`. `send_base[e]` (R i32),
+/// `recv_begin[s]` (R + 1 i32, the last one = rows received), `recv_chan[s][c]` at
+/// `recv_chan + 4·(s·MAX_CHANNELS + c)`.
+#[must_use]
+pub fn table_fields(num_ranks: usize) -> (u64, u64, u64) {
+    let r = num_ranks as u64;
+    (0, 4 * r, 4 * (2 * r + 1))
+}
+
+impl NormalData {
+    /// `counts[p][s]`.
+    #[must_use]
+    pub fn count_record(self, p: u64, s: usize) -> u64 {
+        (p * self.num_ranks as u64 + s as u64) * count_record_bytes(self.num_ranks)
+    }
+    /// `table[p]`.
+    #[must_use]
+    pub fn table(self, p: u64) -> u64 {
+        2 * self.num_ranks as u64 * count_record_bytes(self.num_ranks)
+            + p * table_bytes(self.num_ranks)
+    }
+    /// Start of the dispatch rows (128-aligned).
+    #[must_use]
+    pub fn rows_base(self) -> u64 {
+        align128(
+            2 * self.num_ranks as u64 * count_record_bytes(self.num_ranks)
+                + 2 * table_bytes(self.num_ranks),
+        )
+    }
+    /// Bytes of each of the two row regions (dispatch, combine): `⌊(data − rows_base) / 256⌋ · 128`.
+    #[must_use]
+    pub fn half(self) -> u64 {
+        self.data_bytes.saturating_sub(self.rows_base()) / 256 * 128
+    }
+    /// Offset of dispatch row `row` with records of `drec` bytes.
+    #[must_use]
+    pub fn dispatch_row(self, row: u64, drec: u64) -> u64 {
+        self.rows_base() + row * drec
+    }
+    /// Offset of combine row `row` with records of `yrec` bytes.
+    #[must_use]
+    pub fn combine_row(self, row: u64, yrec: u64) -> u64 {
+        self.rows_base() + self.half() + row * yrec
+    }
+    /// Rows the dispatch region holds.
+    #[must_use]
+    pub fn dispatch_capacity(self, drec: u64) -> u64 {
+        self.half() / drec.max(1)
+    }
+    /// Rows the combine region holds.
+    #[must_use]
+    pub fn combine_capacity(self, yrec: u64) -> u64 {
+        self.half() / yrec.max(1)
+    }
+    /// Data bytes needed for `rows` rows of both kinds.
+    #[must_use]
+    pub fn data_bytes_for(num_ranks: usize, rows: u64, drec: u64, yrec: u64) -> u64 {
+        let base = NormalData {
+            num_ranks,
+            data_bytes: 0,
+        }
+        .rows_base();
+        base + 2 * align128(rows * drec.max(yrec))
+    }
+}
+
+/// The row formats of one normal-mode call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowFormat {
+    /// `H`.
+    pub hidden: usize,
+    /// Bytes per element of `x`: 2 (BF16) or 1 (FP8).
+    pub elem_bytes: usize,
+    /// FP8 scales per row (`ceil(H/128)`), 0 for BF16.
+    pub num_scales: usize,
+    /// `K` (0 without top-k).
+    pub num_topk: usize,
+}
+
+impl RowFormat {
+    /// Offset of the scales in a dispatch record: `a16(H·elt)`.
+    #[must_use]
+    pub fn scales_offset(self) -> u64 {
+        align16((self.hidden * self.elem_bytes) as u64)
+    }
+    /// Offset of the meta part (`src_idx`, pad, `topk_idx` i64 ×K, weights f32 ×K).
+    #[must_use]
+    pub fn meta_offset(self) -> u64 {
+        self.scales_offset() + align16(4 * self.num_scales as u64)
+    }
+    /// Dispatch record bytes `drec = a16(H·elt) + a16(4S) + a16(8 + 12K)`.
+    #[must_use]
+    pub fn dispatch_record(self) -> u64 {
+        self.meta_offset() + align16(8 + 12 * self.num_topk as u64)
+    }
+    /// Combine record bytes `yrec = a16(2H) + a16(4K)`.
+    #[must_use]
+    pub fn combine_record(self) -> u64 {
+        align16(2 * self.hidden as u64) + align16(4 * self.num_topk as u64)
+    }
+}
+
+/// Final row of a token on its receiver (docs/protocol.md §2.2):
+/// `rpm[s−1][d] + cpm_s[d][c−1] + i`.
+#[must_use]
+pub const fn normal_final_row(block_begin: u32, channel_start: u32, index_in_channel: u32) -> u32 {
+    block_begin + channel_start + index_in_channel
+}
+
+// ---- low-latency ----------------------------------------------------------------------------------
+
+/// Bytes of the low-latency signal allocation: `a128(64·R)`.
+#[must_use]
+pub fn ll_signal_bytes(num_ranks: usize) -> u64 {
+    align128(4 * WORD_STRIDE * num_ranks as u64)
+}
+
+/// `disp_sig[h][s]` in the signal allocation.
+#[must_use]
+pub fn ll_dispatch_signal(num_ranks: usize, half: u64, s: usize) -> u64 {
+    WORD_STRIDE * (half * 2 * num_ranks as u64 + s as u64)
+}
+
+/// `comb_sig[h][d]` in the signal allocation.
+#[must_use]
+pub fn ll_combine_signal(num_ranks: usize, half: u64, d: usize) -> u64 {
+    WORD_STRIDE * (half * 2 * num_ranks as u64 + num_ranks as u64 + d as u64)
+}
+
+/// Half used by low-latency operation number `op` (docs/protocol.md §3.7).
+#[must_use]
+pub const fn ll_half(op: u64) -> u64 {
+    op & 1
+}
+
+/// QP of data run `run` (RDMA-fence orders them all before the signal on QP 0).
+#[must_use]
+pub const fn ll_data_qp(run: u32, num_qps: u16) -> u16 {
+    if num_qps <= 1 {
+        0
+    } else {
+        ((run + 1) % num_qps as u32) as u16
+    }
+}
+
+/// QP of the low-latency signals (and of the metadata put that carries the dispatch signal).
+pub const LL_SIGNAL_QP: u16 = 0;
+
+/// The low-latency data layout for `(N, H, R, L)` (docs/protocol.md §3.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlLayout {
+    /// `R`.
+    pub num_ranks: usize,
+    /// `L`.
+    pub num_local_experts: usize,
+    /// `H`.
+    pub hidden: usize,
+    /// `N`.
+    pub num_max_tokens: usize,
+}
+
+impl LlLayout {
+    fn r(self) -> u64 {
+        self.num_ranks as u64
+    }
+    fn n(self) -> u64 {
+        self.num_max_tokens as u64
+    }
+    /// Row slot bytes `a16(2H)`.
+    #[must_use]
+    pub fn row(self) -> u64 {
+        align16(2 * self.hidden as u64)
+    }
+    /// Offset of the FP8 scales inside a row slot: `a16(H)`.
+    #[must_use]
+    pub fn fp8_scales_offset(self) -> u64 {
+        align16(self.hidden as u64)
+    }
+    /// Header bytes `a16(4L)`.
+    #[must_use]
+    pub fn header(self) -> u64 {
+        align16(4 * self.num_local_experts as u64)
+    }
+    /// Meta record bytes `a16(8 + 8·LL_MAX_TOPK)`.
+    #[must_use]
+    pub fn meta(self) -> u64 {
+        align16(8 + LL_META_ENTRY_BYTES * LL_MAX_TOPK as u64)
+    }
+    /// Per-peer block `hdr + N·meta`.
+    #[must_use]
+    pub fn block(self) -> u64 {
+        self.header() + self.n() * self.meta()
+    }
+    /// `dsend_rows[t]`.
+    #[must_use]
+    pub fn dsend_row(self, t: usize) -> u64 {
+        t as u64 * self.row()
+    }
+    /// `dsend_meta[d]` (header; meta slot `i` at `+ header() + i·meta()`).
+    #[must_use]
+    pub fn dsend_meta(self, d: usize) -> u64 {
+        self.n() * self.row() + d as u64 * self.block()
+    }
+    /// `drecv[s]` (header; meta slot `i` at `+ header() + i·meta()`; row `i` at `+ block() + i·row()`).
+    #[must_use]
+    pub fn drecv(self, s: usize) -> u64 {
+        self.n() * self.row()
+            + self.r() * self.block()
+            + s as u64 * (self.block() + self.n() * self.row())
+    }
+    /// Row slot `i` of `drecv[s]`.
+    #[must_use]
+    pub fn drecv_row(self, s: usize, i: usize) -> u64 {
+        self.drecv(s) + self.block() + i as u64 * self.row()
+    }
+    /// `csend[s][i]`.
+    #[must_use]
+    pub fn csend(self, s: usize, i: usize) -> u64 {
+        (s as u64 * self.n() + i as u64) * self.row()
+    }
+    /// `crecv[d][i]`.
+    #[must_use]
+    pub fn crecv(self, d: usize, i: usize) -> u64 {
+        self.r() * self.n() * self.row() + (d as u64 * self.n() + i as u64) * self.row()
+    }
+    /// `cy[l][row]` (BF16 `[L][R·N][H]`).
+    #[must_use]
+    pub fn cy(self, l: usize, row: usize) -> u64 {
+        2 * self.r() * self.n() * self.row()
+            + (l as u64 * self.r() * self.n() + row as u64) * 2 * self.hidden as u64
+    }
+    /// Bytes of one half.
+    #[must_use]
+    pub fn half_bytes(self) -> u64 {
+        let dispatch = self.n() * self.row()
+            + self.r() * self.block()
+            + self.r() * (self.block() + self.n() * self.row());
+        let combine = 2 * self.r() * self.n() * self.row()
+            + self.num_local_experts as u64 * self.r() * self.n() * 2 * self.hidden as u64;
+        align128(dispatch.max(combine))
+    }
+    /// Offset of half `h` in the data allocation.
+    #[must_use]
+    pub fn half_base(self, h: u64) -> u64 {
+        h * self.half_bytes()
+    }
+    /// Bytes `num_rdma_bytes` must hold: signals plus both halves.
+    #[must_use]
+    pub fn total_bytes(self) -> u64 {
+        ll_signal_bytes(self.num_ranks) + 2 * self.half_bytes()
+    }
+}
+
+/// Encodes one low-latency meta entry `(l, pos, w)` into 8 bytes.
+#[must_use]
+pub fn ll_meta_entry(l: u16, pos: u16, w: f32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[0..2].copy_from_slice(&l.to_le_bytes());
+    b[2..4].copy_from_slice(&pos.to_le_bytes());
+    b[4..8].copy_from_slice(&w.to_bits().to_le_bytes());
+    b
+}
+
+/// Decodes one low-latency meta entry.
+#[must_use]
+pub fn ll_meta_entry_decode(b: &[u8]) -> (u16, u16, f32) {
+    let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+    let w = f32::from_bits(u32::from_le_bytes([b[4], b[5], b[6], b[7]]));
+    (u16_at(0), u16_at(2), w)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normal_words_are_distinct_and_inside() {
+        let c = NormalCtrl { num_ranks: 3 };
+        let mut all = vec![c.table_ready(0), c.table_ready(1)];
+        for s in 0..3 {
+            all.extend([c.notify(0, s), c.notify(1, s), c.ready(s), c.y_ready(s)]);
+            for ch in 0..MAX_CHANNELS {
+                all.extend([c.done(s, ch), c.pulled(s, ch)]);
+            }
+        }
+        let n = all.len();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), n);
+        assert!(all.iter().all(|&w| w % 16 == 0 && w + 8 <= c.bytes()));
+    }
+
+    #[test]
+    fn ll_regions_do_not_overlap() {
+        let l = LlLayout {
+            num_ranks: 3,
+            num_local_experts: 2,
+            hidden: 128,
+            num_max_tokens: 4,
+        };
+        assert!(l.dsend_meta(0) >= l.dsend_row(4));
+        assert!(l.drecv(0) >= l.dsend_meta(3));
+        assert!(l.drecv_row(2, 4) <= l.half_bytes());
+        assert!(l.cy(2, 0) <= l.half_bytes());
+        assert_eq!(l.crecv(0, 0), l.csend(3, 0));
+        assert_eq!(
+            ll_meta_entry_decode(&ll_meta_entry(7, 9, -1.5)),
+            (7, 9, -1.5)
+        );
+        assert_eq!(ll_data_qp(0, 1), 0);
+        assert_eq!(ll_data_qp(0, 2), 1);
+        assert_eq!(ll_data_qp(1, 2), 0);
+    }
+}

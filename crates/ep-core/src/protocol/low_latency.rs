@@ -1,0 +1,740 @@
+//! Low-latency agents (docs/protocol.md §3): one message per (token, destination rank) with
+//! local fan-out, partial sums reduced on the expert's rank, epoch-coded signals, two halves.
+
+#![allow(
+    clippy::needless_range_loop,
+    reason = "indices name ranks, experts and channels, as the protocol document does"
+)]
+
+use std::sync::Mutex;
+
+use half::bf16;
+
+use super::ProtocolMutation;
+use super::bytes::{get_bf16_row, get_f32s, get_u32, put_bf16_row, put_f32s, put_u32};
+use super::layout::{
+    LL_META_ENTRY_BYTES, LL_SIGNAL_QP, LlLayout, ll_combine_signal, ll_data_qp, ll_dispatch_signal,
+    ll_meta_entry, ll_meta_entry_decode,
+};
+use super::normal::put_slot;
+use super::signal::{ll_count, ll_encode, ll_epoch, ll_threshold};
+use crate::error::{Error, Result};
+use crate::numerics::fp8;
+use crate::plan::low_latency::{LlDispatchOutput, LlHandle, LlRecvX, pack_layout_range};
+use crate::routing::ExpertIdx;
+use crate::tensor::Tensor2;
+use crate::transport::{
+    AgentCtx, Cmp, Phase, PhaseKind, QpIndex, SignalOp, SymAddr, SymAlloc, WaitUntil,
+};
+
+/// The low-latency memory of a `Buffer` (docs/protocol.md §3.1).
+#[derive(Clone, Debug)]
+pub(crate) struct LlArena {
+    pub(crate) num_ranks: usize,
+    pub(crate) signals: SymAlloc,
+    pub(crate) data: SymAlloc,
+}
+
+/// Where combine finds each token's expert rows on an expert rank: what the dispatch hook
+/// recorded per (source rank, message slot). Returned beside the dispatch outputs; pass it to
+/// the combine of the same dispatch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlRoutes {
+    /// `msg_start[s]..msg_start[s + 1]`: the messages received from source `s`.
+    msg_start: Vec<u32>,
+    /// Source token of each message.
+    msg_token: Vec<u32>,
+    /// `entry_start[m]..entry_start[m + 1]`: the entries of message `m`, in top-k order.
+    entry_start: Vec<u32>,
+    /// `(local expert, row in the packed layout, weight)`.
+    entries: Vec<(u16, u32, f32)>,
+    /// This rank's own dispatch routing (combine must use the same).
+    pub(crate) topk_idx: Tensor2<ExpertIdx>,
+    /// This rank's own dispatch weights (combine must use the same).
+    pub(crate) topk_weights: Tensor2<f32>,
+}
+
+impl LlRoutes {
+    /// Messages received from source `s`.
+    #[must_use]
+    pub fn num_messages(&self, s: usize) -> usize {
+        (self.msg_start[s + 1] - self.msg_start[s]) as usize
+    }
+}
+
+/// The format of dispatched rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LlRows {
+    pub(crate) use_fp8: bool,
+    pub(crate) round_scale: bool,
+    pub(crate) use_ue8m0: bool,
+}
+
+/// One low-latency operation's fixed facts.
+#[derive(Clone, Debug)]
+pub(crate) struct LlOp {
+    pub(crate) call: u64,
+    pub(crate) half: u64,
+    pub(crate) layout: LlLayout,
+    pub(crate) masked: Vec<bool>,
+    pub(crate) num_qps: u16,
+    pub(crate) num_experts: usize,
+}
+
+impl LlOp {
+    fn at(&self, arena: &LlArena, off: u64) -> SymAddr {
+        arena.data.at(self.layout.half_base(self.half) + off)
+    }
+    fn dsig(&self, arena: &LlArena, s: usize) -> SymAddr {
+        arena
+            .signals
+            .at(ll_dispatch_signal(arena.num_ranks, self.half, s))
+    }
+    fn csig(&self, arena: &LlArena, d: usize) -> SymAddr {
+        arena
+            .signals
+            .at(ll_combine_signal(arena.num_ranks, self.half, d))
+    }
+    fn live(&self, r: usize) -> bool {
+        !self.masked.get(r).copied().unwrap_or(false)
+    }
+    /// Destinations of sender agent `a` of `n_agents` on rank `s`, rotated to spread incast.
+    fn dests(&self, s: usize, a: usize, n_agents: usize) -> impl Iterator<Item = usize> + '_ {
+        let r = self.layout.num_ranks;
+        (0..r)
+            .map(move |i| (s + a + i) % r)
+            .filter(move |d| d % n_agents == a && self.live(*d))
+    }
+}
+
+/// Number of sender agents per rank.
+const SEND_AGENTS: usize = 2;
+
+fn wait_signal(
+    ctx: &mut dyn AgentCtx,
+    rank: usize,
+    word: SymAddr,
+    call: u64,
+    what: impl FnOnce() -> String,
+) -> Result<u32> {
+    let v = ctx.wait(&WaitUntil {
+        rank,
+        word,
+        cmp: Cmp::Ge,
+        value: ll_threshold(call),
+        what: what(),
+    })?;
+    if ll_epoch(v) != call {
+        return Err(Error::SignalEpochMismatch {
+            rank,
+            word: word.0,
+            call,
+            found: ll_epoch(v),
+        });
+    }
+    Ok(ll_count(v))
+}
+
+/// Casts (or copies) token `t` into a row slot.
+fn stage_row(row: &[bf16], rows: LlRows, layout: LlLayout, out: &mut [u8]) -> Result<()> {
+    if rows.use_fp8 {
+        let h = layout.hidden;
+        let so = layout.fp8_scales_offset() as usize;
+        let mut sc = vec![0f32; h / fp8::FP8_BLOCK];
+        fp8::cast_row(row, rows.round_scale, &mut out[..h], &mut sc)?;
+        put_f32s(&mut out[so..], &sc);
+    } else {
+        put_bf16_row(out, row);
+    }
+    Ok(())
+}
+
+/// Dispatch send half (docs/protocol.md §3.3).
+pub(crate) fn dispatch_send_phase<'a>(
+    arena: &'a LlArena,
+    op: &'a LlOp,
+    x: &'a [&'a Tensor2<bf16>],
+    topk: &'a [(&'a Tensor2<ExpertIdx>, &'a Tensor2<f32>)],
+    rows: LlRows,
+    mutation: ProtocolMutation,
+) -> Phase<'a> {
+    let mut phase = Phase::new(PhaseKind::LowLatencyDispatchSend, op.call);
+    for s in (0..arena.num_ranks).filter(|&s| op.live(s)) {
+        for a in 0..SEND_AGENTS {
+            phase = phase.agent(s, 0, "ll-sender", move |ctx: &mut dyn AgentCtx| {
+                dispatch_send(
+                    ctx, arena, op, x[s], topk[s].0, topk[s].1, rows, a, mutation,
+                )
+            });
+        }
+    }
+    phase
+}
+
+#[allow(clippy::too_many_arguments, reason = "one agent's whole context")]
+fn dispatch_send(
+    ctx: &mut dyn AgentCtx,
+    arena: &LlArena,
+    op: &LlOp,
+    x: &Tensor2<bf16>,
+    idx: &Tensor2<ExpertIdx>,
+    weights: &Tensor2<f32>,
+    rows: LlRows,
+    a: usize,
+    mutation: ProtocolMutation,
+) -> Result<()> {
+    let s = ctx.me().rank;
+    let lay = op.layout;
+    let l_count = lay.num_local_experts;
+    let row_bytes = lay.row() as usize;
+    let reuse = mutation == ProtocolMutation::LlStagingReuse;
+    let mut buf = vec![0u8; row_bytes];
+    // 1. Cast each token once into its staging row (this agent's share), then meet the other agent.
+    if !reuse {
+        for t in (a..x.rows()).step_by(SEND_AGENTS) {
+            stage_row(x.row(t), rows, lay, &mut buf)?;
+            ctx.store(s, op.at(arena, lay.dsend_row(t)), &buf)?;
+        }
+    }
+    ctx.block_barrier()?;
+    // 2. Per destination: metadata, row puts in runs, fence, metadata + signal.
+    let meta_bytes = lay.meta() as usize;
+    let hdr = lay.header() as usize;
+    let mut meta = vec![0u8; hdr + x.rows() * meta_bytes];
+    let mut pos = vec![0u32; l_count];
+    for d in op.dests(s, a, SEND_AGENTS) {
+        meta.iter_mut().for_each(|b| *b = 0);
+        pos.iter_mut().for_each(|p| *p = 0);
+        let mut n = 0usize;
+        // Current run: (first slot, first token, length).
+        let mut run: Option<(usize, usize, usize)> = None;
+        let mut runs = 0u32;
+        for t in 0..x.rows() {
+            let m = hdr + n * meta_bytes;
+            let mut cnt = 0usize;
+            for (k, &e) in idx.row(t).iter().enumerate() {
+                let Ok(e) = usize::try_from(e) else { continue };
+                if e / l_count != d {
+                    continue;
+                }
+                let l = e % l_count;
+                let o = m + 8 + cnt * LL_META_ENTRY_BYTES as usize;
+                meta[o..o + 8].copy_from_slice(&ll_meta_entry(
+                    l as u16,
+                    pos[l] as u16,
+                    weights.get(t, k),
+                ));
+                pos[l] += 1;
+                cnt += 1;
+            }
+            if cnt == 0 {
+                continue;
+            }
+            put_u32(&mut meta, m, t as u32);
+            put_u32(&mut meta, m + 4, cnt as u32);
+            let slot = n;
+            n += 1;
+            if reuse {
+                // Planted bug: one staging row reused for every message, no quiet between.
+                stage_row(x.row(t), rows, lay, &mut buf)?;
+                ctx.store(s, op.at(arena, lay.dsend_row(0)), &buf)?;
+                ctx.put(
+                    d,
+                    QpIndex(ll_data_qp(runs, op.num_qps)),
+                    op.at(arena, lay.drecv_row(s, slot)),
+                    op.at(arena, lay.dsend_row(0)),
+                    row_bytes as u64,
+                )?;
+                runs += 1;
+                continue;
+            }
+            run = match run {
+                Some((s0, t0, len)) if t0 + len == t => Some((s0, t0, len + 1)),
+                other => {
+                    if let Some(r0) = other {
+                        put_run(ctx, arena, op, d, r0, runs)?;
+                        runs += 1;
+                    }
+                    Some((slot, t, 1))
+                }
+            };
+        }
+        if let Some(r0) = run {
+            put_run(ctx, arena, op, d, r0, runs)?;
+        }
+        for (l, &p) in pos.iter().enumerate() {
+            put_u32(&mut meta, 4 * l, p);
+        }
+        let len = hdr + n * meta_bytes;
+        ctx.store(s, op.at(arena, lay.dsend_meta(d)), &meta[..len])?;
+        if mutation != ProtocolMutation::LlSignalWithoutFence {
+            ctx.fence()?;
+        }
+        ctx.put_signal(
+            d,
+            QpIndex(LL_SIGNAL_QP),
+            op.at(arena, lay.drecv(s)),
+            op.at(arena, lay.dsend_meta(d)),
+            len as u64,
+            op.dsig(arena, s),
+            SignalOp::Set,
+            ll_encode(op.call, n as u32),
+        )?;
+    }
+    ctx.quiet()
+}
+
+fn put_run(
+    ctx: &mut dyn AgentCtx,
+    arena: &LlArena,
+    op: &LlOp,
+    d: usize,
+    (slot, t, len): (usize, usize, usize),
+    run: u32,
+) -> Result<()> {
+    let s = ctx.me().rank;
+    let lay = op.layout;
+    ctx.put(
+        d,
+        QpIndex(ll_data_qp(run, op.num_qps)),
+        op.at(arena, lay.drecv_row(s, slot)),
+        op.at(arena, lay.dsend_row(t)),
+        len as u64 * lay.row(),
+    )
+}
+
+/// What a dispatch hook produced on one rank.
+pub(crate) type LlRecvOut = (LlDispatchOutput, LlRoutes);
+
+/// Dispatch receive half, the hook (docs/protocol.md §3.4).
+pub(crate) fn dispatch_recv_phase<'a>(
+    arena: &'a LlArena,
+    op: &'a LlOp,
+    rows: LlRows,
+    topk: &'a [(Tensor2<ExpertIdx>, Tensor2<f32>)],
+    mutation: ProtocolMutation,
+    out: &'a [Mutex<Option<LlRecvOut>>],
+) -> Phase<'a> {
+    let mut phase = Phase::new(PhaseKind::LowLatencyDispatchRecv, op.call);
+    for d in (0..arena.num_ranks).filter(|&d| op.live(d)) {
+        phase = phase.agent(d, 0, "ll-receiver", move |ctx: &mut dyn AgentCtx| {
+            let res = dispatch_recv(ctx, arena, op, rows, mutation)?;
+            let (idx, w) = &topk[d];
+            let routes = LlRoutes {
+                topk_idx: idx.clone(),
+                topk_weights: w.clone(),
+                ..res.1
+            };
+            put_slot(&out[d], (res.0, routes));
+            Ok(())
+        });
+    }
+    phase
+}
+
+fn dispatch_recv(
+    ctx: &mut dyn AgentCtx,
+    arena: &LlArena,
+    op: &LlOp,
+    rows: LlRows,
+    mutation: ProtocolMutation,
+) -> Result<LlRecvOut> {
+    let d = ctx.me().rank;
+    let lay = op.layout;
+    let r = lay.num_ranks;
+    let l_count = lay.num_local_experts;
+    let h = lay.hidden;
+    let n_rows = r * lay.num_max_tokens;
+    let row_bytes = lay.row() as usize;
+    let meta_bytes = lay.meta() as usize;
+    let hdr = lay.header() as usize;
+    let s_count = h / fp8::FP8_BLOCK;
+    let packs = s_count.div_ceil(fp8::UE8M0_PER_PACK);
+    let mut recv_x = match (rows.use_fp8, rows.use_ue8m0) {
+        (false, _) => LlRecvX::Bf16(vec![Tensor2::filled(n_rows, h, bf16::ZERO); l_count]),
+        (true, false) => LlRecvX::Fp8 {
+            data: vec![Tensor2::filled(n_rows, h, 0u8); l_count],
+            scales: vec![Tensor2::filled(n_rows, s_count, 0f32); l_count],
+        },
+        (true, true) => LlRecvX::Fp8Ue8m0 {
+            data: vec![Tensor2::filled(n_rows, h, 0u8); l_count],
+            scales: vec![Tensor2::filled(n_rows, packs, 0i32); l_count],
+        },
+    };
+    let mut src_info = Tensor2::filled(l_count, n_rows, -1i32);
+    let mut layout_range = Tensor2::filled(l_count, r, 0i64);
+    let mut begin = vec![0u32; l_count];
+    let mut routes = LlRoutes {
+        msg_start: vec![0],
+        msg_token: Vec::new(),
+        entry_start: vec![0],
+        entries: Vec::new(),
+        topk_idx: Tensor2::filled(0, 0, 0),
+        topk_weights: Tensor2::filled(0, 0, 0.0),
+    };
+    let mut meta = Vec::new();
+    let mut data = Vec::new();
+    let mut sc = vec![0f32; s_count];
+    let mut bf = vec![bf16::ZERO; h];
+    for s in 0..r {
+        if !op.live(s) {
+            for l in 0..l_count {
+                layout_range.set(l, s, pack_layout_range(begin[l], 0));
+            }
+            routes.msg_start.push(routes.msg_token.len() as u32);
+            continue;
+        }
+        let n = wait_signal(ctx, d, op.dsig(arena, s), op.call, || {
+            format!("dispatch signal of rank {s} for call {}", op.call)
+        })? as usize;
+        if n > lay.num_max_tokens {
+            return Err(Error::LlInvalidLayout {
+                local_expert: 0,
+                source_rank: s,
+                detail: format!("{n} messages exceed N = {}", lay.num_max_tokens),
+            });
+        }
+        meta.resize(hdr + n * meta_bytes, 0);
+        ctx.load(d, op.at(arena, lay.drecv(s)), &mut meta)?;
+        data.resize(n * row_bytes, 0);
+        if n > 0 {
+            ctx.load(d, op.at(arena, lay.drecv_row(s, 0)), &mut data)?;
+        }
+        // Planted bug: blocks after the first start one row late.
+        let shift = u32::from(mutation == ProtocolMutation::LlBeginOffByOne && s > 0);
+        for i in 0..n {
+            let m = hdr + i * meta_bytes;
+            let t = get_u32(&meta, m);
+            let cnt = get_u32(&meta, m + 4) as usize;
+            let row_src = &data[i * row_bytes..(i + 1) * row_bytes];
+            routes.msg_token.push(t);
+            for j in 0..cnt {
+                let o = m + 8 + j * LL_META_ENTRY_BYTES as usize;
+                let (l, pos, w) = ll_meta_entry_decode(&meta[o..o + 8]);
+                let l = l as usize;
+                let row =
+                    (begin.get(l).copied().unwrap_or(u32::MAX) + u32::from(pos) + shift) as usize;
+                if l >= l_count || row >= n_rows {
+                    return Err(Error::LlInvalidLayout {
+                        local_expert: l,
+                        source_rank: s,
+                        detail: format!("entry of token {t} lands on row {row} of {n_rows}"),
+                    });
+                }
+                src_info.set(l, row, t as i32);
+                routes.entries.push((l as u16, row as u32, w));
+                match &mut recv_x {
+                    LlRecvX::Bf16(x) => {
+                        get_bf16_row(row_src, &mut bf);
+                        x[l].row_mut(row).copy_from_slice(&bf);
+                    }
+                    LlRecvX::Fp8 { data, scales } => {
+                        data[l].row_mut(row).copy_from_slice(&row_src[..h]);
+                        get_f32s(&row_src[lay.fp8_scales_offset() as usize..], &mut sc);
+                        scales[l].row_mut(row).copy_from_slice(&sc);
+                    }
+                    LlRecvX::Fp8Ue8m0 { data, scales } => {
+                        data[l].row_mut(row).copy_from_slice(&row_src[..h]);
+                        get_f32s(&row_src[lay.fp8_scales_offset() as usize..], &mut sc);
+                        scales[l]
+                            .row_mut(row)
+                            .copy_from_slice(&fp8::pack_ue8m0(&sc));
+                    }
+                }
+            }
+            routes.entry_start.push(routes.entries.len() as u32);
+        }
+        routes.msg_start.push(routes.msg_token.len() as u32);
+        for l in 0..l_count {
+            let c = get_u32(&meta, 4 * l);
+            layout_range.set(l, s, pack_layout_range(begin[l], c));
+            begin[l] += c;
+        }
+    }
+    Ok((
+        LlDispatchOutput {
+            recv_x,
+            recv_count: begin.iter().map(|&c| c as i32).collect(),
+            handle: LlHandle {
+                src_info,
+                layout_range,
+                num_max_dispatch_tokens_per_rank: lay.num_max_tokens,
+                hidden: h,
+                num_experts: op.num_experts,
+            },
+        },
+        routes,
+    ))
+}
+
+/// Where a combine send half reads expert outputs.
+#[derive(Clone, Copy)]
+pub(crate) enum ExpertOut<'a> {
+    /// The zero-copy region `cy` of the operation's half (written before the call).
+    ZeroCopy,
+    /// The caller's tensors (`[L][R·N, H]` per rank).
+    Host(&'a [Option<Vec<Tensor2<bf16>>>]),
+}
+
+/// The phase that writes expert outputs into the zero-copy region (what the caller's GEMM does
+/// on the GPU).
+pub(crate) fn expert_output_phase<'a>(
+    arena: &'a LlArena,
+    op: &'a LlOp,
+    y: &'a [Option<Vec<Tensor2<bf16>>>],
+) -> Phase<'a> {
+    let mut phase = Phase::new(PhaseKind::Custom("expert_output".into()), op.call);
+    for d in (0..arena.num_ranks).filter(|&d| op.live(d)) {
+        phase = phase.agent(d, 0, "expert-gemm", move |ctx: &mut dyn AgentCtx| {
+            let Some(y) = &y[d] else { return Ok(()) };
+            let mut buf = Vec::new();
+            for (l, t) in y.iter().enumerate() {
+                buf.resize(t.rows() * t.cols() * 2, 0);
+                put_bf16_row(&mut buf, t.data());
+                ctx.store(d, op.at(arena, op.layout.cy(l, 0)), &buf)?;
+            }
+            Ok(())
+        });
+    }
+    phase
+}
+
+/// Combine send half on the expert ranks (docs/protocol.md §3.5).
+pub(crate) fn combine_send_phase<'a>(
+    arena: &'a LlArena,
+    op: &'a LlOp,
+    routes: &'a [Option<LlRoutes>],
+    y: ExpertOut<'a>,
+) -> Phase<'a> {
+    let mut phase = Phase::new(PhaseKind::LowLatencyCombineSend, op.call);
+    for d in (0..arena.num_ranks).filter(|&d| op.live(d)) {
+        phase = phase.agent(d, 0, "ll-combiner", move |ctx: &mut dyn AgentCtx| {
+            let rt = routes[d].as_ref().ok_or(Error::ShapeMismatch {
+                what: "low-latency combine routes",
+                expected: format!("routes for unmasked rank {d}"),
+                found: "None".into(),
+            })?;
+            combine_send(ctx, arena, op, rt, y)
+        });
+    }
+    phase
+}
+
+fn combine_send(
+    ctx: &mut dyn AgentCtx,
+    arena: &LlArena,
+    op: &LlOp,
+    rt: &LlRoutes,
+    y: ExpertOut<'_>,
+) -> Result<()> {
+    let d = ctx.me().rank;
+    let lay = op.layout;
+    let h = lay.hidden;
+    let row_bytes = lay.row() as usize;
+    let mut acc = vec![0f32; h];
+    let mut yrow = vec![bf16::ZERO; h];
+    let mut ybytes = vec![0u8; 2 * h];
+    let mut out = vec![bf16::ZERO; h];
+    let mut buf = Vec::new();
+    for s in op.dests(d, 0, 1) {
+        let m0 = rt.msg_start[s] as usize;
+        let n = rt.num_messages(s);
+        buf.clear();
+        buf.resize(n * row_bytes, 0);
+        for i in 0..n {
+            let m = m0 + i;
+            let ents = &rt.entries[rt.entry_start[m] as usize..rt.entry_start[m + 1] as usize];
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            for (j, &(l, _, w)) in ents.iter().enumerate() {
+                // A token naming one expert twice reads the row of its first entry (spec §2.5).
+                let row = ents[..=j].iter().find(|e| e.0 == l).map_or(0, |e| e.1) as usize;
+                let yr: &[bf16] = match y {
+                    ExpertOut::ZeroCopy => {
+                        ctx.load(d, op.at(arena, lay.cy(l as usize, row)), &mut ybytes)?;
+                        get_bf16_row(&ybytes, &mut yrow);
+                        &yrow
+                    }
+                    ExpertOut::Host(t) => t[d]
+                        .as_ref()
+                        .and_then(|v| v.get(l as usize))
+                        .filter(|t| row < t.rows())
+                        .map(|t| t.row(row))
+                        .ok_or(Error::ShapeMismatch {
+                            what: "low-latency combine expert outputs",
+                            expected: format!("[L][R*N, H] on rank {d}"),
+                            found: "missing rows".into(),
+                        })?,
+                };
+                for (a, v) in acc.iter_mut().zip(yr) {
+                    *a = v.to_f32().mul_add(w, *a);
+                }
+            }
+            for (o, &a) in out.iter_mut().zip(&acc) {
+                *o = bf16::from_f32(a);
+            }
+            put_bf16_row(&mut buf[i * row_bytes..], &out);
+        }
+        if n > 0 {
+            ctx.store(d, op.at(arena, lay.csend(s, 0)), &buf)?;
+        }
+        ctx.put_signal(
+            s,
+            QpIndex(LL_SIGNAL_QP),
+            op.at(arena, lay.crecv(d, 0)),
+            op.at(arena, lay.csend(s, 0)),
+            (n * row_bytes) as u64,
+            op.csig(arena, d),
+            SignalOp::Set,
+            ll_encode(op.call, n as u32),
+        )?;
+    }
+    ctx.quiet()
+}
+
+/// Combine receive half, the hook (docs/protocol.md §3.6).
+pub(crate) fn combine_recv_phase<'a>(
+    arena: &'a LlArena,
+    op: &'a LlOp,
+    topk: &'a [Tensor2<ExpertIdx>],
+    out: &'a [Mutex<Option<Tensor2<bf16>>>],
+) -> Phase<'a> {
+    let mut phase = Phase::new(PhaseKind::LowLatencyCombineRecv, op.call);
+    for s in (0..arena.num_ranks).filter(|&s| op.live(s)) {
+        phase = phase.agent(s, 0, "ll-reducer", move |ctx: &mut dyn AgentCtx| {
+            let res = combine_recv(ctx, arena, op, &topk[s])?;
+            put_slot(&out[s], res);
+            Ok(())
+        });
+    }
+    phase
+}
+
+fn combine_recv(
+    ctx: &mut dyn AgentCtx,
+    arena: &LlArena,
+    op: &LlOp,
+    idx: &Tensor2<ExpertIdx>,
+) -> Result<Tensor2<bf16>> {
+    let s = ctx.me().rank;
+    let lay = op.layout;
+    let r = lay.num_ranks;
+    let l_count = lay.num_local_experts;
+    let h = lay.hidden;
+    let row_bytes = lay.row() as usize;
+    let t_count = idx.rows();
+    // has[t * r + d]: token t has an expert on d.
+    let mut has = vec![false; t_count * r];
+    let mut expected = vec![0usize; r];
+    for t in 0..t_count {
+        for &e in idx.row(t) {
+            if let Ok(e) = usize::try_from(e) {
+                has[t * r + e / l_count] = true;
+            }
+        }
+        for d in 0..r {
+            expected[d] += usize::from(has[t * r + d]);
+        }
+    }
+    let mut parts: Vec<Vec<u8>> = vec![Vec::new(); r];
+    for d in (0..r).filter(|&d| op.live(d)) {
+        let n = wait_signal(ctx, s, op.csig(arena, d), op.call, || {
+            format!("combine signal of rank {d} for call {}", op.call)
+        })? as usize;
+        if n != expected[d] {
+            return Err(Error::LlInvalidLayout {
+                local_expert: usize::MAX,
+                source_rank: d,
+                detail: format!(
+                    "rank {d} returned {n} partial rows, rank {s} sent it {} tokens",
+                    expected[d]
+                ),
+            });
+        }
+        parts[d].resize(n * row_bytes, 0);
+        if n > 0 {
+            ctx.load(s, op.at(arena, lay.crecv(d, 0)), &mut parts[d])?;
+        }
+    }
+    let mut out = Tensor2::filled(t_count, h, bf16::ZERO);
+    let mut acc = vec![0f32; h];
+    let mut p = vec![bf16::ZERO; h];
+    let mut slot = vec![0usize; r];
+    for t in 0..t_count {
+        acc.iter_mut().for_each(|a| *a = 0.0);
+        for d in 0..r {
+            if !has[t * r + d] {
+                continue;
+            }
+            let i = slot[d];
+            slot[d] += 1;
+            if !op.live(d) {
+                continue;
+            }
+            get_bf16_row(&parts[d][i * row_bytes..], &mut p);
+            for (a, v) in acc.iter_mut().zip(&p) {
+                *a += v.to_f32();
+            }
+        }
+        for (o, &a) in out.row_mut(t).iter_mut().zip(&acc) {
+            *o = bf16::from_f32(a);
+        }
+    }
+    Ok(out)
+}
+
+/// The clean phase: zero every low-latency signal word of both halves (docs/protocol.md §3.7).
+pub(crate) fn clean_phase<'a>(arena: &'a LlArena, call: u64, masked: &'a [bool]) -> Phase<'a> {
+    let mut phase = Phase::new(PhaseKind::Clean, call);
+    for d in (0..arena.num_ranks).filter(|&d| !masked.get(d).copied().unwrap_or(false)) {
+        phase = phase.agent(d, 0, "ll-clean", move |ctx: &mut dyn AgentCtx| {
+            let zeros = vec![0u8; arena.signals.region.len as usize];
+            ctx.store(d, arena.signals.at(0), &zeros)
+        });
+    }
+    phase
+}
+
+/// Writes garbage into the low-latency signal words, as other kernels using the same memory
+/// would (spec case 20). Test support.
+pub(crate) fn scribble_phase<'a>(arena: &'a LlArena, call: u64, value: u64) -> Phase<'a> {
+    let mut phase = Phase::new(PhaseKind::Custom("foreign-use".into()), call);
+    for d in 0..arena.num_ranks {
+        phase = phase.agent(d, 0, "foreign", move |ctx: &mut dyn AgentCtx| {
+            let words = arena.signals.region.len / 16;
+            let mut buf = vec![0u8; arena.signals.region.len as usize];
+            for w in 0..words as usize {
+                buf[16 * w..16 * w + 8].copy_from_slice(&value.to_le_bytes());
+            }
+            ctx.store(d, arena.signals.at(0), &buf)
+        });
+    }
+    phase
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dests_cover_every_live_rank_once() {
+        let op = LlOp {
+            call: 1,
+            half: 0,
+            layout: LlLayout {
+                num_ranks: 5,
+                num_local_experts: 1,
+                hidden: 128,
+                num_max_tokens: 4,
+            },
+            masked: vec![false, true, false, false, false],
+            num_qps: 1,
+            num_experts: 5,
+        };
+        let mut all: Vec<usize> = (0..SEND_AGENTS)
+            .flat_map(|a| op.dests(2, a, SEND_AGENTS))
+            .collect();
+        all.sort_unstable();
+        assert_eq!(all, vec![0, 2, 3, 4]);
+        let _ = put_u32;
+    }
+}

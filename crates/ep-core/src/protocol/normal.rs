@@ -1,0 +1,833 @@
+//! Normal intranode agents (docs/protocol.md §2): count exchange, direct-placement dispatch,
+//! cached dispatch, pull combine. Every row moves with one `store` or `load`.
+
+#![allow(
+    clippy::needless_range_loop,
+    reason = "indices name ranks, experts and channels, as the protocol document does"
+)]
+
+use std::sync::Mutex;
+
+use half::bf16;
+
+use super::ProtocolMutation;
+use super::bytes::{
+    get_bf16_row, get_f32, get_f32s, get_i32, get_i64, put_bf16_row, put_f32, put_f32s, put_i32,
+    put_i64,
+};
+use super::layout::{
+    MAX_CHANNELS, NormalCtrl, NormalData, RowFormat, channel_range, count_record_fields,
+    normal_final_row, parity, table_fields,
+};
+use crate::error::{Error, Result};
+use crate::plan::combine::{accumulate, init_accumulator, round_row};
+use crate::plan::intranode::{IntranodeHandle, sender_channels};
+use crate::plan::layout::DispatchLayout;
+use crate::routing::{Activations, ExpertIdx, RankInputs};
+use crate::tensor::Tensor2;
+use crate::transport::{AgentCtx, Cmp, Phase, PhaseKind, SymAddr, SymAlloc, WaitUntil};
+
+/// The normal-mode arena of a `Buffer`: control words and data (docs/protocol.md §2.1).
+#[derive(Clone, Debug)]
+pub(crate) struct NormalArena {
+    pub(crate) num_ranks: usize,
+    pub(crate) ctrl: SymAlloc,
+    pub(crate) data: SymAlloc,
+}
+
+impl NormalArena {
+    pub(crate) fn ctrl_layout(&self) -> NormalCtrl {
+        NormalCtrl {
+            num_ranks: self.num_ranks,
+        }
+    }
+    pub(crate) fn data_layout(&self) -> NormalData {
+        NormalData {
+            num_ranks: self.num_ranks,
+            data_bytes: self.data.region.len,
+        }
+    }
+    fn word(&self, off: u64) -> SymAddr {
+        self.ctrl.at(off)
+    }
+    fn at(&self, off: u64) -> SymAddr {
+        self.data.at(off)
+    }
+}
+
+fn wait_eq(
+    ctx: &mut dyn AgentCtx,
+    rank: usize,
+    word: SymAddr,
+    value: u64,
+    what: impl FnOnce() -> String,
+) -> Result<u64> {
+    ctx.wait(&WaitUntil {
+        rank,
+        word,
+        cmp: Cmp::Eq,
+        value,
+        what: what(),
+    })
+}
+
+/// What the count exchange of a rank computed (the host-visible part of its outputs).
+#[derive(Clone, Debug)]
+pub(crate) struct NotifyResult {
+    pub(crate) rank_prefix_matrix: Tensor2<i32>,
+    pub(crate) channel_prefix_matrix: Tensor2<i32>,
+    pub(crate) recv_channel_prefix_matrix: Tensor2<i32>,
+    pub(crate) send_head: Tensor2<i32>,
+    pub(crate) num_recv: usize,
+    pub(crate) expert_list: Vec<i32>,
+}
+
+/// What a dispatch receiver loaded from its arena.
+#[derive(Clone, Debug)]
+pub(crate) struct RecvResult {
+    pub(crate) recv_x: Activations,
+    pub(crate) src_idx: Vec<i32>,
+    pub(crate) topk_idx: Option<Tensor2<ExpertIdx>>,
+    pub(crate) topk_weights: Option<Tensor2<f32>>,
+}
+
+/// A non-cached normal dispatch of all ranks.
+pub(crate) struct DispatchJob<'a> {
+    pub(crate) inputs: &'a [RankInputs],
+    pub(crate) layouts: &'a [DispatchLayout],
+    pub(crate) num_local_experts: usize,
+    pub(crate) num_channels: usize,
+    pub(crate) expert_alignment: usize,
+    pub(crate) num_worst_tokens: usize,
+    pub(crate) with_topk: bool,
+    pub(crate) fmt: RowFormat,
+}
+
+/// Output slots of a dispatch phase, one per rank.
+pub(crate) struct DispatchSlots {
+    pub(crate) notify: Vec<Mutex<Option<NotifyResult>>>,
+    pub(crate) recv: Vec<Mutex<Option<RecvResult>>>,
+}
+
+impl DispatchSlots {
+    pub(crate) fn new(r: usize) -> Self {
+        Self {
+            notify: (0..r).map(|_| Mutex::new(None)).collect(),
+            recv: (0..r).map(|_| Mutex::new(None)).collect(),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+pub(crate) fn put_slot<T>(m: &Mutex<Option<T>>, v: T) {
+    *lock(m) = Some(v);
+}
+
+pub(crate) fn take_slot<T>(m: &Mutex<Option<T>>, what: &str) -> Result<T> {
+    lock(m).take().ok_or_else(|| Error::AgentFailed {
+        rank: 0,
+        agent: what.to_owned(),
+        detail: "the agent finished without producing its result".into(),
+    })
+}
+
+/// The parsed table of a rank.
+struct Table {
+    send_base: Vec<u32>,
+    recv_begin: Vec<u32>,
+}
+
+fn load_table(ctx: &mut dyn AgentCtx, arena: &NormalArena, rank: usize, p: u64) -> Result<Table> {
+    let r = arena.num_ranks;
+    let (fb, fr, fc) = table_fields(r);
+    // `recv_chan` (after `fc`) is for kernels that place rows per channel; the receiver here
+    // loads whole blocks and does not need it.
+    let len = fc as usize;
+    let mut buf = vec![0u8; len];
+    ctx.load(rank, arena.at(arena.data_layout().table(p)), &mut buf)?;
+    let rd = |off: u64, i: usize| get_i32(&buf, off as usize + 4 * i) as u32;
+    Ok(Table {
+        send_base: (0..r).map(|i| rd(fb, i)).collect(),
+        recv_begin: (0..=r).map(|i| rd(fr, i)).collect(),
+    })
+}
+
+/// Encodes the x part (and FP8 scales) of token `t` into a record.
+fn put_x(rec: &mut [u8], x: &Activations, t: usize, fmt: RowFormat) {
+    match x {
+        Activations::Bf16(x) => put_bf16_row(rec, x.row(t)),
+        Activations::Fp8 { data, scales } => {
+            rec[..fmt.hidden].copy_from_slice(data.row(t));
+            let so = fmt.scales_offset() as usize;
+            put_f32s(&mut rec[so..], scales.row(t));
+        }
+    }
+}
+
+/// Fills the meta part of a record: `src_idx`, and top-k remapped to `d`'s local experts.
+fn put_meta(
+    rec: &mut [u8],
+    fmt: RowFormat,
+    t: usize,
+    topk: Option<(&[ExpertIdx], &[f32])>,
+    d: usize,
+    num_local: usize,
+) {
+    let mo = fmt.meta_offset() as usize;
+    put_i32(rec, mo, t as i32);
+    put_i32(rec, mo + 4, 0);
+    let k = fmt.num_topk;
+    if let Some((idx, w)) = topk {
+        let lo = (d * num_local) as ExpertIdx;
+        let hi = lo + num_local as ExpertIdx;
+        for j in 0..k {
+            let e = idx[j];
+            let (li, wi) = if e >= lo && e < hi {
+                (e - lo, w[j])
+            } else {
+                (-1, 0.0)
+            };
+            put_i64(rec, mo + 8 + 8 * j, li);
+            put_f32(rec, mo + 8 + 8 * k + 4 * j, wi);
+        }
+    }
+}
+
+/// A tail record (worst-token mode): zero data and scales, `src_idx = -1`, top-k `-1` / `0.0`.
+fn tail_record(fmt: RowFormat) -> Vec<u8> {
+    let mut rec = vec![0u8; fmt.dispatch_record() as usize];
+    let mo = fmt.meta_offset() as usize;
+    put_i32(&mut rec, mo, -1);
+    for j in 0..fmt.num_topk {
+        put_i64(&mut rec, mo + 8 + 8 * j, -1);
+    }
+    rec
+}
+
+/// Parses `rows` dispatch records into outputs.
+fn parse_rows(
+    buf: &[u8],
+    rows: usize,
+    fmt: RowFormat,
+    like: &Activations,
+    with_topk: bool,
+) -> RecvResult {
+    let drec = fmt.dispatch_record() as usize;
+    let h = fmt.hidden;
+    let k = fmt.num_topk;
+    let mo = fmt.meta_offset() as usize;
+    let so = fmt.scales_offset() as usize;
+    let mut recv_x = match like {
+        Activations::Bf16(_) => Activations::Bf16(Tensor2::filled(rows, h, bf16::ZERO)),
+        Activations::Fp8 { scales, .. } => Activations::Fp8 {
+            data: Tensor2::filled(rows, h, 0u8),
+            scales: Tensor2::filled(rows, scales.cols(), 0.0f32),
+        },
+    };
+    let mut src_idx = vec![-1i32; rows];
+    let mut idx = Tensor2::filled(rows, k, -1 as ExpertIdx);
+    let mut w = Tensor2::filled(rows, k, 0.0f32);
+    for j in 0..rows {
+        let rec = &buf[j * drec..(j + 1) * drec];
+        match &mut recv_x {
+            Activations::Bf16(x) => get_bf16_row(rec, x.row_mut(j)),
+            Activations::Fp8 { data, scales } => {
+                data.row_mut(j).copy_from_slice(&rec[..h]);
+                get_f32s(&rec[so..], scales.row_mut(j));
+            }
+        }
+        src_idx[j] = get_i32(rec, mo);
+        for kk in 0..k {
+            idx.set(j, kk, get_i64(rec, mo + 8 + 8 * kk));
+            w.set(j, kk, get_f32(rec, mo + 8 + 8 * k + 4 * kk));
+        }
+    }
+    RecvResult {
+        recv_x,
+        src_idx,
+        topk_idx: with_topk.then_some(idx),
+        topk_weights: with_topk.then_some(w),
+    }
+}
+
+/// The receive side shared by dispatch and cached dispatch: wait every `done[s][c]`, write the
+/// tail, load rows `[0, rows)`.
+#[allow(clippy::too_many_arguments, reason = "one agent's whole context")]
+fn receive(
+    ctx: &mut dyn AgentCtx,
+    arena: &NormalArena,
+    call: u64,
+    num_channels: &[usize],
+    num_recv: usize,
+    rows: usize,
+    fmt: RowFormat,
+    like: &Activations,
+    with_topk: bool,
+) -> Result<RecvResult> {
+    let d = ctx.me().rank;
+    let ctrl = arena.ctrl_layout();
+    let data = arena.data_layout();
+    for (s, &cs) in num_channels.iter().enumerate() {
+        for c in 0..cs {
+            wait_eq(ctx, d, arena.word(ctrl.done(s, c)), call, || {
+                format!("done of rank {s} channel {c} for call {call}")
+            })?;
+        }
+    }
+    let drec = fmt.dispatch_record();
+    if rows > num_recv {
+        let one = tail_record(fmt);
+        let mut tail = Vec::with_capacity(one.len() * (rows - num_recv));
+        for _ in num_recv..rows {
+            tail.extend_from_slice(&one);
+        }
+        ctx.store(d, arena.at(data.dispatch_row(num_recv as u64, drec)), &tail)?;
+    }
+    let mut buf = vec![0u8; rows * drec as usize];
+    if rows > 0 {
+        ctx.load(d, arena.at(data.dispatch_row(0, drec)), &mut buf)?;
+    }
+    Ok(parse_rows(&buf, rows, fmt, like, with_topk))
+}
+
+/// The non-cached dispatch phase (docs/protocol.md §2.3).
+pub(crate) fn dispatch_phase<'a>(
+    arena: &'a NormalArena,
+    job: &'a DispatchJob<'a>,
+    call: u64,
+    mutation: ProtocolMutation,
+    slots: &'a DispatchSlots,
+) -> Phase<'a> {
+    let r = arena.num_ranks;
+    let c_count = job.num_channels;
+    let mut phase = Phase::new(PhaseKind::DispatchSend, call);
+    for s in 0..r {
+        phase = phase.agent(s, 0, "notify", move |ctx: &mut dyn AgentCtx| {
+            notify(ctx, arena, job, call, mutation, &slots.notify[s])
+        });
+        for c in 0..c_count {
+            phase = phase.agent(s, 1 + c, "sender", move |ctx: &mut dyn AgentCtx| {
+                send(ctx, arena, job, call, c, mutation)
+            });
+        }
+        phase = phase.agent(s, 1 + c_count, "receiver", move |ctx: &mut dyn AgentCtx| {
+            let p = parity(call);
+            let ctrl = arena.ctrl_layout();
+            wait_eq(ctx, s, arena.word(ctrl.table_ready(p)), call, || {
+                format!("own table of call {call}")
+            })?;
+            let table = load_table(ctx, arena, s, p)?;
+            let num_recv = table.recv_begin[r] as usize;
+            let rows = if job.num_worst_tokens > 0 {
+                job.num_worst_tokens
+            } else {
+                num_recv
+            };
+            let chans = vec![c_count; r];
+            let res = receive(
+                ctx,
+                arena,
+                call,
+                &chans,
+                num_recv,
+                rows,
+                job.fmt,
+                &job.inputs[0].x,
+                job.with_topk,
+            )?;
+            put_slot(&slots.recv[s], res);
+            Ok(())
+        });
+    }
+    phase
+}
+
+fn notify(
+    ctx: &mut dyn AgentCtx,
+    arena: &NormalArena,
+    job: &DispatchJob<'_>,
+    call: u64,
+    mutation: ProtocolMutation,
+    out: &Mutex<Option<NotifyResult>>,
+) -> Result<()> {
+    let s = ctx.me().rank;
+    let r = arena.num_ranks;
+    let l_count = job.num_local_experts;
+    let c_count = job.num_channels;
+    let p = parity(call);
+    let ctrl = arena.ctrl_layout();
+    let data = arena.data_layout();
+    let lay = &job.layouts[s];
+    let (cpm, send_head) = sender_channels(&lay.is_token_in_rank, c_count);
+    let (_, fc, fe) = count_record_fields(r);
+    let rec_len = fe as usize + 4 * l_count;
+    let mut rec = vec![0u8; rec_len];
+    // Planted bug: the record goes to the other parity's slot while `notify` says it is here.
+    let p_write = if mutation == ProtocolMutation::CountsWrongParity {
+        1 - p
+    } else {
+        p
+    };
+    for d in 0..r {
+        for (e, &n) in lay.num_tokens_per_rank.iter().enumerate() {
+            put_i32(&mut rec, 4 * e, n);
+        }
+        for c in 0..c_count {
+            put_i32(&mut rec, fc as usize + 4 * c, cpm.get(d, c));
+        }
+        for l in 0..l_count {
+            put_i32(
+                &mut rec,
+                fe as usize + 4 * l,
+                lay.num_tokens_per_expert[d * l_count + l],
+            );
+        }
+        ctx.store(d, arena.at(data.count_record(p_write, s)), &rec)?;
+        ctx.store_release(d, arena.word(ctrl.notify(p, s)), call)?;
+    }
+    // Every rank's record, in rank order.
+    let mut counts = Tensor2::filled(r, r, 0i32);
+    let mut chan = vec![Tensor2::filled(1, c_count, 0i32); r];
+    let mut experts = vec![0i64; l_count];
+    for s2 in 0..r {
+        wait_eq(ctx, s, arena.word(ctrl.notify(p, s2)), call, || {
+            format!("count record of rank {s2} for call {call}")
+        })?;
+        ctx.load(s, arena.at(data.count_record(p, s2)), &mut rec)?;
+        for e in 0..r {
+            counts.set(s2, e, get_i32(&rec, 4 * e));
+        }
+        for c in 0..c_count {
+            chan[s2].set(0, c, get_i32(&rec, fc as usize + 4 * c));
+        }
+        for (l, x) in experts.iter_mut().enumerate() {
+            *x += i64::from(get_i32(&rec, fe as usize + 4 * l));
+        }
+    }
+    let mut rpm = Tensor2::filled(r, r, 0i32);
+    for i in 0..r {
+        for j in 0..r {
+            let above = if i == 0 { 0 } else { rpm.get(i - 1, j) };
+            rpm.set(i, j, above + counts.get(i, j));
+        }
+    }
+    let before = |i: usize, j: usize| if i == 0 { 0 } else { rpm.get(i - 1, j) };
+    let mut recv_cpm = Tensor2::filled(r, c_count, 0i32);
+    for s2 in 0..r {
+        for c in 1..c_count {
+            recv_cpm.set(s2, c, chan[s2].get(0, c - 1));
+        }
+    }
+    let num_recv = rpm.get(r - 1, s) as usize;
+    // Table: send_base, recv_begin (+ total), recv_chan.
+    let (fb, fr, ftc) = table_fields(r);
+    let mut table = vec![0u8; ftc as usize + 4 * r * MAX_CHANNELS];
+    for e in 0..r {
+        put_i32(&mut table, fb as usize + 4 * e, before(s, e));
+    }
+    for s2 in 0..r {
+        put_i32(&mut table, fr as usize + 4 * s2, before(s2, s));
+        for c in 0..c_count {
+            put_i32(
+                &mut table,
+                ftc as usize + 4 * (s2 * MAX_CHANNELS + c),
+                recv_cpm.get(s2, c),
+            );
+        }
+    }
+    put_i32(&mut table, fr as usize + 4 * r, num_recv as i32);
+    ctx.store(s, arena.at(data.table(p)), &table)?;
+    ctx.store_release(s, arena.word(ctrl.table_ready(p)), call)?;
+
+    let a = job.expert_alignment.max(1) as i64;
+    let expert_list = if job.num_worst_tokens > 0 {
+        Vec::new()
+    } else {
+        experts
+            .iter()
+            .map(|&x| ((x + a - 1) / a * a) as i32)
+            .collect()
+    };
+    put_slot(
+        out,
+        NotifyResult {
+            rank_prefix_matrix: rpm,
+            channel_prefix_matrix: cpm,
+            recv_channel_prefix_matrix: recv_cpm,
+            send_head,
+            num_recv,
+            expert_list,
+        },
+    );
+    Ok(())
+}
+
+/// Number of tokens before `start` that go to each rank.
+fn counts_before(itr: &Tensor2<bool>, start: usize) -> Vec<u32> {
+    let mut n = vec![0u32; itr.cols()];
+    for t in 0..start {
+        for (d, x) in n.iter_mut().enumerate() {
+            *x += u32::from(itr.get(t, d));
+        }
+    }
+    n
+}
+
+fn send(
+    ctx: &mut dyn AgentCtx,
+    arena: &NormalArena,
+    job: &DispatchJob<'_>,
+    call: u64,
+    c: usize,
+    mutation: ProtocolMutation,
+) -> Result<()> {
+    let s = ctx.me().rank;
+    let p = parity(call);
+    let ctrl = arena.ctrl_layout();
+    wait_eq(ctx, s, arena.word(ctrl.table_ready(p)), call, || {
+        format!("own table of call {call}")
+    })?;
+    let table = load_table(ctx, arena, s, p)?;
+    let inp = &job.inputs[s];
+    let itr = &job.layouts[s].is_token_in_rank;
+    let range = channel_range(inp.num_tokens(), job.num_channels, c);
+    let chan_start = counts_before(itr, range.start);
+    let base: Vec<u32> = (0..arena.num_ranks).map(|d| table.send_base[d]).collect();
+    let topk = |t: usize| {
+        job.with_topk
+            .then(|| (inp.topk_idx.row(t), inp.topk_weights.row(t)))
+    };
+    send_rows(
+        ctx,
+        arena,
+        call,
+        c,
+        &inp.x,
+        itr,
+        range,
+        &base,
+        &chan_start,
+        job.fmt,
+        &topk,
+        job.num_local_experts,
+        mutation,
+    )
+}
+
+/// Stores every selected row of channel `c` at its final row on its destination, then releases
+/// `done[s][c]` on every rank.
+#[allow(clippy::too_many_arguments, reason = "one agent's whole context")]
+fn send_rows<'t>(
+    ctx: &mut dyn AgentCtx,
+    arena: &NormalArena,
+    call: u64,
+    c: usize,
+    x: &Activations,
+    itr: &Tensor2<bool>,
+    range: std::ops::Range<usize>,
+    base: &[u32],
+    chan_start: &[u32],
+    fmt: RowFormat,
+    topk: &dyn Fn(usize) -> Option<(&'t [ExpertIdx], &'t [f32])>,
+    num_local: usize,
+    mutation: ProtocolMutation,
+) -> Result<()> {
+    let s = ctx.me().rank;
+    let r = arena.num_ranks;
+    let ctrl = arena.ctrl_layout();
+    let data = arena.data_layout();
+    let drec = fmt.dispatch_record();
+    let mut rec = vec![0u8; drec as usize];
+    let mut idx = vec![0u32; r];
+    // Planted bug: the last row is stored after the releases.
+    let mut deferred: Option<(usize, SymAddr, Vec<u8>)> = None;
+    for t in range {
+        put_x(&mut rec, x, t, fmt);
+        for d in 0..r {
+            if !itr.get(t, d) {
+                continue;
+            }
+            put_meta(&mut rec, fmt, t, topk(t), d, num_local);
+            let row = normal_final_row(base[d], chan_start[d], idx[d]);
+            idx[d] += 1;
+            let addr = arena.at(data.dispatch_row(u64::from(row), drec));
+            if mutation == ProtocolMutation::ReleaseBeforeLastRow {
+                if let Some((dd, a, b)) = deferred.take() {
+                    ctx.store(dd, a, &b)?;
+                }
+                deferred = Some((d, addr, rec.clone()));
+            } else {
+                ctx.store(d, addr, &rec)?;
+            }
+        }
+    }
+    for d in 0..r {
+        ctx.store_release(d, arena.word(ctrl.done(s, c)), call)?;
+    }
+    if let Some((dd, a, b)) = deferred {
+        ctx.store(dd, a, &b)?;
+    }
+    Ok(())
+}
+
+/// A cached normal dispatch of all ranks (docs/protocol.md §2.4).
+pub(crate) struct CachedJob<'a> {
+    pub(crate) xs: &'a [&'a Activations],
+    pub(crate) handles: &'a [IntranodeHandle],
+    pub(crate) fmt: RowFormat,
+}
+
+/// The cached dispatch phase.
+pub(crate) fn cached_phase<'a>(
+    arena: &'a NormalArena,
+    job: &'a CachedJob<'a>,
+    call: u64,
+    mutation: ProtocolMutation,
+    out: &'a [Mutex<Option<RecvResult>>],
+) -> Phase<'a> {
+    let r = arena.num_ranks;
+    let mut phase = Phase::new(PhaseKind::DispatchSend, call);
+    let chans: Vec<usize> = job
+        .handles
+        .iter()
+        .map(|h| h.channel_prefix_matrix.cols())
+        .collect();
+    for d in 0..r {
+        phase = phase.agent(d, 0, "ready", move |ctx: &mut dyn AgentCtx| {
+            let ctrl = arena.ctrl_layout();
+            for s in 0..r {
+                ctx.store_release(s, arena.word(ctrl.ready(d)), call)?;
+            }
+            Ok(())
+        });
+        let own = &job.handles[d];
+        for c in 0..chans[d] {
+            phase = phase.agent(d, 1 + c, "sender", move |ctx: &mut dyn AgentCtx| {
+                let ctrl = arena.ctrl_layout();
+                for e in 0..r {
+                    wait_eq(ctx, d, arena.word(ctrl.ready(e)), call, || {
+                        format!("ready of rank {e} for cached call {call}")
+                    })?;
+                }
+                let x = job.xs[d];
+                let itr = &own.is_token_in_rank;
+                let c_count = own.channel_prefix_matrix.cols();
+                let range = channel_range(x.num_tokens(), c_count, c);
+                let base: Vec<u32> = (0..r)
+                    .map(|e| {
+                        if d == 0 {
+                            0
+                        } else {
+                            own.rank_prefix_matrix.get(d - 1, e) as u32
+                        }
+                    })
+                    .collect();
+                let chan_start: Vec<u32> = (0..r)
+                    .map(|e| {
+                        if c == 0 {
+                            0
+                        } else {
+                            own.channel_prefix_matrix.get(e, c - 1) as u32
+                        }
+                    })
+                    .collect();
+                send_rows(
+                    ctx,
+                    arena,
+                    call,
+                    c,
+                    x,
+                    itr,
+                    range,
+                    &base,
+                    &chan_start,
+                    job.fmt,
+                    &|_| None,
+                    0,
+                    mutation,
+                )
+            });
+        }
+        let chans = chans.clone();
+        phase = phase.agent(
+            d,
+            1 + chans[d],
+            "receiver",
+            move |ctx: &mut dyn AgentCtx| {
+                let own = &job.handles[d];
+                let rows = own.recv_src_idx.len();
+                let res = receive(
+                    ctx,
+                    arena,
+                    call,
+                    &chans,
+                    own.num_recv_tokens,
+                    rows,
+                    job.fmt,
+                    job.xs[0],
+                    false,
+                )?;
+                put_slot(&out[d], res);
+                Ok(())
+            },
+        );
+    }
+    phase
+}
+
+/// A normal combine of all ranks (docs/protocol.md §2.5).
+pub(crate) struct CombineJob<'a> {
+    pub(crate) handles: &'a [IntranodeHandle],
+    pub(crate) args: &'a [crate::plan::combine::CombineArgs<'a>],
+    pub(crate) hidden: usize,
+    pub(crate) num_topk: usize,
+}
+
+/// One reducer's rows: `(first token, combined rows, combined weights)`.
+pub(crate) type ReducedRows = (usize, Vec<bf16>, Vec<f32>);
+
+/// The combine phase.
+pub(crate) fn combine_phase<'a>(
+    arena: &'a NormalArena,
+    job: &'a CombineJob<'a>,
+    call: u64,
+    mutation: ProtocolMutation,
+    out: &'a [Vec<Mutex<Option<ReducedRows>>>],
+) -> Phase<'a> {
+    let r = arena.num_ranks;
+    let fmt = RowFormat {
+        hidden: job.hidden,
+        elem_bytes: 2,
+        num_scales: 0,
+        num_topk: job.num_topk,
+    };
+    let yrec = fmt.combine_record();
+    let chans: Vec<usize> = job
+        .handles
+        .iter()
+        .map(|h| h.channel_prefix_matrix.cols())
+        .collect();
+    let mut phase = Phase::new(PhaseKind::CombineSend, call);
+    for d in 0..r {
+        let chans_d = chans.clone();
+        phase = phase.agent(d, 0, "publish", move |ctx: &mut dyn AgentCtx| {
+            let ctrl = arena.ctrl_layout();
+            let data = arena.data_layout();
+            let a = &job.args[d];
+            let rows = a.x.rows();
+            let mut buf = vec![0u8; rows * yrec as usize];
+            let wo = crate::protocol::layout::align16(2 * job.hidden as u64) as usize;
+            for j in 0..rows {
+                let rec = &mut buf[j * yrec as usize..(j + 1) * yrec as usize];
+                put_bf16_row(rec, a.x.row(j));
+                if let Some(w) = a.topk_weights {
+                    put_f32s(&mut rec[wo..], w.row(j));
+                }
+            }
+            if rows > 0 {
+                ctx.store(d, arena.at(data.combine_row(0, yrec)), &buf)?;
+            }
+            for s in 0..r {
+                ctx.store_release(s, arena.word(ctrl.y_ready(d)), call)?;
+            }
+            for (s, &cs) in chans_d.iter().enumerate() {
+                for c in 0..cs {
+                    wait_eq(ctx, d, arena.word(ctrl.pulled(s, c)), call, || {
+                        format!("pull of rank {s} channel {c} for call {call}")
+                    })?;
+                }
+            }
+            Ok(())
+        });
+        for c in 0..chans[d] {
+            let s = d;
+            phase = phase.agent(s, 1 + c, "reducer", move |ctx: &mut dyn AgentCtx| {
+                let rows = reduce(ctx, arena, job, call, c, yrec, mutation)?;
+                put_slot(&out[s][c], rows);
+                Ok(())
+            });
+        }
+    }
+    phase
+}
+
+fn reduce(
+    ctx: &mut dyn AgentCtx,
+    arena: &NormalArena,
+    job: &CombineJob<'_>,
+    call: u64,
+    c: usize,
+    yrec: u64,
+    mutation: ProtocolMutation,
+) -> Result<ReducedRows> {
+    let s = ctx.me().rank;
+    let r = arena.num_ranks;
+    let ctrl = arena.ctrl_layout();
+    let data = arena.data_layout();
+    if mutation != ProtocolMutation::CombineSkipYReady {
+        for d in 0..r {
+            wait_eq(ctx, s, arena.word(ctrl.y_ready(d)), call, || {
+                format!("combine rows of rank {d} for call {call}")
+            })?;
+        }
+    }
+    let own = &job.handles[s];
+    let h = job.hidden;
+    let k = job.num_topk;
+    let c_count = own.channel_prefix_matrix.cols();
+    let range = channel_range(own.send_head.rows(), c_count, c);
+    let first = range.start;
+    let mut out_x = vec![bf16::ZERO; range.len() * h];
+    let mut out_w = vec![0.0f32; range.len() * k];
+    let mut acc = vec![0.0f32; h];
+    let mut rec = vec![0u8; yrec as usize];
+    let mut y = vec![bf16::ZERO; h];
+    let mut w = vec![0.0f32; k];
+    let wo = crate::protocol::layout::align16(2 * h as u64) as usize;
+    let a = &job.args[s];
+    let base: Vec<i32> = (0..r)
+        .map(|d| {
+            (if s == 0 {
+                0
+            } else {
+                own.rank_prefix_matrix.get(s - 1, d)
+            }) + if c == 0 {
+                0
+            } else {
+                own.channel_prefix_matrix.get(d, c - 1)
+            }
+        })
+        .collect();
+    for (i, t) in range.enumerate() {
+        init_accumulator(
+            &mut acc,
+            a.bias.first().map(|b| b.row(t)),
+            a.bias.get(1).map(|b| b.row(t)),
+        );
+        let ow = &mut out_w[i * k..(i + 1) * k];
+        for d in 0..r {
+            let slot = own.send_head.get(t, d);
+            if slot < 0 {
+                continue;
+            }
+            let j = (base[d] + slot) as u64;
+            ctx.load(d, arena.at(data.combine_row(j, yrec)), &mut rec)?;
+            get_bf16_row(&rec, &mut y);
+            accumulate(&mut acc, &y);
+            if k > 0 {
+                get_f32s(&rec[wo..], &mut w);
+                for (o, v) in ow.iter_mut().zip(&w) {
+                    *o += v;
+                }
+            }
+        }
+        round_row(&acc, &mut out_x[i * h..(i + 1) * h]);
+    }
+    for d in 0..r {
+        ctx.store_release(d, arena.word(ctrl.pulled(s, c)), call)?;
+    }
+    Ok((first, out_x, out_w))
+}

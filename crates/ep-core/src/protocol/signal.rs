@@ -1,0 +1,62 @@
+//! Signal encodings (docs/protocol.md §1.1): every signal word carries the call it belongs to, so
+//! stale values never satisfy a wait and no word is reset between calls.
+//!
+//! Bit layout of a low-latency signal word (u64, little-endian): bits 63..32 = call number
+//! (epoch), bits 31..0 = number of messages. Normal-mode words hold the call number itself.
+//! Mirrored by `ep_signal_*` in `crates/ep-kernels/include/ep_protocol.cuh`.
+
+/// Normal-mode epoch word value of call `call`.
+#[must_use]
+pub const fn epoch_word(call: u64) -> u64 {
+    call
+}
+
+/// Low-latency signal value: `(call << 32) | count`. `count` must fit in 32 bits (at most `N`
+/// messages, `N <= 1024`); `call` in 32 bits (a `Buffer` makes fewer than 2^32 calls).
+#[must_use]
+pub const fn ll_encode(call: u64, count: u32) -> u64 {
+    (call << 32) | count as u64
+}
+
+/// The smallest value a waiter of call `call` accepts: `call << 32` (`>=`), since any value of
+/// an earlier call is below it.
+#[must_use]
+pub const fn ll_threshold(call: u64) -> u64 {
+    call << 32
+}
+
+/// The call number (epoch) of a low-latency signal value.
+#[must_use]
+pub const fn ll_epoch(value: u64) -> u64 {
+    value >> 32
+}
+
+/// The message count of a low-latency signal value.
+#[must_use]
+pub const fn ll_count(value: u64) -> u32 {
+    (value & 0xffff_ffff) as u32
+}
+
+/// Whether `value` is the signal of exactly call `call`.
+#[must_use]
+pub const fn ll_is_call(value: u64, call: u64) -> bool {
+    ll_epoch(value) == call
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_values_stay_below_the_threshold() {
+        for call in 1..50u64 {
+            for c in [0u32, 1, 1024, u32::MAX] {
+                let v = ll_encode(call, c);
+                assert!(v >= ll_threshold(call));
+                assert!(v < ll_threshold(call + 1));
+                assert_eq!((ll_epoch(v), ll_count(v)), (call, c));
+                assert!(ll_is_call(v, call) && !ll_is_call(v, call + 1));
+            }
+        }
+    }
+}
