@@ -144,6 +144,13 @@ impl AgentCtx for SimCtx {
     fn wait(&mut self, until: &WaitUntil) -> Result<u64> {
         self.word(Req::Wait(until.clone()))
     }
+    fn wait_or_expire(&mut self, until: &WaitUntil) -> Result<Option<u64>> {
+        match self.ask(Req::WaitOrExpire(until.clone()))? {
+            Resp::Word(w) => Ok(Some(w)),
+            Resp::Expired => Ok(None),
+            _ => Err(aborted()),
+        }
+    }
     fn block_barrier(&mut self) -> Result<()> {
         self.unit(Req::Barrier)
     }

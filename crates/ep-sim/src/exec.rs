@@ -17,7 +17,7 @@ use crate::config::Policy;
 use crate::ctx::SimCtx;
 use crate::proto::{Msg, Resp};
 use crate::violation::SimError;
-use crate::world::{Event, Pending, Prog, QpKey, Served, SlotKey, World};
+use crate::world::{Event, Pending, Prog, QpKey, Served, SlotKey, Timeout, World};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Entity {
@@ -109,6 +109,9 @@ fn agent_failed(w: &World, i: usize, e: Error) -> SimError {
         | Error::Unreachable { .. }
         | Error::QpOutOfRange { .. }
         | Error::WaitTimeout { .. }
+        | Error::QpError { .. }
+        | Error::CompletionTimeout { .. }
+        | Error::RankFailed { .. }
         | Error::ProtocolViolation { .. } => SimError::Core(e),
         other => SimError::Core(Error::AgentFailed {
             rank: w.agents[i].r.rank,
@@ -141,8 +144,14 @@ pub(crate) fn run_phase(
         }
     }
     w.violation = None;
-    w.begin_phase(phase.call, &specs, &phase.assume_zero, phase.rings.clone())
-        .map_err(SimError::Violation)?;
+    w.begin_phase(
+        phase.kind.clone(),
+        phase.call,
+        &specs,
+        &phase.assume_zero,
+        phase.rings.clone(),
+    )
+    .map_err(SimError::Violation)?;
     let (tx, rx) = mpsc::channel::<(usize, Msg)>();
     let call = phase.call;
     let result = thread::scope(|s| {
@@ -228,14 +237,26 @@ fn schedule(
         if let Some(v) = w.violation.take() {
             return Err(v.into());
         }
-        if w.agents.iter().all(|a| a.done) {
-            return Ok(());
+        if let Some(r) = w.finished() {
+            return r;
         }
         let ev = w.enabled_events();
-        if let Some(v) = w.timed_out() {
-            return Err(v.into());
+        match w.timed_out() {
+            Some(Timeout::Fail(v)) => return Err(v.into()),
+            Some(Timeout::Expire(i)) => {
+                w.agents[i].pending = None;
+                w.agents[i].parked_since = None;
+                answer(w, resp, rx, i, Resp::Expired)?;
+                continue;
+            }
+            None => {}
         }
         if ev.is_empty() {
+            // With faults injected, virtual time jumps to the next thing that can happen.
+            if let Some(t) = w.next_time_event() {
+                w.now = t;
+                continue;
+            }
             return Err(w.deadlock().into());
         }
         let e = ch.pick(w, &ev);
@@ -245,33 +266,46 @@ fn schedule(
             Event::Complete(k) => w.complete(k),
             Event::Agent(i) => match w.serve(i) {
                 Served::Stay => {}
-                Served::Respond(r) => {
-                    if resp[i].send(r).is_err() {
-                        w.agents[i].done = true;
-                        continue;
-                    }
-                    let (j, m) = rx.recv().map_err(|_| Error::PhaseAborted {
-                        reason: "agent threads vanished".into(),
-                    })?;
-                    debug_assert_eq!(i, j, "only the scheduled agent runs");
-                    match m {
-                        Msg::Req(req) => {
-                            w.agents[j].pending = Some(Pending {
-                                req,
-                                prog: Prog::None,
-                            })
-                        }
-                        Msg::Done(Ok(())) => w.agents[j].done = true,
-                        Msg::Done(Err(e)) => {
-                            w.agents[j].done = true;
-                            if let Some(v) = w.violation.take() {
-                                return Err(v.into());
-                            }
-                            return Err(agent_failed(w, j, e));
-                        }
-                    }
-                }
+                Served::Respond(r) => answer(w, resp, rx, i, r)?,
             },
+        }
+    }
+}
+
+/// Answers agent `i` and takes its next request (or its end).
+fn answer(
+    w: &mut World,
+    resp: &[mpsc::Sender<Resp>],
+    rx: &mpsc::Receiver<(usize, Msg)>,
+    i: usize,
+    r: Resp,
+) -> Result<(), SimError> {
+    if resp[i].send(r).is_err() {
+        w.agents[i].done = true;
+        return Ok(());
+    }
+    let (j, m) = rx.recv().map_err(|_| Error::PhaseAborted {
+        reason: "agent threads vanished".into(),
+    })?;
+    debug_assert_eq!(i, j, "only the scheduled agent runs");
+    match m {
+        Msg::Req(req) => {
+            w.agents[j].pending = Some(Pending {
+                req,
+                prog: Prog::None,
+            });
+            Ok(())
+        }
+        Msg::Done(Ok(())) => {
+            w.agents[j].done = true;
+            Ok(())
+        }
+        Msg::Done(Err(e)) => {
+            w.agents[j].done = true;
+            if let Some(v) = w.violation.take() {
+                return Err(v.into());
+            }
+            Err(agent_failed(w, j, e))
         }
     }
 }

@@ -82,7 +82,7 @@ use ep_core::transport::{
     AllocRequest, FabricParams, Phase, PhaseReport, SymAddr, SymAlloc, Team, Transport,
 };
 
-pub use config::{Policy, SimConfig};
+pub use config::{Policy, SimConfig, ring_offset};
 pub use fault::{Fault, Trigger};
 pub use threads::ThreadSim;
 pub use violation::{AgentRef, SimError, Violation, Waiting};
@@ -107,7 +107,12 @@ impl Sim {
     /// A simulator of `cfg.fabric`, seeded by `cfg.seed`.
     #[must_use]
     pub fn new(cfg: SimConfig) -> Sim {
-        let world = world::World::new(cfg.fabric.clone(), cfg.wait_timeout_ticks, cfg.trace);
+        let world = world::World::new(
+            cfg.fabric.clone(),
+            cfg.wait_timeout_ticks,
+            cfg.trace,
+            cfg.faults.clone(),
+        );
         let chooser = exec::Chooser::new(cfg.seed, cfg.policy);
         Sim {
             cfg,
@@ -168,6 +173,12 @@ impl Sim {
         &self.world.stats
     }
 
+    /// What each phase run so far moved, in order, for the cost model ([`cost`]).
+    #[must_use]
+    pub fn records(&self) -> &[cost::PhaseRecord] {
+        self.world.records()
+    }
+
     /// Virtual time so far, in ticks.
     #[must_use]
     pub fn now(&self) -> u64 {
@@ -184,9 +195,8 @@ impl Transport for Sim {
         self.world.alloc(req)
     }
 
-    fn barrier(&mut self, _team: &Team) -> ep_core::Result<()> {
-        self.world.barrier_all();
-        Ok(())
+    fn barrier(&mut self, team: &Team) -> ep_core::Result<()> {
+        self.world.barrier(&team.ranks)
     }
 
     fn run_phase(&mut self, phase: Phase<'_>) -> ep_core::Result<PhaseReport> {

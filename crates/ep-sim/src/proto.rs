@@ -39,6 +39,8 @@ pub(crate) enum Req {
         addr: SymAddr,
     },
     Wait(WaitUntil),
+    /// A wait whose expiry is answered to the agent (`wait_or_expire`).
+    WaitOrExpire(WaitUntil),
     Barrier,
 }
 
@@ -56,6 +58,7 @@ impl Req {
             Req::Load { .. } => "load",
             Req::LoadAcquire { .. } => "load_acquire",
             Req::Wait(_) => "wait",
+            Req::WaitOrExpire(_) => "wait_or_expire",
             Req::Barrier => "block_barrier",
         }
     }
@@ -67,6 +70,8 @@ pub(crate) enum Resp {
     Unit,
     Bytes(Vec<u8>),
     Word(u64),
+    /// The wait's bound expired (answer to `WaitOrExpire`).
+    Expired,
     Err(ep_core::Error),
 }
 

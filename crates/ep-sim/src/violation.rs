@@ -35,6 +35,8 @@ pub struct Waiting {
     pub last_seen: Option<u64>,
     /// Who last wrote the word, if anyone did (agent or work request).
     pub last_writer: Option<String>,
+    /// Injected faults that had struck when this was reported (empty without fault injection).
+    pub faults: Vec<String>,
 }
 
 impl fmt::Display for Waiting {
@@ -46,6 +48,9 @@ impl fmt::Display for Waiting {
                 Some(x) => write!(f, ", last written by {x})")?,
                 None => write!(f, ", never written)")?,
             }
+        }
+        if !self.faults.is_empty() {
+            write!(f, "; injected faults: {}", self.faults.join("; "))?;
         }
         Ok(())
     }
@@ -296,6 +301,31 @@ pub enum Violation {
         /// Ticks waited.
         waited: u64,
     },
+    /// A `quiet`, or a post waiting for a slot of a full QP, saw no completion within the bound
+    /// (a dropped completion, a dead peer).
+    #[error(
+        "completion timeout after {waited} ticks: {agent} in {during} waits for completions on {qp} to rank {peer} \
+         ({outstanding} outstanding; oldest: {oldest}){}",
+        if faults.is_empty() { String::new() } else { format!("; injected faults: {}", faults.join("; ")) }
+    )]
+    CompletionTimeout {
+        /// The waiting agent.
+        agent: AgentRef,
+        /// The QP's peer.
+        peer: usize,
+        /// The QP.
+        qp: QpIndex,
+        /// `"quiet"` or `"post to a full QP"`.
+        during: &'static str,
+        /// Work requests outstanding on the QP.
+        outstanding: u64,
+        /// The oldest of them.
+        oldest: String,
+        /// Ticks waited.
+        waited: u64,
+        /// Injected faults that had struck.
+        faults: Vec<String>,
+    },
 }
 
 impl Violation {
@@ -313,7 +343,8 @@ impl Violation {
             | Violation::ReadPastTail { rank, .. }
             | Violation::NonZeroAtCallStart { rank, .. }
             | Violation::HookAfterNextCall { rank, .. } => *rank,
-            Violation::QpDepthExceeded { agent, .. } => agent.rank,
+            Violation::QpDepthExceeded { agent, .. }
+            | Violation::CompletionTimeout { agent, .. } => agent.rank,
             Violation::Deadlock { waiting } => waiting.first().map_or(0, |w| w.agent.rank),
             Violation::WaitTimeout { waiting, .. } => waiting.agent.rank,
         }
@@ -336,6 +367,7 @@ impl Violation {
             Violation::QpDepthExceeded { .. } => "QpDepthExceeded",
             Violation::Deadlock { .. } => "Deadlock",
             Violation::WaitTimeout { .. } => "WaitTimeout",
+            Violation::CompletionTimeout { .. } => "CompletionTimeout",
         }
     }
 }
@@ -380,11 +412,41 @@ impl From<SimError> for ep_core::Error {
                 Violation::WaitTimeout { waiting, .. } => ep_core::Error::WaitTimeout {
                     rank: waiting.agent.rank,
                     agent: waiting.agent.to_string(),
-                    what: waiting.what.clone(),
+                    what: if waiting.faults.is_empty() {
+                        waiting.what.clone()
+                    } else {
+                        format!(
+                            "{}; injected faults: {}",
+                            waiting.what,
+                            waiting.faults.join("; ")
+                        )
+                    },
                     word_rank: waiting.word.map_or(waiting.agent.rank, |w| w.0),
                     word: waiting.word.map_or(0, |w| w.1),
                     expected: waiting.what,
                     last_seen: waiting.last_seen.unwrap_or(0),
+                },
+                Violation::CompletionTimeout {
+                    agent,
+                    peer,
+                    qp,
+                    during,
+                    outstanding,
+                    oldest,
+                    faults,
+                    ..
+                } => ep_core::Error::CompletionTimeout {
+                    rank: agent.rank,
+                    agent: agent.to_string(),
+                    peer,
+                    qp: qp.0,
+                    during,
+                    outstanding,
+                    oldest: if faults.is_empty() {
+                        oldest
+                    } else {
+                        format!("{oldest}; injected faults: {}", faults.join("; "))
+                    },
                 },
                 other => ep_core::Error::ProtocolViolation {
                     rank: other.rank(),

@@ -11,14 +11,20 @@ use std::sync::Arc;
 
 use ep_core::Error;
 use ep_core::transport::{
-    AllocRequest, FabricParams, Init, PhaseReport, QpFullPolicy, QpIndex, Region, RingDecl,
-    SignalOp, SymAddr, SymAlloc, WaitUntil, chunk_pieces,
+    AllocRequest, FabricParams, Init, PhaseKind, PhaseReport, QpFullPolicy, QpIndex, Region,
+    RingDecl, SignalOp, SymAddr, SymAlloc, WaitUntil, chunk_pieces,
 };
 
 use crate::clock::{HOST_KEY, KeyDesc, Keys, VClock};
+use crate::cost::{Hops, LinkClass, PhaseRecord, Recorder};
+use crate::fault::Fault;
 use crate::memory::{GRANULE, Heap, Stamp};
 use crate::proto::{Req, Resp};
 use crate::violation::{AgentRef, Violation, Waiting};
+
+mod faults;
+
+pub(crate) use faults::Timeout;
 
 /// A QP: (source rank, target rank, index).
 pub(crate) type QpKey = (usize, usize, u16);
@@ -45,6 +51,10 @@ pub(crate) struct Wr {
     /// Fence dependency: every WR of this slot to this target with an id `<= dep` first.
     dep: Option<u64>,
     call: u64,
+    /// Delivered but never completed (an injected dropped completion).
+    pub(crate) no_completion: bool,
+    /// The poster's wait-chain hops plus this link's (cost model).
+    hops: Hops,
 }
 
 /// Stream history entry: what sequence number `n` of a stream was.
@@ -70,6 +80,8 @@ struct Qp {
     posted: VecDeque<u64>,
     delivered: VecDeque<u64>,
     outstanding: u32,
+    /// Work requests ever posted (fault triggers count these).
+    posted_total: u64,
 }
 
 /// Persistent per slot (survives phases).
@@ -84,6 +96,17 @@ struct Slot {
     undelivered: BTreeMap<usize, BTreeSet<u64>>,
     outstanding_ops: usize,
     role: String,
+    /// Posts lost to a QP in error state, not yet reported by a `quiet`.
+    qp_errors: Vec<QpErr>,
+}
+
+/// Work requests a QP in error state flushed.
+#[derive(Debug, Clone)]
+pub(crate) struct QpErr {
+    pub(crate) peer: usize,
+    pub(crate) qp: u16,
+    pub(crate) lost: u64,
+    pub(crate) first: String,
 }
 
 #[derive(Debug, Clone)]
@@ -125,6 +148,8 @@ pub(crate) struct Agent {
     pub(crate) pending: Option<Pending>,
     pub(crate) done: bool,
     pub(crate) parked_since: Option<u64>,
+    /// Link hops of the longest wait chain leading here (cost model).
+    hops: Hops,
 }
 
 #[derive(Debug, Default)]
@@ -134,6 +159,8 @@ struct Block {
     generation: u64,
     acc: VClock,
     done_vc: VClock,
+    hops: Hops,
+    done_hops: Hops,
 }
 
 /// An event the executor may pick.
@@ -217,6 +244,21 @@ pub(crate) struct World {
     last_delivered_seq: BTreeMap<u32, u64>,
     /// Virtual time and counters when the running phase began.
     phase_start: (u64, Stats),
+    /// Injected faults, whether each rank fault has struck, and their effects.
+    pub(crate) faults: Vec<Fault>,
+    pub(crate) struck: Vec<bool>,
+    /// Operations served per rank, since creation.
+    pub(crate) rank_ops: Vec<u64>,
+    /// Why each dead rank is dead.
+    pub(crate) dead: Vec<Option<String>>,
+    /// Virtual tick until which each rank's agents are stalled.
+    pub(crate) stall_until: Vec<u64>,
+    /// The running phase's traffic, and the records of past phases (cost model).
+    rec: Recorder,
+    pub(crate) records: Vec<PhaseRecord>,
+    phase_kind: Option<PhaseKind>,
+    /// Hops of the last write to each word (rank, offset).
+    word_hops: BTreeMap<(usize, u64), Hops>,
 }
 
 /// What serving a request did.
@@ -228,9 +270,23 @@ pub(crate) enum Served {
 }
 
 impl World {
-    pub(crate) fn new(fabric: FabricParams, wait_timeout: u64, trace: bool) -> World {
+    pub(crate) fn new(
+        fabric: FabricParams,
+        wait_timeout: u64,
+        trace: bool,
+        faults: Vec<Fault>,
+    ) -> World {
         let n = fabric.num_ranks;
         World {
+            struck: vec![false; faults.len()],
+            faults,
+            rank_ops: vec![0; n],
+            dead: vec![None; n],
+            stall_until: vec![0; n],
+            rec: Recorder::default(),
+            records: Vec::new(),
+            phase_kind: None,
+            word_hops: BTreeMap::new(),
             heaps: (0..n).map(|_| Heap::new(true)).collect(),
             rank_vc: vec![VClock::default(); n],
             fabric,
@@ -352,12 +408,36 @@ impl World {
             .fold(0xcbf2_9ce4_8422_2325, |h, heap| heap.digest(h))
     }
 
-    /// Delivers and completes everything in flight (lowest deliverable id first) and makes every
-    /// rank know everything: the host barrier.
-    pub(crate) fn barrier_all(&mut self) {
+    /// The host barrier over `team`: delivers and completes every work request the team's ranks
+    /// posted (lowest id first), then makes every team rank know what every team rank knew
+    /// (ranks outside the team learn nothing). Fails, naming the rank or the QP, when a team rank
+    /// is dead or a work request of the team can never complete (an injected fault).
+    pub(crate) fn barrier(&mut self, team: &[usize]) -> Result<(), Error> {
+        let n = self.fabric.num_ranks;
+        let mut member = vec![false; n];
+        for &r in team {
+            if r >= n {
+                return Err(Error::BadAccess {
+                    rank: r,
+                    what: "barrier team member",
+                    addr: 0,
+                    len: 0,
+                });
+            }
+            member[r] = true;
+            if let Some(why) = &self.dead[r] {
+                return Err(Error::RankFailed {
+                    rank: r,
+                    detail: format!("host barrier: {why}"),
+                });
+            }
+        }
         loop {
             let mut best: Option<(u64, Event)> = None;
             for (&k, q) in &self.qps {
+                if !member[k.0] {
+                    continue;
+                }
                 if let Some(&w) = q.posted.front()
                     && self.deliverable(w)
                     && best.is_none_or(|(b, _)| w < b)
@@ -365,6 +445,7 @@ impl World {
                     best = Some((w, Event::Deliver(k)));
                 }
                 if let Some(&w) = q.delivered.front()
+                    && self.completable(k, w)
                     && best.is_none_or(|(b, _)| w < b)
                 {
                     best = Some((w, Event::Complete(k)));
@@ -376,16 +457,50 @@ impl World {
                 _ => break,
             }
         }
+        if let Some((&k, q)) = self
+            .qps
+            .iter()
+            .find(|(k, q)| member[k.0] && q.outstanding > 0)
+        {
+            let w = q.delivered.front().or(q.posted.front()).copied();
+            let notes = self.fault_notes();
+            return Err(Error::CompletionTimeout {
+                rank: k.0,
+                agent: "host barrier".into(),
+                peer: k.1,
+                qp: k.2,
+                during: "host barrier",
+                outstanding: u64::from(q.outstanding),
+                oldest: format!(
+                    "work request {}; {}",
+                    w.unwrap_or(0),
+                    if notes.is_empty() {
+                        "no fault injected".into()
+                    } else {
+                        notes.join("; ")
+                    }
+                ),
+            });
+        }
         let mut g = VClock::default();
-        for v in &self.rank_vc {
-            g.join(v);
+        for (r, v) in self.rank_vc.iter().enumerate() {
+            if member[r] {
+                g.join(v);
+            }
         }
         for (&s, h) in &self.streams {
-            g.raise(s, h.len() as u64);
+            if let KeyDesc::Stream { rank, .. } = self.keys.desc(s)
+                && member[rank]
+            {
+                g.raise(s, h.len() as u64);
+            }
         }
-        for v in &mut self.rank_vc {
-            *v = g.clone();
+        for (r, v) in self.rank_vc.iter_mut().enumerate() {
+            if member[r] {
+                *v = g.clone();
+            }
         }
+        Ok(())
     }
 
     // ---- phases ------------------------------------------------------------------------------
@@ -393,6 +508,7 @@ impl World {
     /// Checks the phase's assumptions, poisons scratch, and sets up its agents.
     pub(crate) fn begin_phase(
         &mut self,
+        kind: PhaseKind,
         call: u64,
         agents: &[(usize, usize, String)],
         assume_zero: &[(usize, Region)],
@@ -400,6 +516,9 @@ impl World {
     ) -> Result<(), Box<Violation>> {
         self.call = call;
         self.phase_start = (self.now, self.stats.clone());
+        self.phase_kind = Some(kind);
+        self.rec = Recorder::default();
+        self.word_hops.clear();
         for &(rank, region) in assume_zero {
             let mut w = region.addr.0 / 8 * 8;
             while w < region.end() {
@@ -467,6 +586,7 @@ impl World {
                 }),
                 done: false,
                 parked_since: None,
+                hops: Hops::default(),
             });
         }
         Ok(())
@@ -475,6 +595,7 @@ impl World {
     /// Folds the agents' knowledge into their ranks' clocks (kernel boundary).
     pub(crate) fn end_phase(&mut self) -> PhaseReport {
         for a in &self.agents {
+            self.rec.depth = self.rec.depth.join(a.hops);
             self.rank_vc[a.r.rank].join(&a.vc);
             let s = self.slots.get_mut(&(a.r.rank, a.r.index)).expect("slot");
             s.epoch = s.epoch.max(a.vc.get(a.key));
@@ -482,6 +603,13 @@ impl World {
         self.agents.clear();
         self.rings.clear();
         let (t0, s0) = std::mem::take(&mut self.phase_start);
+        let mut rec = std::mem::take(&mut self.rec);
+        rec.operations = self.stats.operations - s0.operations;
+        let kind = self
+            .phase_kind
+            .take()
+            .unwrap_or_else(|| PhaseKind::Custom(String::new()));
+        self.records.push(rec.finish(kind, self.call));
         PhaseReport {
             time_ns: self.now - t0,
             operations: self.stats.operations - s0.operations,
@@ -494,6 +622,9 @@ impl World {
 
     fn deliverable(&self, w: u64) -> bool {
         let wr = &self.wrs[&w];
+        if self.dead[wr.qp.0].is_some() || self.dead[wr.qp.1].is_some() {
+            return false; // nothing more leaves a dead rank, its NIC applies nothing more
+        }
         match wr.dep {
             None => true,
             Some(d) => self.slots[&wr.slot]
@@ -527,14 +658,20 @@ impl World {
         }
         let rank = a.r.rank;
         let slot = (a.r.rank, a.r.index);
+        if self.dead[rank].is_some() || self.now < self.stall_until[rank] {
+            return false;
+        }
         let Some(p) = &a.pending else { return false };
         match (&p.req, &p.prog) {
             (Req::Put { peer, qp, .. } | Req::Amo { peer, qp, .. }, Prog::None) => {
                 self.qp_has_room((rank, *peer, qp.0))
             }
             (_, Prog::Posting { peer, qp, .. }) => self.qp_has_room((rank, *peer, *qp)),
-            (Req::Quiet, _) => self.slots[&slot].outstanding_ops == 0,
-            (Req::Wait(w), _) => {
+            (Req::Quiet, _) => {
+                let s = &self.slots[&slot];
+                s.outstanding_ops == 0 || !s.qp_errors.is_empty()
+            }
+            (Req::Wait(w) | Req::WaitOrExpire(w), _) => {
                 let w = w.clone();
                 if self.check_word(w.rank, w.word.0, "wait").is_err()
                     || !self.fabric.reach(rank, w.rank).load_store()
@@ -552,10 +689,16 @@ impl World {
     /// Every event that may happen now, in a fixed order.
     pub(crate) fn enabled_events(&mut self) -> Vec<Event> {
         let mut ev = Vec::new();
+        if !self.faults.is_empty() {
+            self.strike_faults();
+        }
         for i in 0..self.agents.len() {
             let en = self.agent_enabled(i);
+            let benched = self.benched(self.agents[i].r.rank);
             let a = &mut self.agents[i];
-            if en {
+            if benched {
+                a.parked_since = None;
+            } else if en {
                 a.parked_since = None;
                 ev.push(Event::Agent(i));
             } else if !a.done && a.parked_since.is_none() {
@@ -574,30 +717,13 @@ impl World {
             {
                 ev.push(Event::Deliver(k));
             }
-            if !q.delivered.is_empty() {
+            if let Some(&w) = q.delivered.front()
+                && self.completable(k, w)
+            {
                 ev.push(Event::Complete(k));
             }
         }
         ev
-    }
-
-    /// A wait that outlived its bound, if any.
-    pub(crate) fn timed_out(&mut self) -> Option<Violation> {
-        let bound = self.wait_timeout;
-        let late: Vec<usize> = (0..self.agents.len())
-            .filter(|&i| {
-                let a = &self.agents[i];
-                !a.done
-                    && a.parked_since
-                        .is_some_and(|t| self.now.saturating_sub(t) > bound)
-            })
-            .collect();
-        let i = *late.first()?;
-        let waited = self.now - self.agents[i].parked_since.unwrap_or(self.now);
-        Some(Violation::WaitTimeout {
-            waiting: self.waiting(i),
-            waited,
-        })
     }
 
     /// The wait-for graph of parked agents.
@@ -617,7 +743,7 @@ impl World {
         let rank = a.r.rank;
         let req = a.pending.as_ref().map(|p| p.req.clone());
         match req {
-            Some(Req::Wait(w)) => {
+            Some(Req::Wait(w) | Req::WaitOrExpire(w)) => {
                 let WaitUntil {
                     rank: wr,
                     word,
@@ -634,6 +760,7 @@ impl World {
                     word: Some((wr, word.0)),
                     last_seen: Some(v),
                     last_writer: (stamp.op != 0).then(|| self.describe_writer(stamp)),
+                    faults: Vec::new(),
                 }
             }
             Some(Req::Barrier) => {
@@ -647,6 +774,7 @@ impl World {
                     word: None,
                     last_seen: None,
                     last_writer: None,
+                    faults: Vec::new(),
                 }
             }
             Some(r) => Waiting {
@@ -655,6 +783,7 @@ impl World {
                 word: None,
                 last_seen: None,
                 last_writer: None,
+                faults: Vec::new(),
             },
             None => Waiting {
                 agent,
@@ -662,6 +791,7 @@ impl World {
                 word: None,
                 last_seen: None,
                 last_writer: None,
+                faults: Vec::new(),
             },
         }
     }
@@ -705,6 +835,9 @@ impl World {
     pub(crate) fn serve(&mut self, i: usize) -> Served {
         self.stats.operations += 1;
         let p = self.agents[i].pending.take().expect("pending request");
+        if !matches!(p.req, Req::Start) {
+            self.rank_ops[self.agents[i].r.rank] += 1;
+        }
         if let Some(t) = &mut self.trace {
             let a = &self.agents[i];
             t.push(TraceEvent::Agent {
@@ -760,6 +893,18 @@ impl World {
             }
             Req::Quiet => {
                 let idx = self.agents[i].r.index;
+                let errs =
+                    std::mem::take(&mut self.slots.get_mut(&(rank, idx)).expect("slot").qp_errors);
+                if let Some(e) = errs.into_iter().next() {
+                    return Err(Error::QpError {
+                        rank,
+                        agent: self.agents[i].r.to_string(),
+                        peer: e.peer,
+                        qp: e.qp,
+                        lost: e.lost,
+                        first_lost: e.first,
+                    });
+                }
                 let seqs: Vec<((usize, u16), u64)> = self.slots[&(rank, idx)]
                     .seq
                     .iter()
@@ -799,6 +944,11 @@ impl World {
                 };
                 let region = Region::new(addr, bytes.len() as u64);
                 let who = format!("{} op {op}", a.r);
+                let hops = a.hops.hop(LinkClass::of(self.fabric.reach(rank, tr)));
+                self.rec.store(&self.fabric, rank, tr, bytes.len() as u64);
+                if bytes.len() == 8 && addr.0.is_multiple_of(8) {
+                    self.set_word_hops(tr, addr.0, hops);
+                }
                 self.check_write(tr, region, &who, None, None);
                 self.heaps[tr].write(addr.0, &bytes, None, stamp);
                 if release {
@@ -819,6 +969,7 @@ impl World {
             } => {
                 self.check_load_store(rank, tr)?;
                 self.check_bounds(tr, addr.0, len, "load")?;
+                self.rec.load(&self.fabric, rank, tr, len);
                 self.check_read(i, tr, Region::new(addr, len));
                 let mut out = vec![0u8; len as usize];
                 self.heaps[tr].read(addr.0, &mut out);
@@ -830,7 +981,7 @@ impl World {
                 let v = self.acquire(i, tr, addr.0);
                 Ok(Served::Respond(Resp::Word(v)))
             }
-            Req::Wait(w) => {
+            Req::Wait(w) | Req::WaitOrExpire(w) => {
                 self.check_load_store(rank, w.rank)?;
                 self.check_word(w.rank, w.word.0, "wait")?;
                 let v = self.acquire(i, w.rank, w.word.0);
@@ -841,16 +992,21 @@ impl World {
                 match p.prog {
                     Prog::Arrived(_) => {
                         let done = self.blocks[&block].done_vc.clone();
+                        let h = self.blocks[&block].done_hops;
+                        self.agents[i].hops = self.agents[i].hops.join(h);
                         self.agents[i].vc.join(&done);
                         Ok(Served::Respond(Resp::Unit))
                     }
                     _ => {
                         let vc = self.agents[i].vc.clone();
+                        let h = self.agents[i].hops;
                         let b = self.blocks.get_mut(&block).expect("block");
                         let g = b.generation;
                         b.acc.join(&vc);
+                        b.hops = b.hops.join(h);
                         b.arrived += 1;
                         if b.arrived == b.size {
+                            b.done_hops = std::mem::take(&mut b.hops);
                             b.done_vc = std::mem::take(&mut b.acc);
                             b.arrived = 0;
                             b.generation += 1;
@@ -895,6 +1051,9 @@ impl World {
         if let Some(c) = self.sync.get(&(rank, addr)).cloned() {
             self.agents[i].vc.join(&c);
         }
+        if let Some(&h) = self.word_hops.get(&(rank, addr)) {
+            self.agents[i].hops = self.agents[i].hops.join(h);
+        }
         let mut stamp = Stamp::default();
         self.heaps[rank].granules(addr, 8, |_, _, s| stamp = s);
         if stamp.key != HOST_KEY {
@@ -923,6 +1082,15 @@ impl World {
             } => (op, peer, qp, wrs, next),
             _ => {
                 let (peer, qp, plan, src) = self.plan_post(rank, &p.req)?;
+                let bytes = plan
+                    .iter()
+                    .map(|w| match w.kind {
+                        WrKind::Data { len, .. } => len,
+                        WrKind::Signal { .. } | WrKind::Amo { .. } => 8,
+                    })
+                    .sum();
+                self.rec
+                    .post(&self.fabric, (rank, peer, qp), bytes, plan.len() as u64);
                 let op = self.id();
                 self.ops.insert(
                     op,
@@ -1102,6 +1270,17 @@ impl World {
     fn post_wr(&mut self, i: usize, op: u64, qk: QpKey, kind: WrKind) {
         let (rank, peer, qp) = qk;
         let idx = self.agents[i].r.index;
+        self.stats.posted += 1;
+        let nth = {
+            let q = self.qps.entry(qk).or_default();
+            q.posted_total += 1;
+            q.posted_total
+        };
+        let (lost, no_completion) = self.qp_fault(qk, nth);
+        if lost {
+            self.lose_wr(i, op, qk, kind);
+            return;
+        }
         let id = self.id();
         let stream = self.keys.id(KeyDesc::Stream {
             rank,
@@ -1118,6 +1297,7 @@ impl World {
         slot.last_wr_to.insert(peer, id);
         slot.undelivered.entry(peer).or_default().insert(id);
         let a = &self.agents[i];
+        let hops_src = a.hops;
         let mut carried = (*a.released).clone();
         if let Some(f) = a.fence_vc.get(&peer) {
             carried.join(f);
@@ -1147,13 +1327,19 @@ impl World {
                 carried: Arc::new(carried),
                 dep,
                 call: self.call,
+                no_completion,
+                hops: hops_src.hop(LinkClass::of(self.fabric.reach(rank, peer))),
             },
         );
         let q = self.qps.entry(qk).or_default();
         q.posted.push_back(id);
         q.outstanding += 1;
         self.stats.max_outstanding = self.stats.max_outstanding.max(q.outstanding);
-        self.stats.posted += 1;
+    }
+
+    fn set_word_hops(&mut self, rank: usize, addr: u64, h: Hops) {
+        let e = self.word_hops.entry((rank, addr)).or_default();
+        *e = e.join(h);
     }
 
     // ---- delivery and completion -------------------------------------------------------------
@@ -1195,6 +1381,17 @@ impl World {
             self.slot_ref(wr.slot),
             k.2
         );
+        match wr.kind {
+            WrKind::Signal { word, .. } | WrKind::Amo { word, .. } => {
+                self.set_word_hops(dst_rank, word, wr.hops);
+            }
+            WrKind::Data { dst, len, .. } if len <= 64 && dst % 8 == 0 && len % 8 == 0 => {
+                for w in (dst..dst + len).step_by(8) {
+                    self.set_word_hops(dst_rank, w, wr.hops);
+                }
+            }
+            WrKind::Data { .. } => {}
+        }
         match wr.kind {
             WrKind::Data { dst, src, len } => {
                 let (bytes, valid) = self.heaps[k.0].read_with_valid(src, len);
@@ -1262,6 +1459,11 @@ impl World {
                 self.sync.insert((dst_rank, word), Arc::new(c));
             }
         }
+    }
+
+    /// What each finished phase moved (cost model).
+    pub(crate) fn records(&self) -> &[PhaseRecord] {
+        &self.records
     }
 
     pub(crate) fn complete(&mut self, k: QpKey) {
