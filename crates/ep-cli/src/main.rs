@@ -1,6 +1,7 @@
-//! The `ep` command: `ep layout` (plan + oracle on a generated workload) and `ep doctor`
-//! (machine checks for NVLink, NVSHMEM and IBGDA). Each
-//! subcommand lives in its own module; `main` parses and dispatches.
+//! The `ep` command: `ep layout` (plan + oracle on a generated or replayed workload, output
+//! dumps and digests) and `ep doctor` (machine checks for NVLink, NVSHMEM and IBGDA). Each
+//! subcommand lives in its own module; `main` parses and dispatches. Reusable parts (NumPy I/O)
+//! live in the `ep_cli` library.
 
 use clap::{Parser, Subcommand};
 
@@ -21,7 +22,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Generate a seeded workload, plan every rank's dispatch/combine, check against the oracle.
+    /// Generate a seeded workload (or read one from .npy files), plan every rank's
+    /// dispatch/combine, check against the oracle, print the output digest, dump on request.
     Layout(layout::LayoutArgs),
     /// Check this machine for intranode NVLink, NVSHMEM and IBGDA, with the exact fixes.
     Doctor(doctor::DoctorArgs),

@@ -33,12 +33,13 @@ pub use dump::{MANIFEST, Manifest, Outputs, RankManifest, RunInfo, dump_outputs,
 pub use inputs::{InputsSummary, read_inputs, summarize, write_inputs};
 
 /// Everything that can go wrong reading inputs or writing dumps. Each variant names the file
-/// (or directory) and says what to change.
+/// (or directory) and says what to change; the underlying error, if any, is the `source()`
+/// (print with `{:#}` in anyhow to see the chain).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum IoError {
     /// A file system operation failed.
-    #[error("{}: {op} failed: {source}", path.display())]
+    #[error("{}: {op} failed", path.display())]
     Io {
         /// The file or directory.
         path: PathBuf,
@@ -153,7 +154,7 @@ pub enum IoError {
         detail: String,
     },
     /// Values that ep-core rejects (e.g. an expert id outside `[-1, num_experts)`).
-    #[error("{}: {source}", path.display())]
+    #[error("{}: invalid contents", path.display())]
     Invalid {
         /// The file.
         path: PathBuf,
@@ -174,7 +175,7 @@ pub enum IoError {
         num_ranks: usize,
     },
     /// `manifest.json` could not be written or parsed.
-    #[error("{}: {source}", path.display())]
+    #[error("{}: not a valid manifest", path.display())]
     Json {
         /// The manifest.
         path: PathBuf,
@@ -183,7 +184,7 @@ pub enum IoError {
         source: serde_json::Error,
     },
     /// Outputs that ep-core cannot digest or dequantise (inconsistent shapes or layouts).
-    #[error("outputs: {0}")]
+    #[error("outputs that cannot be digested or dumped")]
     Outputs(#[source] Box<ep_core::Error>),
 }
 
