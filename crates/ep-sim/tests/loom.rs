@@ -2,7 +2,8 @@
 //! its lock and notifies only when waiters exist; a waiter registers, re-checks under the gate and
 //! sleeps. Loom explores every interleaving (and treats a lost wake-up as a deadlock), so these
 //! pass only if no wake-up can be lost. Timeouts are set beyond reach: progress must come from
-//! notifications.
+//! notifications. (Checked to have teeth: without the waiter's second check under the gate,
+//! loom reports the lost wake-up as a deadlock in the first two models.)
 //!
 //! Run: `RUSTFLAGS="--cfg loom" cargo test -p ep-sim --test loom --release`
 //! (a separate `CARGO_TARGET_DIR` keeps the normal build's cache).
@@ -18,13 +19,21 @@ use loom::thread;
 
 const NEVER: Duration = Duration::from_secs(3600);
 
+/// Every interleaving with up to 3 preemptions (loom's usual bound; unbounded, the model with
+/// three threads does not finish in minutes).
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(3);
+    b.check(f);
+}
+
 fn read(m: &Mutex<u64>) -> u64 {
     *m.lock().unwrap()
 }
 
 #[test]
 fn a_write_wakes_a_parked_waiter() {
-    loom::model(|| {
+    model(|| {
         let word = Arc::new(Mutex::new(0u64));
         let park = Arc::new(Parker::new());
         let abort = AtomicBool::new(false);
@@ -46,7 +55,7 @@ fn a_write_wakes_a_parked_waiter() {
 
 #[test]
 fn two_writers_each_counted_once() {
-    loom::model(|| {
+    model(|| {
         let word = Arc::new(Mutex::new(0u64));
         let park = Arc::new(Parker::new());
         let abort = AtomicBool::new(false);
@@ -72,7 +81,7 @@ fn two_writers_each_counted_once() {
 
 #[test]
 fn abort_wakes_a_waiter_whose_condition_never_holds() {
-    loom::model(|| {
+    model(|| {
         let park = Arc::new(Parker::new());
         let abort = Arc::new(AtomicBool::new(false));
         let aborter = {
