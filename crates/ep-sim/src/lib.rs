@@ -26,10 +26,43 @@
 //!   class); every finding is a typed [`Violation`].
 //! - **Lazy memory**: 64 KiB pages materialise on first touch; a 2 GiB allocation on a 512 MiB
 //!   granularity costs what is touched.
-//! - **Threads mode** ([`ThreadSim`]): the same agent code on real threads with parking waits, for
-//!   throughput, without the checks.
+//! - **Threads mode** ([`ThreadSim`]): the same agent code on real threads, for throughput
+//!   (`ep bench`), without the checks: lazily allocated 256 KiB pages with one short-held lock
+//!   each, bulk copies, and parking waits ([`park`]) that cost writers nothing when nobody waits.
+//!   `benches/data_movement.rs` measures its row stores and puts against a plain memcpy
+//!   (`cargo bench -p ep-sim --bench data_movement -- --warm-up-time 1 --measurement-time 3`).
+//! - **Faults** ([`fault`], [`SimConfig::faults`], [`ThreadSim::set_faults`]): a dead or
+//!   stalled rank, a QP in error state, a dropped completion, each ending in bounded (virtual)
+//!   time in a typed error naming the rank, the QP and what was awaited
+//!   ([`ep_core::transport::fault`] says what the Buffer does with them; shrink mode uses
+//!   [`ep_core::transport::AgentCtx::wait_or_expire`]).
+//! - **Cost model** ([`cost`]): each phase's actual traffic ([`Sim::records`],
+//!   [`ThreadSim::records`]) over NVLink, RDMA NIC and PCIe, giving a predicted time per phase.
+//! - **Ring offsets**: [`SimConfig::ring_offset`] gives protocol code a seeded start for each
+//!   ring counter, so wraparound is exercised (DESIGN.md).
 //!
 //! Thread safety: [`Sim`] is `Send`; one phase runs at a time (`&mut self`).
+//!
+//! # Limits and rules of use
+//! - **An agent must call the vocabulary to make progress.** The executor only regains control
+//!   at a vocabulary call: an agent that spins on ordinary Rust state (or loops forever between
+//!   calls) blocks the whole simulator, and no wait bound can fire. Poll with `wait`, never with
+//!   a Rust loop around `load`.
+//! - **Shadow granule**: 16 bytes. Words written by different agents should not share a granule
+//!   (the last writer of a granule is all the checker remembers); pad signal words as DeepEP does.
+//! - **A put is not a signal**: acquiring a word written by a put longer than 64 bytes gives no
+//!   visibility of anything; publish with `put_signal` or a same-QP `amo_add`
+//!   ([`ep_core::transport::AgentCtx::put`]).
+//! - **Scratch is per phase**: [`ep_core::transport::Init::Scratch`] memory is poisoned before
+//!   every phase, so a send half and its hook cannot share scratch.
+//! - **Host barrier** ([`Transport::barrier`]) honours its team: it completes what the team's
+//!   ranks posted and joins only their knowledge.
+//! - Threads mode does not check the memory model and reads fresh memory as zeros.
+//!
+//! # Model checking (loom)
+//! The parking protocol of threads mode is model-checked with loom (crossbeam's shim: the
+//! `sync` module re-exports loom's types under `--cfg loom`):
+//! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target-loom cargo test -p ep-sim --test loom --release`.
 //!
 //! # Example: a signal that overtakes its data
 //! ```
