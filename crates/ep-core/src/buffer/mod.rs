@@ -135,7 +135,8 @@ pub struct Buffer<T: Transport> {
     normal: Option<NormalArena>,
     ll: Option<LlArena>,
     ll_ops: u64,
-    ll_mem: LlMem,
+    /// Per rank.
+    ll_mem: Vec<LlMem>,
     pending_hooks: Vec<u64>,
     mask: Vec<bool>,
     mutation: ProtocolMutation,
@@ -255,7 +256,7 @@ impl<T: Transport> Buffer<T> {
             normal,
             ll,
             ll_ops: 0,
-            ll_mem: LlMem::Fresh,
+            ll_mem: vec![LlMem::Fresh; r],
             pending_hooks: Vec::new(),
             mutation: ProtocolMutation::None,
         })
@@ -685,18 +686,31 @@ impl<T: Transport> Buffer<T> {
         })
     }
 
-    /// Checks the hook contract and the clean state before a low-latency send; returns whether
-    /// the send must declare the signal words zero.
-    fn ll_precheck(&self) -> Result<bool> {
+    /// Checks the hook contract and the clean state before a low-latency send.
+    fn ll_precheck(&self) -> Result<()> {
         if let Some(&p) = self.pending_hooks.first()
             && self.mutation != ProtocolMutation::SkipHookCheck
         {
             return Err(Error::LowLatencyHookPending { pending_call: p });
         }
-        if self.ll_mem == LlMem::Dirty && self.mutation != ProtocolMutation::SkipCleanCheck {
+        let live = |d: &usize| !self.mask[*d];
+        if (0..self.num_ranks())
+            .filter(live)
+            .any(|d| self.ll_mem[d] == LlMem::Dirty)
+            && self.mutation != ProtocolMutation::SkipCleanCheck
+        {
             return Err(Error::LowLatencyNeedsClean);
         }
-        Ok(self.ll_mem != LlMem::Used)
+        Ok(())
+    }
+
+    /// Marks the unmasked ranks' signal words as written by low-latency operations.
+    fn ll_used(&mut self) {
+        for d in 0..self.num_ranks() {
+            if !self.mask[d] {
+                self.ll_mem[d] = LlMem::Used;
+            }
+        }
     }
 
     fn ll_op(&mut self, layout: LlLayout, num_experts: usize) -> Result<LlOp> {
@@ -740,7 +754,9 @@ impl<T: Transport> Buffer<T> {
         mut phase: crate::transport::Phase<'a>,
         arena: &LlArena,
     ) -> crate::transport::Phase<'a> {
-        for d in (0..self.num_ranks()).filter(|&d| !self.mask[d]) {
+        // Ranks cleaned (or never used) since their last low-latency operation: their words are
+        // zero (docs/protocol.md §1.1). Masked ranks run no agents and are not checked.
+        for d in (0..self.num_ranks()).filter(|&d| !self.mask[d] && self.ll_mem[d] != LlMem::Used) {
             phase = phase.assume_zero(d, arena.signals.region);
         }
         phase
@@ -756,7 +772,7 @@ impl<T: Transport> Buffer<T> {
     ) -> Result<LlDispatchHook> {
         let params = params.clone().with_masked_ranks(self.mask.clone());
         let shape = validate_dispatch(inputs, &params)?;
-        let fresh = self.ll_precheck()?;
+        self.ll_precheck()?;
         let arena = self.ll_arena()?;
         let layout = LlLayout {
             num_ranks: shape.num_ranks,
@@ -782,11 +798,9 @@ impl<T: Transport> Buffer<T> {
             .iter()
             .map(|i| (&i.topk_idx, &i.topk_weights))
             .collect();
-        let mut phase = ll::dispatch_send_phase(&arena, &op, &xs, &topk, rows, self.mutation);
-        if fresh {
-            phase = self.assume_signals_zero(phase, &arena);
-        }
-        self.ll_mem = LlMem::Used;
+        let phase = ll::dispatch_send_phase(&arena, &op, &xs, &topk, rows, self.mutation);
+        let phase = self.assume_signals_zero(phase, &arena);
+        self.ll_used();
         self.transport.run_phase(phase)?;
         self.pending_hooks.push(op.call);
         Ok(LlDispatchHook {
@@ -914,7 +928,7 @@ impl<T: Transport> Buffer<T> {
             }
             layout = Some(lay);
         }
-        let fresh = self.ll_precheck()?;
+        self.ll_precheck()?;
         let arena = self.ll_arena()?;
         let layout = layout.unwrap_or(LlLayout {
             num_ranks: r,
@@ -923,7 +937,8 @@ impl<T: Transport> Buffer<T> {
             num_max_tokens: 1,
         });
         let op = self.ll_op(layout, layout.num_local_experts * r)?;
-        self.ll_mem = LlMem::Used;
+        let zero_ranks: Vec<bool> = (0..r).map(|d| self.ll_mem[d] != LlMem::Used).collect();
+        self.ll_used();
         let y = if zero_copy {
             let phase = ll::expert_output_phase(&arena, &op, expert_out);
             self.transport.run_phase(phase)?;
@@ -932,8 +947,8 @@ impl<T: Transport> Buffer<T> {
             ExpertOut::Host(expert_out)
         };
         let mut phase = ll::combine_send_phase(&arena, &op, routes, y);
-        if fresh {
-            phase = self.assume_signals_zero(phase, &arena);
+        for d in (0..r).filter(|&d| !op.masked[d] && zero_ranks[d]) {
+            phase = phase.assume_zero(d, arena.signals.region);
         }
         self.transport.run_phase(phase)?;
         self.pending_hooks.push(op.call);
@@ -993,7 +1008,9 @@ impl<T: Transport> Buffer<T> {
             ranks: (0..self.num_ranks()).filter(|&d| !mask[d]).collect(),
         };
         self.transport.barrier(&team)?;
-        self.ll_mem = LlMem::Fresh;
+        for d in team.ranks {
+            self.ll_mem[d] = LlMem::Fresh;
+        }
         Ok(())
     }
 
@@ -1006,7 +1023,7 @@ impl<T: Transport> Buffer<T> {
         let garbage = crate::protocol::signal::ll_encode(call + 1_000, 7);
         self.transport
             .run_phase(ll::scribble_phase(&arena, call, garbage))?;
-        self.ll_mem = LlMem::Dirty;
+        self.ll_mem.iter_mut().for_each(|m| *m = LlMem::Dirty);
         Ok(())
     }
 
