@@ -4,8 +4,7 @@
 mod normal_support;
 
 use ep_core::plan::layout::{
-    NUM_MAX_NVL_PEERS, channel_range, get_dispatch_layout, get_dispatch_layout_for_rank,
-    num_nodes,
+    NUM_MAX_NVL_PEERS, channel_range, get_dispatch_layout, get_dispatch_layout_for_rank, num_nodes,
 };
 use ep_core::{Error, ExpertIdx, Tensor2, oracle};
 use proptest::prelude::*;
