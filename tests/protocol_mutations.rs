@@ -235,11 +235,12 @@ fn unmutated_protocol_passes_every_scenario() {
 }
 
 /// (mutation, scenario, what must appear in the report: a violation name or "oracle").
-fn table() -> Vec<(
-    ProtocolMutation,
-    fn(ProtocolMutation, u64) -> Outcome,
-    &'static [&'static str],
-)> {
+/// A scenario run under a mutation and a seed.
+type Scenario = fn(ProtocolMutation, u64) -> Outcome;
+/// A row of the mutation table.
+type Row = (ProtocolMutation, Scenario, &'static [&'static str]);
+
+fn table() -> Vec<Row> {
     vec![
         (
             ProtocolMutation::ReleaseBeforeLastRow,

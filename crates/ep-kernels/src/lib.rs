@@ -16,6 +16,7 @@
 mod error;
 pub mod kernels;
 pub mod nvshmem;
+pub mod rules;
 pub mod topology;
 
 pub use error::{Error, Result};

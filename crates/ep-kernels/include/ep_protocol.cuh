@@ -1,0 +1,177 @@
+/*
+ * ep_protocol.cuh — the per-token rules of ep-rs's protocol (docs/protocol.md) for CUDA kernels
+ * and for the host: offsets, slots, signal encodings, QP choice.
+ *
+ * Mirrors `ep_core::protocol::{layout, signal}` function for function; `build.rs` compiles a host
+ * shim of this header with `cc` and `tests/protocol_rules.rs` property-tests it against the Rust
+ * functions through FFI, so the two cannot drift. Constants come from the generated
+ * `ep_protocol_constants.h` (emitted by build.rs from ep-core).
+ *
+ * Plain C-compatible inline functions over 64-bit integers; `__host__ __device__` under nvcc.
+ */
+#ifndef EP_PROTOCOL_CUH
+#define EP_PROTOCOL_CUH
+
+#include <stdint.h>
+
+#include "ep_protocol_constants.h"
+
+#ifdef __CUDACC__
+#define EP_HD __host__ __device__ __forceinline__
+#else
+#define EP_HD static inline
+#endif
+
+/* ---- common --------------------------------------------------------------------------------- */
+
+EP_HD uint64_t ep_align16(uint64_t x) { return (x + 15u) / 16u * 16u; }
+EP_HD uint64_t ep_align128(uint64_t x) { return (x + 127u) / 128u * 128u; }
+
+/* chan(T, C, c) of spec §2.1: per = ceil(T/C), start = min(per*c, T), end = min(start+per, T). */
+EP_HD void ep_channel_range(uint64_t t, uint64_t c_count, uint64_t c, uint64_t *start, uint64_t *end) {
+    uint64_t per = (t + c_count - 1u) / c_count;
+    uint64_t s = per * c < t ? per * c : t;
+    *start = s;
+    *end = s + per < t ? s + per : t;
+}
+
+EP_HD uint64_t ep_parity(uint64_t call) { return call & 1u; }
+
+/* ---- signals (docs/protocol.md §1.1): bits 63..32 = call, 31..0 = count --------------------- */
+
+EP_HD uint64_t ep_epoch_word(uint64_t call) { return call; }
+EP_HD uint64_t ep_ll_encode(uint64_t call, uint32_t count) { return (call << 32) | (uint64_t)count; }
+EP_HD uint64_t ep_ll_threshold(uint64_t call) { return call << 32; }
+EP_HD uint64_t ep_ll_epoch(uint64_t value) { return value >> 32; }
+EP_HD uint32_t ep_ll_count(uint64_t value) { return (uint32_t)(value & 0xffffffffu); }
+
+/* ---- normal intranode: control words (allocation normal.ctrl) ------------------------------- */
+
+EP_HD uint64_t ep_normal_ctrl_bytes(uint64_t r) {
+    return EP_WORD_STRIDE * (4u * r + 2u + 2u * r * EP_MAX_CHANNELS);
+}
+EP_HD uint64_t ep_normal_notify(uint64_t r, uint64_t p, uint64_t s) { return EP_WORD_STRIDE * (p * r + s); }
+EP_HD uint64_t ep_normal_table_ready(uint64_t r, uint64_t p) { return EP_WORD_STRIDE * (2u * r + p); }
+EP_HD uint64_t ep_normal_done(uint64_t r, uint64_t s, uint64_t c) {
+    return EP_WORD_STRIDE * (2u * r + 2u + s * EP_MAX_CHANNELS + c);
+}
+EP_HD uint64_t ep_normal_pulled(uint64_t r, uint64_t s, uint64_t c) {
+    return EP_WORD_STRIDE * (2u * r + 2u + r * EP_MAX_CHANNELS + s * EP_MAX_CHANNELS + c);
+}
+EP_HD uint64_t ep_normal_ready(uint64_t r, uint64_t d) {
+    return EP_WORD_STRIDE * (2u * r + 2u + 2u * r * EP_MAX_CHANNELS + d);
+}
+EP_HD uint64_t ep_normal_y_ready(uint64_t r, uint64_t d) {
+    return EP_WORD_STRIDE * (3u * r + 2u + 2u * r * EP_MAX_CHANNELS + d);
+}
+
+/* ---- normal intranode: data (allocation normal.data) ---------------------------------------- */
+
+EP_HD uint64_t ep_count_record_bytes(uint64_t r) {
+    return ep_align16(4u * (r + EP_MAX_CHANNELS + EP_MAX_LOCAL_EXPERTS));
+}
+EP_HD uint64_t ep_table_bytes(uint64_t r) { return ep_align16(4u * (2u * r + 1u + r * EP_MAX_CHANNELS)); }
+EP_HD uint64_t ep_normal_count_record(uint64_t r, uint64_t p, uint64_t s) {
+    return (p * r + s) * ep_count_record_bytes(r);
+}
+EP_HD uint64_t ep_normal_table(uint64_t r, uint64_t p) {
+    return 2u * r * ep_count_record_bytes(r) + p * ep_table_bytes(r);
+}
+EP_HD uint64_t ep_normal_rows_base(uint64_t r) {
+    return ep_align128(2u * r * ep_count_record_bytes(r) + 2u * ep_table_bytes(r));
+}
+EP_HD uint64_t ep_normal_half(uint64_t r, uint64_t data_bytes) {
+    uint64_t base = ep_normal_rows_base(r);
+    return data_bytes > base ? (data_bytes - base) / 256u * 128u : 0u;
+}
+EP_HD uint64_t ep_normal_dispatch_row(uint64_t r, uint64_t row, uint64_t drec) {
+    return ep_normal_rows_base(r) + row * drec;
+}
+EP_HD uint64_t ep_normal_combine_row(uint64_t r, uint64_t data_bytes, uint64_t row, uint64_t yrec) {
+    return ep_normal_rows_base(r) + ep_normal_half(r, data_bytes) + row * yrec;
+}
+
+/* Row records: dispatch [x][scales][src_idx, pad, topk_idx i64 xK, weights f32 xK]; combine [y][w]. */
+EP_HD uint64_t ep_row_scales_offset(uint64_t hidden, uint64_t elem_bytes) { return ep_align16(hidden * elem_bytes); }
+EP_HD uint64_t ep_row_meta_offset(uint64_t hidden, uint64_t elem_bytes, uint64_t num_scales) {
+    return ep_row_scales_offset(hidden, elem_bytes) + ep_align16(4u * num_scales);
+}
+EP_HD uint64_t ep_row_dispatch_record(uint64_t hidden, uint64_t elem_bytes, uint64_t num_scales, uint64_t k) {
+    return ep_row_meta_offset(hidden, elem_bytes, num_scales) + ep_align16(8u + 12u * k);
+}
+EP_HD uint64_t ep_row_combine_record(uint64_t hidden, uint64_t k) { return ep_align16(2u * hidden) + ep_align16(4u * k); }
+
+/* Final row of a token on its receiver: rpm[s-1][d] + cpm_s[d][c-1] + index in channel. */
+EP_HD uint32_t ep_normal_final_row(uint32_t block_begin, uint32_t channel_start, uint32_t index) {
+    return block_begin + channel_start + index;
+}
+
+/* ---- low-latency (docs/protocol.md §3) ------------------------------------------------------ */
+
+EP_HD uint64_t ep_ll_signal_bytes(uint64_t r) { return ep_align128(4u * EP_WORD_STRIDE * r); }
+EP_HD uint64_t ep_ll_dispatch_signal(uint64_t r, uint64_t half, uint64_t s) { return EP_WORD_STRIDE * (half * 2u * r + s); }
+EP_HD uint64_t ep_ll_combine_signal(uint64_t r, uint64_t half, uint64_t d) {
+    return EP_WORD_STRIDE * (half * 2u * r + r + d);
+}
+EP_HD uint64_t ep_ll_half(uint64_t op) { return op & 1u; }
+EP_HD uint16_t ep_ll_data_qp(uint32_t run, uint16_t num_qps) {
+    return num_qps <= 1u ? (uint16_t)0 : (uint16_t)((run + 1u) % (uint32_t)num_qps);
+}
+
+/* The layout for (R, L, H, N). */
+typedef struct ep_ll_layout {
+    uint64_t num_ranks;
+    uint64_t num_local_experts;
+    uint64_t hidden;
+    uint64_t num_max_tokens;
+} ep_ll_layout;
+
+EP_HD uint64_t ep_ll_row(ep_ll_layout l) { return ep_align16(2u * l.hidden); }
+EP_HD uint64_t ep_ll_fp8_scales_offset(ep_ll_layout l) { return ep_align16(l.hidden); }
+EP_HD uint64_t ep_ll_header(ep_ll_layout l) { return ep_align16(4u * l.num_local_experts); }
+EP_HD uint64_t ep_ll_meta(ep_ll_layout l) {
+    (void)l;
+    return ep_align16(8u + EP_LL_META_ENTRY_BYTES * EP_LL_MAX_TOPK);
+}
+EP_HD uint64_t ep_ll_block(ep_ll_layout l) { return ep_ll_header(l) + l.num_max_tokens * ep_ll_meta(l); }
+EP_HD uint64_t ep_ll_dsend_row(ep_ll_layout l, uint64_t t) { return t * ep_ll_row(l); }
+EP_HD uint64_t ep_ll_dsend_meta(ep_ll_layout l, uint64_t d) {
+    return l.num_max_tokens * ep_ll_row(l) + d * ep_ll_block(l);
+}
+EP_HD uint64_t ep_ll_drecv(ep_ll_layout l, uint64_t s) {
+    return l.num_max_tokens * ep_ll_row(l) + l.num_ranks * ep_ll_block(l) +
+           s * (ep_ll_block(l) + l.num_max_tokens * ep_ll_row(l));
+}
+EP_HD uint64_t ep_ll_drecv_row(ep_ll_layout l, uint64_t s, uint64_t i) {
+    return ep_ll_drecv(l, s) + ep_ll_block(l) + i * ep_ll_row(l);
+}
+EP_HD uint64_t ep_ll_csend(ep_ll_layout l, uint64_t s, uint64_t i) { return (s * l.num_max_tokens + i) * ep_ll_row(l); }
+EP_HD uint64_t ep_ll_crecv(ep_ll_layout l, uint64_t d, uint64_t i) {
+    return l.num_ranks * l.num_max_tokens * ep_ll_row(l) + (d * l.num_max_tokens + i) * ep_ll_row(l);
+}
+EP_HD uint64_t ep_ll_cy(ep_ll_layout l, uint64_t e, uint64_t row) {
+    return 2u * l.num_ranks * l.num_max_tokens * ep_ll_row(l) +
+           (e * l.num_ranks * l.num_max_tokens + row) * 2u * l.hidden;
+}
+EP_HD uint64_t ep_ll_half_bytes(ep_ll_layout l) {
+    uint64_t n = l.num_max_tokens, r = l.num_ranks, row = ep_ll_row(l), blk = ep_ll_block(l);
+    uint64_t dispatch = n * row + r * blk + r * (blk + n * row);
+    uint64_t combine = 2u * r * n * row + l.num_local_experts * r * n * 2u * l.hidden;
+    return ep_align128(dispatch > combine ? dispatch : combine);
+}
+EP_HD uint64_t ep_ll_half_base(ep_ll_layout l, uint64_t h) { return h * ep_ll_half_bytes(l); }
+EP_HD uint64_t ep_ll_total_bytes(ep_ll_layout l) {
+    return ep_ll_signal_bytes(l.num_ranks) + 2u * ep_ll_half_bytes(l);
+}
+
+/* Meta entry (l u16, pos u16, w f32 bits), little-endian, as one u64. */
+EP_HD uint64_t ep_ll_meta_entry(uint16_t l, uint16_t pos, uint32_t w_bits) {
+    return (uint64_t)l | ((uint64_t)pos << 16) | ((uint64_t)w_bits << 32);
+}
+
+/* packed_recv_layout_range entry: (begin << 32) | count (spec §2.4). */
+EP_HD int64_t ep_pack_layout_range(uint32_t begin, uint32_t count) {
+    return (int64_t)(((uint64_t)begin << 32) | (uint64_t)count);
+}
+
+#endif /* EP_PROTOCOL_CUH */
