@@ -217,3 +217,50 @@ fn hook_mode_equals_direct_mode() {
         assert_eq!(x, y);
     }
 }
+
+/// The same agents on real threads (`ThreadSim`, the throughput mode): normal and low-latency
+/// results equal the plan.
+#[test]
+fn threads_mode_equals_plan() {
+    let mut cfg = BufferConfig::new(R);
+    cfg.low_latency_mode = true;
+    cfg.num_qps_per_rank = 2;
+    cfg.num_rdma_bytes = Buffer::<Sim>::low_latency_size_hint(N, H, R, R * L).div_ceil(128) * 128;
+    cfg.num_nvl_bytes = Buffer::<Sim>::normal_size_hint(R, R * N, H, 2, K).div_ceil(128) * 128;
+    let ts = ep_rs::sim::ThreadSim::new(fabric(R, 2048, 2, 2), std::time::Duration::from_secs(20));
+    let mut buf = Buffer::new(ts, cfg).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(77);
+    for _ in 0..3 {
+        let g = Gen {
+            num_ranks: R,
+            max_tokens: N,
+            num_experts: R * L,
+            num_topk: K,
+            hidden: H,
+            fp8: false,
+            mask: 0.2,
+            full: false,
+        };
+        let inputs = gen_inputs(&g, rng.random(), false);
+        let topk: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
+        let layouts = buf.get_dispatch_layout(&topk, g.num_experts).unwrap();
+        let args = NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).unwrap());
+        let opts = DispatchOptions {
+            num_channels: 2,
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            with_topk: true,
+        };
+        let got = buf
+            .dispatch(&inputs, &layouts, g.num_experts, &args)
+            .unwrap();
+        assert_eq!(
+            got,
+            intranode_dispatch_all(&inputs, &layouts, g.num_experts, &opts).unwrap()
+        );
+        let inputs = ll_inputs(&mut rng);
+        let p = LlParams::new(N, R * L);
+        let got = buf.low_latency_dispatch(&inputs, &p).unwrap();
+        assert_eq!(got.outputs, dispatch(&inputs, &p).unwrap());
+    }
+}
