@@ -396,7 +396,9 @@ pub enum Error {
     },
     /// A rank stopped (its agents never finished the phase); the others finished or timed out.
     /// A Buffer is poisoned by it; in low-latency shrink mode it masks `rank` instead (spec §2.7).
-    #[error("rank {rank} failed: {detail}; mask it (shrink mode) or poison the buffer and reset collectively")]
+    #[error(
+        "rank {rank} failed: {detail}; mask it (shrink mode) or poison the buffer and reset collectively"
+    )]
     RankFailed {
         /// The rank that stopped.
         rank: usize,
