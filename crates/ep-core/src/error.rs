@@ -542,9 +542,7 @@ pub enum Error {
 
     // ---- protocol / buffer ----
     /// A `Buffer` arena too small for a call (docs/protocol.md §2.1, §3.1).
-    #[error(
-        "{what}: needs {needed} bytes, the buffer has {available}; {fix}"
-    )]
+    #[error("{what}: needs {needed} bytes, the buffer has {available}; {fix}")]
     ArenaTooSmall {
         /// Which arena and what it must hold.
         what: String,
