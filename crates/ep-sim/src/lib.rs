@@ -31,9 +31,10 @@
 //!   each, bulk copies, and parking waits ([`park`]) that cost writers nothing when nobody waits.
 //!   `benches/data_movement.rs` measures its row stores and puts against a plain memcpy
 //!   (`cargo bench -p ep-sim --bench data_movement -- --warm-up-time 1 --measurement-time 3`).
-//! - **Faults** ([`fault`], [`SimConfig::faults`], [`ThreadSim::set_faults`]): a dead or
-//!   stalled rank, a QP in error state, a dropped completion, each ending in bounded (virtual)
-//!   time in a typed error naming the rank, the QP and what was awaited
+//! - **Faults** ([`fault`], [`SimConfig::faults`], [`Sim::set_faults`], [`ThreadSim::set_faults`]):
+//!   a dead or stalled rank, a QP in error state, a dropped completion, each ending in bounded
+//!   (virtual) time in a typed error naming the rank, the QP and what was awaited; clearing them
+//!   ([`Sim::clear_faults`]) and [`Transport::recover`] model the repair a `Buffer::reset` follows
 //!   ([`ep_core::transport::fault`] says what the Buffer does with them; shrink mode uses
 //!   [`ep_core::transport::AgentCtx::wait_or_expire`]).
 //! - **Cost model** ([`cost`]): each phase's actual traffic ([`Sim::records`],
@@ -105,6 +106,7 @@ pub mod fault;
 mod memory;
 pub mod park;
 mod proto;
+mod recovery;
 mod sync;
 mod threads;
 mod tmem;
@@ -230,6 +232,10 @@ impl Transport for Sim {
 
     fn barrier(&mut self, team: &Team) -> ep_core::Result<()> {
         self.world.barrier(&team.ranks)
+    }
+
+    fn recover(&mut self, team: &Team) -> ep_core::Result<()> {
+        self.world.recover(&team.ranks)
     }
 
     fn run_phase(&mut self, phase: Phase<'_>) -> ep_core::Result<PhaseReport> {

@@ -565,6 +565,12 @@ impl ThreadSim {
         self.sh.faults = faults;
     }
 
+    /// Clears every injected fault (a dead rank's agents run again in later phases). Threads mode
+    /// keeps nothing in flight between phases, so nothing else needs repair.
+    pub fn clear_faults(&mut self) {
+        self.set_faults(Vec::new());
+    }
+
     /// Host write.
     pub fn host_write(&mut self, rank: usize, addr: SymAddr, bytes: &[u8]) -> Result<()> {
         let seg = self

@@ -23,6 +23,7 @@ use crate::proto::{Req, Resp};
 use crate::violation::{AgentRef, Violation, Waiting};
 
 mod faults;
+mod recover;
 
 pub(crate) use faults::Timeout;
 

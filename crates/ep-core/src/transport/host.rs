@@ -191,6 +191,19 @@ pub trait Transport {
     /// by the team's ranks and orders everything before it on those ranks before everything after.
     fn barrier(&mut self, team: &Team) -> Result<()>;
 
+    /// Collective recovery after a failed phase (`Buffer::reset`, shrink masking): operations in
+    /// flight between ranks of `team` complete (as [`Transport::barrier`]); operations between a
+    /// team rank and a rank outside the team are flushed (as a QP's error completions would);
+    /// what agents torn down mid-operation left behind, and error completions not yet reported,
+    /// are forgotten; then the team is synchronised as by a barrier. Fails, naming the rank or QP,
+    /// when a team rank is dead or an operation between team ranks can never complete.
+    ///
+    /// The default is [`Transport::barrier`], right for backends whose operations complete before
+    /// a phase ends (threads mode).
+    fn recover(&mut self, team: &Team) -> Result<()> {
+        self.barrier(team)
+    }
+
     /// Executes one protocol phase on all ranks and returns when every agent has finished.
     /// Operations still in flight at the end (non-blocking puts without `quiet`) stay in flight.
     fn run_phase(&mut self, phase: Phase<'_>) -> Result<PhaseReport>;
