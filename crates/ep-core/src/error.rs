@@ -616,4 +616,29 @@ pub enum Error {
         /// The rank.
         rank: usize,
     },
+    /// A call on a `Buffer` an earlier call left poisoned: that call's phase failed (a fault, a
+    /// timeout, or a protocol error), so ranks may have stopped at different points of it and
+    /// operations may still be in flight (docs/protocol.md §7).
+    #[error(
+        "the buffer is poisoned since call {call} failed{}: {cause}; repair the fault, then call          Buffer::reset() (collective) before any other call",
+        .failed_rank.map_or(String::new(), |r| format!(" (suspect rank {r})"))
+    )]
+    BufferPoisoned {
+        /// The call that failed.
+        call: u64,
+        /// The rank the failure points at (the dead, silent or unreachable peer), if known.
+        failed_rank: Option<usize>,
+        /// The failure.
+        cause: Box<Error>,
+    },
+    /// A collective reset a rank could not take part in (docs/protocol.md §7.2).
+    #[error(
+        "Buffer::reset needs every rank: rank {rank} cannot take part ({cause}); repair or replace          it and reset again (in low-latency shrink mode, mask it and reset the survivors)"
+    )]
+    ResetNeedsRank {
+        /// The rank that cannot take part.
+        rank: usize,
+        /// Why.
+        cause: Box<Error>,
+    },
 }

@@ -1,6 +1,8 @@
 //! Injecting and clearing faults on a running simulator, for recovery tests (`Buffer::reset`,
 //! shrink masking): the fault strikes in a later call, then the fabric is repaired.
 
+use ep_core::transport::QpIndex;
+
 use crate::Sim;
 use crate::fault::Fault;
 
@@ -12,6 +14,13 @@ impl Sim {
     pub fn set_faults(&mut self, faults: Vec<Fault>) {
         self.cfg.faults.clone_from(&faults);
         self.world.set_faults(faults);
+    }
+
+    /// Work requests ever posted on QP `(src → dst, qp)`, the count QP faults use: a
+    /// `Fault::DroppedCompletion` with `nth: sim.qp_posted(..) + 1` drops the next one.
+    #[must_use]
+    pub fn qp_posted(&self, src: usize, dst: usize, qp: QpIndex) -> u64 {
+        self.world.posted_on((src, dst, qp.0))
     }
 
     /// Clears every injected fault: a dead rank comes back (its memory as it was when it died,

@@ -93,6 +93,26 @@ impl NormalCtrl {
     pub fn y_ready(self, d: usize) -> u64 {
         WORD_STRIDE * (3 * self.r() + 2 + 2 * self.r() * MAX_CHANNELS as u64 + d as u64)
     }
+    /// The rank that writes the word at byte offset `off` of `owner`'s control allocation: the
+    /// peer a waiter on that word depends on (`owner` itself for `table_ready`). `None` past the
+    /// words. Used to name the suspect of a wait timeout (docs/protocol.md §7).
+    #[must_use]
+    pub fn writer(self, off: u64, owner: usize) -> Option<usize> {
+        let (r, cm) = (self.r(), MAX_CHANNELS as u64);
+        let w = off / WORD_STRIDE;
+        let s = if w < 2 * r {
+            w % r
+        } else if w < 2 * r + 2 {
+            return Some(owner);
+        } else if w < 2 * r + 2 + 2 * r * cm {
+            ((w - 2 * r - 2) % (r * cm)) / cm
+        } else if w < 4 * r + 2 + 2 * r * cm {
+            (w - 2 * r - 2 - 2 * r * cm) % r
+        } else {
+            return None;
+        };
+        Some(s as usize)
+    }
 }
 
 // ---- normal intranode: data (allocation `normal.data`) --------------------------------------------
@@ -252,6 +272,14 @@ pub fn ll_dispatch_signal(num_ranks: usize, half: u64, s: usize) -> u64 {
 #[must_use]
 pub fn ll_combine_signal(num_ranks: usize, half: u64, d: usize) -> u64 {
     WORD_STRIDE * (half * 2 * num_ranks as u64 + num_ranks as u64 + d as u64)
+}
+
+/// The rank that writes the low-latency signal word at byte offset `off` of the signal
+/// allocation (`disp_sig[h][s]`: `s`; `comb_sig[h][d]`: `d`); `None` past the words.
+#[must_use]
+pub fn ll_signal_writer(num_ranks: usize, off: u64) -> Option<usize> {
+    let w = off / WORD_STRIDE;
+    (w < 4 * num_ranks as u64).then_some((w % num_ranks as u64) as usize)
 }
 
 /// Half used by low-latency operation number `op` (docs/protocol.md §3.7).
@@ -415,6 +443,29 @@ mod tests {
         all.dedup();
         assert_eq!(all.len(), n);
         assert!(all.iter().all(|&w| w % 16 == 0 && w + 8 <= c.bytes()));
+    }
+
+    #[test]
+    fn every_word_names_its_writer() {
+        let c = NormalCtrl { num_ranks: 3 };
+        for s in 0..3 {
+            for p in 0..2 {
+                assert_eq!(c.writer(c.notify(p, s), 7), Some(s));
+                assert_eq!(c.writer(c.table_ready(p), 7), Some(7));
+            }
+            assert_eq!(c.writer(c.ready(s), 7), Some(s));
+            assert_eq!(c.writer(c.y_ready(s), 7), Some(s));
+            for ch in [0, 5, MAX_CHANNELS - 1] {
+                assert_eq!(c.writer(c.done(s, ch), 7), Some(s));
+                assert_eq!(c.writer(c.pulled(s, ch), 7), Some(s));
+            }
+            for h in 0..2 {
+                assert_eq!(ll_signal_writer(3, ll_dispatch_signal(3, h, s)), Some(s));
+                assert_eq!(ll_signal_writer(3, ll_combine_signal(3, h, s)), Some(s));
+            }
+        }
+        assert_eq!(c.writer(c.bytes(), 7), None);
+        assert_eq!(ll_signal_writer(3, 4 * 3 * WORD_STRIDE), None);
     }
 
     #[test]

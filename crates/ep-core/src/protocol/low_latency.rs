@@ -7,6 +7,7 @@
 )]
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::bf16;
 
@@ -79,6 +80,31 @@ pub(crate) struct LlOp {
     pub(crate) masked: Vec<bool>,
     pub(crate) num_qps: u16,
     pub(crate) num_experts: usize,
+    /// Shrink mode (spec §2.7): receive agents give up on a silent peer (`wait_or_expire`) and
+    /// report it in [`Expired`] instead of failing the phase.
+    pub(crate) shrink: bool,
+}
+
+/// The peers receive agents gave up on during one phase (shrink mode): the `Buffer` masks them
+/// and runs the phase again under the new mask (docs/protocol.md §7.3).
+#[derive(Debug)]
+pub(crate) struct Expired(Vec<AtomicBool>);
+
+impl Expired {
+    pub(crate) fn new(num_ranks: usize) -> Self {
+        Self((0..num_ranks).map(|_| AtomicBool::new(false)).collect())
+    }
+    fn mark(&self, r: usize) {
+        if let Some(b) = self.0.get(r) {
+            b.store(true, Ordering::Relaxed);
+        }
+    }
+    /// The ranks given up on, ascending.
+    pub(crate) fn ranks(&self) -> Vec<usize> {
+        (0..self.0.len())
+            .filter(|&r| self.0[r].load(Ordering::Relaxed))
+            .collect()
+    }
 }
 
 impl LlOp {
@@ -110,20 +136,31 @@ impl LlOp {
 /// Number of sender agents per rank.
 const SEND_AGENTS: usize = 2;
 
+/// Waits for a peer's signal of `call` and returns its message count; in shrink mode `None` when
+/// the bound expired (the caller reports the peer in [`Expired`]).
 fn wait_signal(
     ctx: &mut dyn AgentCtx,
+    shrink: bool,
     rank: usize,
     word: SymAddr,
     call: u64,
     what: impl FnOnce() -> String,
-) -> Result<u32> {
-    let v = ctx.wait(&WaitUntil {
+) -> Result<Option<u32>> {
+    let until = WaitUntil {
         rank,
         word,
         cmp: Cmp::Ge,
         value: ll_threshold(call),
         what: what(),
-    })?;
+    };
+    let v = if shrink {
+        match ctx.wait_or_expire(&until)? {
+            Some(v) => v,
+            None => return Ok(None),
+        }
+    } else {
+        ctx.wait(&until)?
+    };
     if ll_epoch(v) != call {
         return Err(Error::SignalEpochMismatch {
             rank,
@@ -132,7 +169,7 @@ fn wait_signal(
             found: ll_epoch(v),
         });
     }
-    Ok(ll_count(v))
+    Ok(Some(ll_count(v)))
 }
 
 /// Casts (or copies) token `t` into a row slot.
@@ -314,11 +351,12 @@ pub(crate) fn dispatch_recv_phase<'a>(
     topk: &'a [(Tensor2<ExpertIdx>, Tensor2<f32>)],
     mutation: ProtocolMutation,
     out: &'a [Mutex<Option<LlRecvOut>>],
+    expired: &'a Expired,
 ) -> Phase<'a> {
     let mut phase = Phase::new(PhaseKind::LowLatencyDispatchRecv, op.call);
     for d in (0..arena.num_ranks).filter(|&d| op.live(d)) {
         phase = phase.agent(d, 0, "ll-receiver", move |ctx: &mut dyn AgentCtx| {
-            let res = dispatch_recv(ctx, arena, op, rows, mutation)?;
+            let res = dispatch_recv(ctx, arena, op, rows, mutation, expired)?;
             let (idx, w) = &topk[d];
             let routes = LlRoutes {
                 topk_idx: idx.clone(),
@@ -338,6 +376,7 @@ fn dispatch_recv(
     op: &LlOp,
     rows: LlRows,
     mutation: ProtocolMutation,
+    expired: &Expired,
 ) -> Result<LlRecvOut> {
     let d = ctx.me().rank;
     let lay = op.layout;
@@ -377,16 +416,25 @@ fn dispatch_recv(
     let mut sc = vec![0f32; s_count];
     let mut bf = vec![bf16::ZERO; h];
     for s in 0..r {
-        if !op.live(s) {
+        let n = if op.live(s) {
+            wait_signal(ctx, op.shrink, d, op.dsig(arena, s), op.call, || {
+                format!("dispatch signal of rank {s} for call {}", op.call)
+            })?
+        } else {
+            None
+        };
+        let Some(n) = n else {
+            // Masked, or given up on (shrink): an empty block at the running offset.
+            if op.live(s) {
+                expired.mark(s);
+            }
             for l in 0..l_count {
                 layout_range.set(l, s, pack_layout_range(begin[l], 0));
             }
             routes.msg_start.push(routes.msg_token.len() as u32);
             continue;
-        }
-        let n = wait_signal(ctx, d, op.dsig(arena, s), op.call, || {
-            format!("dispatch signal of rank {s} for call {}", op.call)
-        })? as usize;
+        };
+        let n = n as usize;
         if n > lay.num_max_tokens {
             return Err(Error::LlInvalidLayout {
                 local_expert: 0,
@@ -597,11 +645,12 @@ pub(crate) fn combine_recv_phase<'a>(
     op: &'a LlOp,
     topk: &'a [Tensor2<ExpertIdx>],
     out: &'a [Mutex<Option<Tensor2<bf16>>>],
+    expired: &'a Expired,
 ) -> Phase<'a> {
     let mut phase = Phase::new(PhaseKind::LowLatencyCombineRecv, op.call);
     for s in (0..arena.num_ranks).filter(|&s| op.live(s)) {
         phase = phase.agent(s, 0, "ll-reducer", move |ctx: &mut dyn AgentCtx| {
-            let res = combine_recv(ctx, arena, op, &topk[s])?;
+            let res = combine_recv(ctx, arena, op, &topk[s], expired)?;
             put_slot(&out[s], res);
             Ok(())
         });
@@ -614,6 +663,7 @@ fn combine_recv(
     arena: &LlArena,
     op: &LlOp,
     idx: &Tensor2<ExpertIdx>,
+    expired: &Expired,
 ) -> Result<Tensor2<bf16>> {
     let s = ctx.me().rank;
     let lay = op.layout;
@@ -636,10 +686,18 @@ fn combine_recv(
         }
     }
     let mut parts: Vec<Vec<u8>> = vec![Vec::new(); r];
+    // Ranks whose partials count: unmasked, and not given up on (shrink).
+    let mut live: Vec<bool> = (0..r).map(|d| op.live(d)).collect();
     for d in (0..r).filter(|&d| op.live(d)) {
-        let n = wait_signal(ctx, s, op.csig(arena, d), op.call, || {
+        let Some(n) = wait_signal(ctx, op.shrink, s, op.csig(arena, d), op.call, || {
             format!("combine signal of rank {d} for call {}", op.call)
-        })? as usize;
+        })?
+        else {
+            expired.mark(d);
+            live[d] = false;
+            continue;
+        };
+        let n = n as usize;
         if n != expected[d] {
             return Err(Error::LlInvalidLayout {
                 local_expert: usize::MAX,
@@ -667,7 +725,7 @@ fn combine_recv(
             }
             let i = slot[d];
             slot[d] += 1;
-            if !op.live(d) {
+            if !live[d] {
                 continue;
             }
             get_bf16_row(&parts[d][i * row_bytes..], &mut p);
@@ -729,6 +787,7 @@ mod tests {
             masked: vec![false, true, false, false, false],
             num_qps: 1,
             num_experts: 5,
+            shrink: false,
         };
         let mut all: Vec<usize> = (0..SEND_AGENTS)
             .flat_map(|a| op.dests(2, a, SEND_AGENTS))

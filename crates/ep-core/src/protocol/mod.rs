@@ -5,7 +5,8 @@
 //! - [`signal`]: epoch-coded signal values;
 //! - `normal`: intranode count exchange, direct-placement dispatch, cached dispatch, pull combine;
 //! - `low_latency`: one message per (token, destination rank), local fan-out, partial sums
-//!   reduced on the expert's rank, two halves and the hook.
+//!   reduced on the expert's rank, two halves and the hook;
+//! - `reset`: zeroing every signal word after a failure (`Buffer::reset`).
 //!
 //! [`crate::buffer::Buffer`] drives these phases through a [`crate::transport::Transport`].
 
@@ -13,6 +14,7 @@ mod bytes;
 pub mod layout;
 pub(crate) mod low_latency;
 pub(crate) mod normal;
+pub(crate) mod reset;
 pub mod signal;
 
 pub use low_latency::LlRoutes;

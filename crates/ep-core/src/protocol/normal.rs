@@ -71,6 +71,28 @@ fn wait_eq(
     })
 }
 
+/// Waits for `table_ready[p] == call`, written by this rank's own notify agent, which is itself
+/// waiting (bounded) for every rank's count record. An expiry here is re-armed up to `R + 1`
+/// times, so that when a peer fails, the notify agent's wait — which names that peer's word —
+/// expires first and ends the phase (docs/protocol.md §7.1), instead of this wait, which could
+/// only name the own rank. Still bounded: `(R + 2)` wait bounds at most.
+fn wait_own_table(ctx: &mut dyn AgentCtx, arena: &NormalArena, call: u64) -> Result<()> {
+    let s = ctx.me().rank;
+    let until = WaitUntil {
+        rank: s,
+        word: arena.word(arena.ctrl_layout().table_ready(parity(call))),
+        cmp: Cmp::Eq,
+        value: call,
+        what: format!("own table of call {call}"),
+    };
+    for _ in 0..=arena.num_ranks {
+        if ctx.wait_or_expire(&until)?.is_some() {
+            return Ok(());
+        }
+    }
+    ctx.wait(&until).map(|_| ())
+}
+
 /// What the count exchange of a rank computed (the host-visible part of its outputs).
 #[derive(Clone, Debug)]
 pub(crate) struct NotifyResult {
@@ -315,10 +337,7 @@ pub(crate) fn dispatch_phase<'a>(
         }
         phase = phase.agent(s, 1 + c_count, "receiver", move |ctx: &mut dyn AgentCtx| {
             let p = parity(call);
-            let ctrl = arena.ctrl_layout();
-            wait_eq(ctx, s, arena.word(ctrl.table_ready(p)), call, || {
-                format!("own table of call {call}")
-            })?;
+            wait_own_table(ctx, arena, call)?;
             let table = load_table(ctx, arena, s, p)?;
             let num_recv = table.recv_begin[r] as usize;
             let rows = if job.num_worst_tokens > 0 {
@@ -486,10 +505,7 @@ fn send(
 ) -> Result<()> {
     let s = ctx.me().rank;
     let p = parity(call);
-    let ctrl = arena.ctrl_layout();
-    wait_eq(ctx, s, arena.word(ctrl.table_ready(p)), call, || {
-        format!("own table of call {call}")
-    })?;
+    wait_own_table(ctx, arena, call)?;
     let table = load_table(ctx, arena, s, p)?;
     let inp = &job.inputs[s];
     let itr = &job.layouts[s].is_token_in_rank;

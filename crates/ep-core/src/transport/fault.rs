@@ -12,17 +12,23 @@
 //! | [`Error::RankFailed`] | a rank's agents never finished while the others did | `rank` |
 //! | [`Error::Deadlock`] | (simulator) nothing in flight can wake any waiter: a protocol bug, not a fault | none |
 //!
-//! # What the Buffer does with them
-//! - **Default**: any of the errors above poisons the Buffer: every later call returns the
-//!   error until a **collective reset** (all ranks re-zero their counters and flags, drain their
-//!   QPs with `quiet`, and barrier), as DESIGN.md requires of device timeouts.
-//! - **Low-latency shrink mode** (spec §2.7): a wait for a peer is made with
+//! # What the Buffer does with them (docs/protocol.md §7)
+//! - **Default**: a failed phase (any of the errors above, or any other error once a phase ran)
+//!   poisons the Buffer: the failing call returns the error itself, every later call
+//!   [`Error::BufferPoisoned`] naming it and the suspect rank, until a **collective reset**
+//!   (`Buffer::reset`: [`super::Transport::recover`] drains or flushes what is in flight, every
+//!   rank zeroes its signal words, a barrier, hooks forgotten), as DESIGN.md requires of device
+//!   timeouts. The suspect of a wait timeout is the writer of the awaited word
+//!   (`protocol::layout::NormalCtrl::writer`, `ll_signal_writer`).
+//! - **Low-latency shrink mode** (spec §2.7): receive agents wait for a peer's signal with
 //!   [`super::AgentCtx::wait_or_expire`], which returns `Ok(None)` instead of failing the phase
-//!   when the bound expires; the agent then treats that peer as masked (its count as zero, no more
-//!   sends to it, its top-k entries dropped in combine) and records it in the Buffer's mask
-//!   (`mask_buffer[peer] = 1`, what `query_mask_buffer` reports). A phase that ends in
-//!   [`Error::RankFailed`] after its survivors finished tells the host which rank to mask for the
-//!   next calls instead of poisoning the Buffer.
+//!   when the bound expires; the agent reports the peer, the Buffer masks it
+//!   (`mask_buffer[peer] = 1`, what `query_mask_buffer` reports) and runs the phase again under
+//!   the new mask, so the call returns exactly the result of the plan with that rank masked.
+//!   A phase of a low-latency call that fails with an error naming a rank ([`fault_rank`]: a
+//!   sender's `quiet` towards a dead peer, a QP error, [`Error::RankFailed`]) masks that rank the
+//!   same way, after [`super::Transport::recover`] over the survivors flushed what was in flight
+//!   towards it. Normal mode never masks: its faults poison.
 
 use crate::Error;
 
@@ -33,7 +39,8 @@ use crate::Error;
 pub fn fault_rank(e: &Error) -> Option<usize> {
     match e {
         Error::QpError { peer, .. } | Error::CompletionTimeout { peer, .. } => Some(*peer),
-        Error::RankFailed { rank, .. } => Some(*rank),
+        Error::RankFailed { rank, .. } | Error::ResetNeedsRank { rank, .. } => Some(*rank),
+        Error::BufferPoisoned { failed_rank, .. } => *failed_rank,
         _ => None,
     }
 }
@@ -48,5 +55,7 @@ pub fn is_fault(e: &Error) -> bool {
             | Error::CompletionTimeout { .. }
             | Error::QpError { .. }
             | Error::RankFailed { .. }
+            | Error::BufferPoisoned { .. }
+            | Error::ResetNeedsRank { .. }
     )
 }

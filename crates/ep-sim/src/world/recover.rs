@@ -26,6 +26,11 @@ impl World {
         self.faults = faults;
     }
 
+    /// Work requests ever posted on QP `k` (what QP fault triggers count).
+    pub(crate) fn posted_on(&self, k: super::QpKey) -> u64 {
+        self.qps.get(&k).map_or(0, |q| q.posted_total)
+    }
+
     /// Recovery over `team`: flushes every work request between a team rank and a rank outside
     /// the team, completes the rest as the host barrier does, then drops the bookkeeping of
     /// operations whose agents were torn down before posting all their work requests, and the

@@ -1,0 +1,367 @@
+//! Normal-mode calls of [`Buffer`] (docs/protocol.md §2): layout, dispatch, cached dispatch,
+//! combine. Each is one phase; a failed phase poisons the buffer (`fault`).
+
+use std::sync::Mutex;
+
+use half::bf16;
+
+use super::{Buffer, NormalDispatchArgs};
+use crate::error::{Error, Result};
+use crate::plan::combine::{CombineArgs, CombineOutput, check_combine_args};
+use crate::plan::intranode::{
+    DispatchOptions, IntranodeDispatch, IntranodeHandle, check_dispatch,
+    check_same_activation_kind, handle_mismatch,
+};
+use crate::plan::layout::{DispatchLayout, get_dispatch_layout_for_rank};
+use crate::protocol::layout::{MAX_CHANNELS, MAX_LOCAL_EXPERTS, RowFormat};
+use crate::protocol::normal::{self, NormalArena, take_slot};
+use crate::routing::{Activations, ExpertIdx, RankInputs};
+use crate::tensor::Tensor2;
+use crate::transport::Transport;
+
+fn rows_of(x: &Activations) -> RowFormat {
+    match x {
+        Activations::Bf16(t) => RowFormat {
+            hidden: t.cols(),
+            elem_bytes: 2,
+            num_scales: 0,
+            num_topk: 0,
+        },
+        Activations::Fp8 { data, scales } => RowFormat {
+            hidden: data.cols(),
+            elem_bytes: 1,
+            num_scales: scales.cols(),
+            num_topk: 0,
+        },
+    }
+}
+
+impl<T: Transport> Buffer<T> {
+    /// `get_dispatch_layout` of every rank (spec §1.7).
+    pub fn get_dispatch_layout(
+        &self,
+        topk_idx: &[Tensor2<ExpertIdx>],
+        num_experts: usize,
+    ) -> Result<Vec<DispatchLayout>> {
+        let r = self.num_ranks();
+        if topk_idx.len() != r {
+            return Err(Error::RankCountMismatch {
+                expected: r,
+                found: topk_idx.len(),
+            });
+        }
+        topk_idx
+            .iter()
+            .enumerate()
+            .map(|(s, t)| get_dispatch_layout_for_rank(s, t, num_experts, r))
+            .collect()
+    }
+
+    fn normal_arena(&self) -> Result<&NormalArena> {
+        let r = self.num_ranks();
+        for s in 0..r {
+            for d in 0..r {
+                if !self.transport.reach(s, d).load_store() {
+                    return Err(Error::Unsupported(format!(
+                        "normal mode between rank {s} and rank {d}, which are not NVLink peers: \
+                         normal internode mode is not implemented yet (docs/protocol.md §4)"
+                    )));
+                }
+            }
+        }
+        self.normal.as_ref().ok_or_else(|| Error::ArenaTooSmall {
+            what: "normal-mode arena".into(),
+            needed: 1,
+            available: 0,
+            fix: "set num_nvl_bytes (Buffer::normal_size_hint)".into(),
+        })
+    }
+
+    fn check_capacity(arena: &NormalArena, rows: usize, rec: u64, dispatch: bool) -> Result<()> {
+        let data = arena.data_layout();
+        let cap = if dispatch {
+            data.dispatch_capacity(rec)
+        } else {
+            data.combine_capacity(rec)
+        };
+        if rows as u64 > cap {
+            return Err(Error::ArenaTooSmall {
+                what: format!(
+                    "normal-mode {} rows ({rows} rows of {rec} bytes)",
+                    if dispatch { "dispatch" } else { "combine" }
+                ),
+                needed: rows as u64 * rec,
+                available: cap * rec,
+                fix: "raise num_nvl_bytes (Buffer::normal_size_hint)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Normal dispatch of every rank (spec §1.8, docs/protocol.md §2.3): one phase, rows written
+    /// directly at their final place. Outputs equal `plan::intranode::intranode_dispatch_all`.
+    pub fn dispatch(
+        &mut self,
+        inputs: &[RankInputs],
+        layouts: &[DispatchLayout],
+        num_experts: usize,
+        args: &NormalDispatchArgs,
+    ) -> Result<Vec<IntranodeDispatch>> {
+        self.check_poison()?;
+        let opts = DispatchOptions {
+            num_channels: args.config.num_channels(),
+            expert_alignment: args.expert_alignment,
+            num_worst_tokens: args.num_worst_tokens,
+            with_topk: args.with_topk,
+        };
+        if inputs.len() != self.num_ranks() {
+            return Err(Error::RankCountMismatch {
+                expected: self.num_ranks(),
+                found: inputs.len(),
+            });
+        }
+        let shape = check_dispatch(inputs, layouts, num_experts, &opts)?;
+        if opts.num_channels > MAX_CHANNELS {
+            return Err(Error::ProtocolLimit {
+                what: "channels (num_sms / 2)",
+                value: opts.num_channels,
+                max: MAX_CHANNELS,
+                fix: "use at most 128 SMs for normal mode",
+            });
+        }
+        if shape.num_local_experts > MAX_LOCAL_EXPERTS {
+            return Err(Error::ProtocolLimit {
+                what: "local experts",
+                value: shape.num_local_experts,
+                max: MAX_LOCAL_EXPERTS,
+                fix: "use more ranks or fewer experts",
+            });
+        }
+        let r = self.num_ranks();
+        let mut fmt = rows_of(&inputs[0].x);
+        fmt.num_topk = shape.num_topk;
+        let mut max_rows = 0usize;
+        for d in 0..r {
+            let recv: usize = layouts
+                .iter()
+                .map(|l| l.num_tokens_per_rank[d] as usize)
+                .sum();
+            if opts.num_worst_tokens > 0 && recv > opts.num_worst_tokens {
+                return Err(Error::WorstTokensTooSmall {
+                    rank: d,
+                    num_worst_tokens: opts.num_worst_tokens,
+                    needed: recv,
+                });
+            }
+            max_rows = max_rows.max(recv.max(opts.num_worst_tokens));
+        }
+        let call = self.next_call();
+        let mutation = self.mutation;
+        let arena = self.normal_arena()?.clone();
+        Self::check_capacity(&arena, max_rows, fmt.dispatch_record(), true)?;
+        let job = normal::DispatchJob {
+            inputs,
+            layouts,
+            num_local_experts: shape.num_local_experts,
+            num_channels: opts.num_channels,
+            expert_alignment: opts.expert_alignment,
+            num_worst_tokens: opts.num_worst_tokens,
+            with_topk: opts.with_topk,
+            fmt,
+        };
+        let slots = normal::DispatchSlots::new(r);
+        let phase = normal::dispatch_phase(&arena, &job, call, mutation, &slots);
+        self.run(phase)?;
+        (0..r)
+            .map(|d| {
+                let n = take_slot(&slots.notify[d], "notify")?;
+                let v = take_slot(&slots.recv[d], "receiver")?;
+                Ok(IntranodeDispatch {
+                    recv_x: v.recv_x,
+                    recv_topk_idx: v.topk_idx,
+                    recv_topk_weights: v.topk_weights,
+                    num_recv_tokens_per_expert_list: n.expert_list,
+                    handle: IntranodeHandle {
+                        rank_prefix_matrix: n.rank_prefix_matrix,
+                        channel_prefix_matrix: n.channel_prefix_matrix,
+                        recv_channel_prefix_matrix: n.recv_channel_prefix_matrix,
+                        recv_src_idx: v.src_idx,
+                        is_token_in_rank: layouts[d].is_token_in_rank.clone(),
+                        send_head: n.send_head,
+                        num_recv_tokens: n.num_recv,
+                    },
+                })
+            })
+            .collect()
+    }
+
+    /// Cached dispatch (handle given, no top-k, spec §1.8; docs/protocol.md §2.4). Equals
+    /// `plan::intranode::intranode_dispatch_cached`.
+    pub fn dispatch_cached(
+        &mut self,
+        xs: &[&Activations],
+        handles: &[IntranodeHandle],
+    ) -> Result<Vec<Activations>> {
+        self.check_poison()?;
+        let r = self.num_ranks();
+        for len in [xs.len(), handles.len()] {
+            if len != r {
+                return Err(Error::RankCountMismatch {
+                    expected: r,
+                    found: len,
+                });
+            }
+        }
+        let mut max_rows = 0;
+        for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
+            check_same_activation_kind(xs[0], x, s)?;
+            let c = h.channel_prefix_matrix.cols();
+            if h.rank_prefix_matrix.shape() != (r, r)
+                || h.channel_prefix_matrix.rows() != r
+                || h.is_token_in_rank.shape() != (x.num_tokens(), r)
+                || c == 0
+                || c > MAX_CHANNELS
+                || h.num_recv_tokens > h.recv_src_idx.len()
+            {
+                return Err(handle_mismatch(
+                    s,
+                    "cached dispatch: handle shapes do not match x and the rank count".into(),
+                ));
+            }
+            max_rows = max_rows.max(h.recv_src_idx.len());
+        }
+        let fmt = rows_of(xs[0]);
+        let call = self.next_call();
+        let mutation = self.mutation;
+        let arena = self.normal_arena()?.clone();
+        Self::check_capacity(&arena, max_rows, fmt.dispatch_record(), true)?;
+        let job = normal::CachedJob { xs, handles, fmt };
+        let out: Vec<Mutex<Option<normal::RecvResult>>> =
+            (0..r).map(|_| Mutex::new(None)).collect();
+        let phase = normal::cached_phase(&arena, &job, call, mutation, &out);
+        self.run(phase)?;
+        out.iter()
+            .map(|o| take_slot(o, "receiver").map(|v| v.recv_x))
+            .collect()
+    }
+
+    /// Normal combine of every rank (spec §1.8, docs/protocol.md §2.5): each rank publishes its
+    /// expert outputs in its combine rows, owners pull and reduce. Equals
+    /// `plan::intranode::intranode_combine` bit for bit.
+    pub fn combine(
+        &mut self,
+        handles: &[IntranodeHandle],
+        args: &[CombineArgs<'_>],
+    ) -> Result<Vec<CombineOutput>> {
+        self.check_poison()?;
+        let r = self.num_ranks();
+        for len in [handles.len(), args.len()] {
+            if len != r {
+                return Err(Error::RankCountMismatch {
+                    expected: r,
+                    found: len,
+                });
+            }
+        }
+        let num_tokens: Vec<usize> = handles.iter().map(|h| h.send_head.rows()).collect();
+        let num_recv: Vec<usize> = handles.iter().map(|h| h.recv_src_idx.len()).collect();
+        let (hidden, num_topk) = check_combine_args(args, &num_tokens, &num_recv)?;
+        for (s, h) in handles.iter().enumerate() {
+            let c = h.channel_prefix_matrix.cols();
+            if h.rank_prefix_matrix.shape() != (r, r)
+                || h.channel_prefix_matrix.rows() != r
+                || h.send_head.cols() != r
+                || c == 0
+                || c > MAX_CHANNELS
+            {
+                return Err(handle_mismatch(s, "combine: handle shapes".into()));
+            }
+            // Every pulled row must exist on its rank.
+            for t in 0..h.send_head.rows() {
+                let ch = (0..c)
+                    .find(|&ch| {
+                        crate::plan::layout::channel_range(h.send_head.rows(), c, ch).contains(&t)
+                    })
+                    .unwrap_or(0);
+                for d in 0..r {
+                    let slot = h.send_head.get(t, d);
+                    if slot < 0 {
+                        continue;
+                    }
+                    let j = (if s == 0 {
+                        0
+                    } else {
+                        h.rank_prefix_matrix.get(s - 1, d)
+                    }) + (if ch == 0 {
+                        0
+                    } else {
+                        h.channel_prefix_matrix.get(d, ch - 1)
+                    }) + slot;
+                    if j < 0 || j as usize >= handles[d].num_recv_tokens.min(num_recv[d]) {
+                        return Err(handle_mismatch(
+                            s,
+                            format!(
+                                "token {t} maps to row {j} of rank {d}, past its received rows"
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        let k = num_topk.unwrap_or(0);
+        let fmt = RowFormat {
+            hidden,
+            elem_bytes: 2,
+            num_scales: 0,
+            num_topk: k,
+        };
+        let call = self.next_call();
+        let mutation = self.mutation;
+        let arena = self.normal_arena()?.clone();
+        Self::check_capacity(
+            &arena,
+            num_recv.iter().copied().max().unwrap_or(0),
+            fmt.combine_record(),
+            false,
+        )?;
+        let job = normal::CombineJob {
+            handles,
+            args,
+            hidden,
+            num_topk: k,
+        };
+        let out: Vec<Vec<Mutex<Option<normal::ReducedRows>>>> = handles
+            .iter()
+            .map(|h| {
+                (0..h.channel_prefix_matrix.cols())
+                    .map(|_| Mutex::new(None))
+                    .collect()
+            })
+            .collect();
+        let phase = normal::combine_phase(&arena, &job, call, mutation, &out);
+        self.run(phase)?;
+        let mut res = Vec::with_capacity(r);
+        for (s, chans) in out.iter().enumerate() {
+            let t = num_tokens[s];
+            let mut x = Tensor2::filled(t, hidden, bf16::ZERO);
+            let mut w = Tensor2::filled(t, k, 0.0f32);
+            for o in chans {
+                let (first, rows_x, rows_w) = take_slot(o, "reducer")?;
+                let n = rows_x.len() / hidden.max(1);
+                for i in 0..n {
+                    x.row_mut(first + i)
+                        .copy_from_slice(&rows_x[i * hidden..(i + 1) * hidden]);
+                    if k > 0 {
+                        w.row_mut(first + i)
+                            .copy_from_slice(&rows_w[i * k..(i + 1) * k]);
+                    }
+                }
+            }
+            res.push(CombineOutput {
+                combined_x: x,
+                combined_topk_weights: num_topk.map(|_| w),
+            });
+        }
+        Ok(res)
+    }
+}
