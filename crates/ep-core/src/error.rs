@@ -620,7 +620,8 @@ pub enum Error {
     /// timeout, or a protocol error), so ranks may have stopped at different points of it and
     /// operations may still be in flight (docs/protocol.md §7).
     #[error(
-        "the buffer is poisoned since call {call} failed{}: {cause}; repair the fault, then call          Buffer::reset() (collective) before any other call",
+        "the buffer is poisoned since call {call} failed{}: {cause}; repair the fault, then call \
+         Buffer::reset() (collective) before any other call",
         .failed_rank.map_or(String::new(), |r| format!(" (suspect rank {r})"))
     )]
     BufferPoisoned {
@@ -633,7 +634,8 @@ pub enum Error {
     },
     /// A collective reset a rank could not take part in (docs/protocol.md §7.2).
     #[error(
-        "Buffer::reset needs every rank: rank {rank} cannot take part ({cause}); repair or replace          it and reset again (in low-latency shrink mode, mask it and reset the survivors)"
+        "Buffer::reset needs every rank: rank {rank} cannot take part ({cause}); repair or replace \
+         it and reset again (in low-latency shrink mode, mask it and reset the survivors)"
     )]
     ResetNeedsRank {
         /// The rank that cannot take part.

@@ -71,26 +71,39 @@ fn wait_eq(
     })
 }
 
-/// Waits for `table_ready[p] == call`, written by this rank's own notify agent, which is itself
-/// waiting (bounded) for every rank's count record. An expiry here is re-armed up to `R + 1`
-/// times, so that when a peer fails, the notify agent's wait — which names that peer's word —
-/// expires first and ends the phase (docs/protocol.md §7.1), instead of this wait, which could
-/// only name the own rank. Still bounded: `(R + 2)` wait bounds at most.
-fn wait_own_table(ctx: &mut dyn AgentCtx, arena: &NormalArena, call: u64) -> Result<()> {
-    let s = ctx.me().rank;
+/// A patient wait, for a word whose writer itself waits (bounded) on other ranks first: the own
+/// table (written by the notify agent after every count record), `done` (written by senders
+/// after their table or `ready` waits), `pulled` (written by reducers after every `y_ready`). An
+/// expiry is re-armed up to `R + 1` times so that when a rank fails, the first-order wait that
+/// names it expires first and ends the phase (docs/protocol.md §7.1), rather than this one,
+/// which would name a rank that is merely blocked. Still bounded: `R + 2` wait bounds at most.
+fn wait_eq_patient(
+    ctx: &mut dyn AgentCtx,
+    rank: usize,
+    word: SymAddr,
+    value: u64,
+    what: impl FnOnce() -> String,
+) -> Result<u64> {
     let until = WaitUntil {
-        rank: s,
-        word: arena.word(arena.ctrl_layout().table_ready(parity(call))),
+        rank,
+        word,
         cmp: Cmp::Eq,
-        value: call,
-        what: format!("own table of call {call}"),
+        value,
+        what: what(),
     };
-    for _ in 0..=arena.num_ranks {
-        if ctx.wait_or_expire(&until)?.is_some() {
-            return Ok(());
+    for _ in 0..=ctx.num_ranks() {
+        if let Some(v) = ctx.wait_or_expire(&until)? {
+            return Ok(v);
         }
     }
-    ctx.wait(&until).map(|_| ())
+    ctx.wait(&until)
+}
+
+/// Waits for `table_ready[p] == call` of this rank (patiently: [`wait_eq_patient`]).
+fn wait_own_table(ctx: &mut dyn AgentCtx, arena: &NormalArena, call: u64) -> Result<()> {
+    let s = ctx.me().rank;
+    let word = arena.word(arena.ctrl_layout().table_ready(parity(call)));
+    wait_eq_patient(ctx, s, word, call, || format!("own table of call {call}")).map(|_| ())
 }
 
 /// What the count exchange of a rank computed (the host-visible part of its outputs).
@@ -294,7 +307,7 @@ fn receive(
     let data = arena.data_layout();
     for (s, &cs) in num_channels.iter().enumerate() {
         for c in 0..cs {
-            wait_eq(ctx, d, arena.word(ctrl.done(s, c)), call, || {
+            wait_eq_patient(ctx, d, arena.word(ctrl.done(s, c)), call, || {
                 format!("done of rank {s} channel {c} for call {call}")
             })?;
         }
@@ -751,7 +764,7 @@ pub(crate) fn combine_phase<'a>(
             }
             for (s, &cs) in chans_d.iter().enumerate() {
                 for c in 0..cs {
-                    wait_eq(ctx, d, arena.word(ctrl.pulled(s, c)), call, || {
+                    wait_eq_patient(ctx, d, arena.word(ctrl.pulled(s, c)), call, || {
                         format!("pull of rank {s} channel {c} for call {call}")
                     })?;
                 }
