@@ -92,7 +92,7 @@ fn ll_run(c: Case, depth: u32) -> Run {
             })
             .collect();
         let comb = buf
-            .low_latency_combine(&got.routes, &y, &inputs, call % 2 == 0)
+            .low_latency_combine(&got.routes, &y, &inputs, call.is_multiple_of(2))
             .unwrap();
         out.push_str(&format!("{:?}\n{comb:?}\n", got.outputs));
     }
