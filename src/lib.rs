@@ -1,9 +1,104 @@
 //! # ep-rs
 //!
-//! Mixture-of-Experts expert-parallel communication: DeepEP V1's dispatch and combine with a
-//! Rust API, a CPU simulator of the fabric, and CUDA/NVSHMEM backends. This crate re-exports
-//! the workspace: [`core`] (semantics, oracle, configuration, `Transport`), [`sim`] (the
-//! simulator backend) and [`kernels`] (the GPU backend).
+//! Mixture-of-Experts expert-parallel communication: DeepEP V1's **dispatch** (tokens to the
+//! ranks holding their experts) and **combine** (expert outputs back), with a Rust API, a CPU
+//! simulator of the GPU fabric that runs the same protocol, and CUDA/NVSHMEM backends.
+//!
+//! This crate re-exports the workspace:
+//! - [`core`] (`ep-core`): the semantics (`plan`), the reference `oracle`, configuration and the
+//!   NVSHMEM environment plan (`config`), the `Transport` trait, the protocol agents and
+//!   [`core::Buffer`], the logic of `ep doctor` (`setup`);
+//! - [`sim`] (`ep-sim`): the simulator backend — `Sim` (deterministic, checks every ordering
+//!   rule, injects faults) and `ThreadSim` (real threads, for throughput);
+//! - [`kernels`] (`ep-kernels`): the GPU side — NVSHMEM bring-up, CUDA topology, the
+//!   `__host__ __device__` protocol header.
+//!
+//! ## Quick start (on the simulator)
+//!
+//! ```
+//! use ep_rs::core::buffer::NormalDispatchArgs;
+//! use ep_rs::core::config::{BufferConfig, Config};
+//! use ep_rs::core::plan::combine::CombineArgs;
+//! use ep_rs::core::transport::FabricParams;
+//! use ep_rs::core::workload::WorkloadSpec;
+//! use ep_rs::core::{Activations, Buffer};
+//! use ep_rs::sim::{Sim, SimConfig};
+//!
+//! # fn main() -> ep_rs::core::Result<()> {
+//! let (ranks, tokens, hidden, topk, experts) = (4, 64, 256, 4, 32);
+//! // Every rank's inputs (the simulator drives all ranks from one host).
+//! let inputs = WorkloadSpec::new(ranks, tokens, hidden, topk, experts, 7).generate()?;
+//!
+//! // init: a Buffer over the simulated fabric (one NVLink node), sized by the size hint.
+//! let sim = Sim::new(SimConfig::new(FabricParams::single_node(ranks), 7));
+//! let mut cfg = BufferConfig::new(ranks);
+//! cfg.num_nvl_bytes =
+//!     Buffer::<Sim>::normal_size_hint(ranks, ranks * tokens, hidden, 2, topk).div_ceil(128) * 128;
+//! let mut buffer = Buffer::new(sim, cfg)?;
+//!
+//! // layout → dispatch
+//! let topk_idx: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
+//! let layouts = buffer.get_dispatch_layout(&topk_idx, experts)?;
+//! let args = NormalDispatchArgs::new(Config::dispatch_for(ranks)?);
+//! let received = buffer.dispatch(&inputs, &layouts, experts, &args)?;
+//!
+//! // the experts (here: identity) → combine
+//! let ys: Vec<_> = received
+//!     .iter()
+//!     .map(|r| match &r.recv_x {
+//!         Activations::Bf16(x) => x.clone(),
+//!         Activations::Fp8 { .. } => unreachable!("BF16 workload"),
+//!     })
+//!     .collect();
+//! let handles: Vec<_> = received.iter().map(|r| r.handle.clone()).collect();
+//! let combine_args: Vec<_> = received
+//!     .iter()
+//!     .zip(&ys)
+//!     .map(|(r, y)| CombineArgs { x: y, topk_weights: r.recv_topk_weights.as_ref(), bias: &[] })
+//!     .collect();
+//! let combined = buffer.combine(&handles, &combine_args)?;
+//!
+//! // the reference oracle says what every rank must get back
+//! let expected = ep_rs::core::oracle::normal::intranode_combine(&inputs, experts, &combine_args)?;
+//! assert_eq!(combined, expected);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! From the command line: `ep bench` (dispatch + combine on the simulator, verified against the
+//! oracle, DeepEP-comparable figures), `ep layout` (plan versus oracle), `ep doctor` (is IBGDA
+//! usable on this machine, and the exact fix when it is not).
+//!
+//! ## DeepEP ↔ ep-rs
+//!
+//! | DeepEP V1 (`deep_ep`) | ep-rs |
+//! |---|---|
+//! | `Buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank, ...)` | [`core::Buffer::new`]`(transport, `[`core::config::BufferConfig`]`)` |
+//! | `Buffer.get_dispatch_layout(topk_idx, num_experts)` | [`core::Buffer::get_dispatch_layout`] (plan: [`core::plan::layout`]) |
+//! | `Buffer.dispatch(x, handle=None, ...)` | [`core::Buffer::dispatch`] with [`core::buffer::NormalDispatchArgs`] |
+//! | `Buffer.dispatch(x, handle=handle)` (cached) | [`core::Buffer::dispatch_cached`] |
+//! | `Buffer.combine(x, handle, topk_weights, bias)` | [`core::Buffer::combine`] with [`core::plan::combine::CombineArgs`] |
+//! | `Buffer.low_latency_dispatch(..., return_recv_hook)` | [`core::Buffer::low_latency_dispatch`], or `_send` + `_recv` (the hook) |
+//! | `Buffer.low_latency_combine(..., zero_copy, return_recv_hook)` | [`core::Buffer::low_latency_combine`], or `_send` + `_recv` |
+//! | `Buffer.clean_low_latency_buffer(...)` | [`core::Buffer::clean_low_latency_buffer`] |
+//! | `low_latency_update_mask_buffer` / `query_mask_buffer` / `clean_mask_buffer` | [`core::Buffer::update_mask`] / [`core::Buffer::query_mask`] / [`core::Buffer::clean_mask`] |
+//! | `Config`, `get_dispatch_config(R)`, `get_combine_config(R)` | [`core::config::Config`], `Config::dispatch_for(R)`, `Config::combine_for(R)` |
+//! | `Config.get_nvl_buffer_size_hint` / `get_rdma_buffer_size_hint` | `Config::nvl_buffer_size_hint` / `Config::rdma_buffer_size_hint` (DeepEP's formulas); ep-rs's own arena: [`core::Buffer::normal_size_hint`] |
+//! | `get_low_latency_rdma_size_hint(N, H, R, E)` | [`core::config::low_latency_rdma_size_hint`] (DeepEP's); [`core::Buffer::low_latency_size_hint`] (ep-rs's) |
+//! | environment set in `Buffer.__init__` | [`core::config::nvshmem_env_plan`] (pure; applied when ranks are spawned) |
+//! | `handle` tuples | [`core::plan::intranode::IntranodeHandle`], [`core::plan::low_latency::LlHandle`] |
+//!
+//! ## Features, build and run time
+//! No Cargo features yet. Building needs no CUDA, NVSHMEM or rdma-core: the `-sys` crates load
+//! their libraries at run time and return typed errors when they are missing. CUDA kernels are
+//! compiled by `ep-kernels`' build script when `nvcc` is found (see `GPU.md`), otherwise the
+//! crate builds without them and launches return a typed error.
+//!
+//! ## Thread safety and cleanup
+//! A `Buffer` is driven by one host thread (`&mut self` for every collective call); the
+//! simulator runs its agents on its own threads. Outputs are owned tensors on the simulator; on
+//! the GPU they are views valid until the next call on the same `Buffer` (docs/protocol.md).
+//! A call that fails with a fault poisons the `Buffer` until [`core::Buffer::reset`].
 
 pub use ep_core as core;
 pub use ep_kernels as kernels;
