@@ -4,85 +4,31 @@
 //! output digest, and optionally dump the inputs and every output. The simulator backend's
 //! `ep bench` builds on the same pieces (`ep_cli::io`, `ep_core::digest`).
 
-use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, bail};
-use clap::{Args, ValueEnum};
-use ep_cli::io::{self, InputsSummary, IoError, Outputs, RunInfo};
-use ep_core::numerics::fp8;
+use anyhow::Context;
+use clap::Args;
+use ep_cli::io::{self, Outputs};
+use ep_cli::workload::{self, Defaults, Mode, Workload, WorkloadArgs};
 use ep_core::oracle;
 use ep_core::plan::combine::{CombineArgs, CombineOutput};
 use ep_core::plan::intranode::{self, DispatchOptions, IntranodeDispatch};
 use ep_core::plan::layout::{DispatchLayout, get_dispatch_layout_for_rank};
 use ep_core::plan::low_latency::{self as ll, LlDispatchOutput, LlParams};
-use ep_core::routing::Activations;
-use ep_core::workload::{Routing, WorkloadSpec};
 use ep_core::{RankInputs, Tensor2, digest};
 use half::bf16;
 use serde_json::json;
 
-/// Which dispatch/combine family to plan.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub(crate) enum Mode {
-    /// Normal (high-throughput) intranode mode.
-    Normal,
-    /// Low-latency mode.
-    LowLatency,
-}
-
-/// Options of `ep layout`. Defaults are DeepEP's test routings (spec §6.2, §6.4); the hidden
-/// size defaults small because the layout does not depend on it (pass `--hidden 7168` for the
-/// full byte volume).
+/// Options of `ep layout`: the shared workload options ([`ep_cli::workload::WorkloadArgs`];
+/// defaults are DeepEP's test routings, spec §6.2, §6.4, except the hidden size, which defaults
+/// small because the layout does not depend on it: pass `--hidden 7168` for the full byte volume).
 #[derive(Debug, Args)]
 pub(crate) struct LayoutArgs {
-    /// Mode to plan.
-    #[arg(long, value_enum, default_value_t = Mode::Normal)]
-    mode: Mode,
-    /// EP size (ranks) [default: 8; with --inputs: the number of rank directories].
-    #[arg(long)]
-    ranks: Option<usize>,
-    /// Tokens per rank [default: 4096 normal, 128 low-latency; with --inputs: from the files].
-    #[arg(long)]
-    tokens: Option<usize>,
-    /// Hidden size used for the data check [default: 256; with --inputs: from the files]
-    /// (byte counts are also given for `--bytes-hidden`).
-    #[arg(long)]
-    hidden: Option<usize>,
+    #[command(flatten)]
+    workload: WorkloadArgs,
     /// Hidden size for the DeepEP byte counts printed beside the layout.
     #[arg(long, default_value_t = 7168)]
     bytes_hidden: usize,
-    /// Top-k [default: 8; with --inputs: from the files].
-    #[arg(long)]
-    topk: Option<usize>,
-    /// Experts (default: 256 normal, 288 low-latency; required with --inputs).
-    #[arg(long)]
-    experts: Option<usize>,
-    /// Seed of the workload (ChaCha8; the same seed gives the same routing on every machine).
-    #[arg(long, default_value_t = 0, conflicts_with = "inputs")]
-    seed: u64,
-    /// Top-k slots per rank set to -1 (default: 0 normal, 10 low-latency, as DeepEP's tests).
-    #[arg(long, conflicts_with = "inputs")]
-    masked: Option<usize>,
-    /// Expert choice of the generated workload: uniform, zipf:S (expert popularity follows a
-    /// Zipf law with exponent S) or hot:F (a fraction F of tokens put expert 0 first).
-    #[arg(long, default_value = "uniform", conflicts_with = "inputs")]
-    routing: Routing,
-    /// FP8: low-latency casts to e4m3 with per-128-channel scales on dispatch; normal mode
-    /// dispatches FP8 inputs (generated with DeepEP's per_token_cast_to_fp8, or x_fp8.npy).
-    #[arg(long)]
-    fp8: bool,
-    /// Read every rank's inputs from DIR/rank{r}/{topk_idx,topk_weights,x}.npy (or x_fp8.npy +
-    /// x_scales.npy) instead of generating them; ranks, tokens, hidden and top-k come from the
-    /// files, --experts is required.
-    #[arg(long, value_name = "DIR")]
-    inputs: Option<PathBuf>,
-    /// Write the inputs in the --inputs format (replay them later with --inputs DIR).
-    #[arg(long, value_name = "DIR")]
-    dump_inputs: Option<PathBuf>,
-    /// Write every output as .npy under the spec's names, plus manifest.json with the digest.
-    #[arg(long, value_name = "DIR")]
-    dump: Option<PathBuf>,
 }
 
 /// Outputs of a run, owned.
@@ -108,88 +54,34 @@ impl RunOutputs {
 
 /// Runs `ep layout`; returns the process exit code (non-zero when plan and oracle disagree).
 pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
-    let ll_mode = args.mode == Mode::LowLatency;
-    let mode_name = if ll_mode { "low-latency" } else { "normal" };
+    let w = &args.workload;
+    let ll_mode = w.mode == Mode::LowLatency;
+    let mode_name = w.mode.name();
     let start = Instant::now();
-    let (inputs, experts, mut info) = match &args.inputs {
-        Some(dir) => {
-            let experts = args
-                .experts
-                .context("--experts is required with --inputs (the files do not say it)")?;
-            let inputs = io::read_inputs(dir, experts)
-                .with_context(|| format!("reading inputs from {}", dir.display()))?;
-            let s = io::summarize(&inputs);
-            check_options(args, dir, &s)?;
-            println!(
-                "ep layout: {mode_name} mode, inputs {}: {} ranks, {} tokens/rank, hidden {}, \
-                 top-{}, {experts} experts, {} (workload digest {:016x})",
-                dir.display(),
-                s.num_ranks,
-                tokens_text(&s.tokens),
-                s.hidden,
-                s.topk,
-                if s.fp8 { "FP8" } else { "BF16" },
-                ep_core::workload::digest(&inputs),
-            );
-            let info = RunInfo {
-                inputs: Some(dir.display().to_string()),
-                ..RunInfo::default()
-            };
-            (inputs, experts, info)
-        }
-        None => {
-            let ranks = args.ranks.unwrap_or(8);
-            let tokens = args.tokens.unwrap_or(if ll_mode { 128 } else { 4096 });
-            let experts = args.experts.unwrap_or(if ll_mode { 288 } else { 256 });
-            let mut spec = WorkloadSpec::new(
-                ranks,
-                tokens,
-                args.hidden.unwrap_or(256),
-                args.topk.unwrap_or(8),
-                experts,
-                args.seed,
-            );
-            spec.masked_per_rank = args.masked.unwrap_or(if ll_mode { 10 } else { 0 });
-            spec.routing = args.routing;
-            // Low-latency casts on dispatch; normal mode dispatches FP8 inputs as they are.
-            spec.fp8 = args.fp8 && !ll_mode;
-            let inputs = spec.generate().context("generating the workload")?;
-            let routing = match args.routing {
-                Routing::Uniform => String::new(),
-                r => format!(", routing {r}"),
-            };
-            println!(
-                "ep layout: {mode_name} mode, {ranks} ranks, {tokens} tokens/rank, hidden {}, \
-                 top-{}, {experts} experts, {} masked slots/rank{routing}, seed {} (workload \
-                 digest {:016x})",
-                spec.hidden,
-                spec.num_topk,
-                spec.masked_per_rank,
-                args.seed,
-                ep_core::workload::digest(&inputs),
-            );
-            let info = RunInfo {
-                seed: Some(args.seed),
-                routing: Some(args.routing.to_string()),
-                options: json!({ "masked_per_rank": spec.masked_per_rank })
-                    .as_object()
-                    .cloned()
-                    .unwrap_or_default(),
-                ..RunInfo::default()
-            };
-            (inputs, experts, info)
-        }
+    let defaults = Defaults {
+        hidden: 256,
+        low_latency_fp8: false,
     };
-    if let Some(dir) = &args.dump_inputs {
-        io::write_inputs(dir, &inputs)
-            .with_context(|| format!("writing inputs to {}", dir.display()))?;
+    let workload = workload::load(w, &defaults).context("loading the workload")?;
+    println!("ep layout: {}", workload.description);
+    if let Some(dir) = &w.dump_inputs {
         println!("inputs written to {}", dir.display());
     }
+    let Workload {
+        inputs,
+        num_experts: experts,
+        mut info,
+        fp8,
+        ..
+    } = workload;
 
     let s = io::summarize(&inputs);
-    let opts = DispatchOptions::default();
+    let opts = DispatchOptions {
+        num_channels: (w.num_sms / 2).max(1),
+        ..DispatchOptions::default()
+    };
     let (ok, outputs) = if ll_mode {
-        let params = ll_params(args, &s, experts);
+        let params = workload::ll_params(fp8, &s, experts);
         info.options.extend(
             json!({
                 "num_max_dispatch_tokens_per_rank": params.num_max_dispatch_tokens_per_rank,
@@ -201,7 +93,7 @@ pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
             .cloned()
             .unwrap_or_default(),
         );
-        low_latency(args, &inputs, &params)?
+        low_latency(args, fp8, &inputs, &params)?
     } else {
         info.options.extend(
             json!({
@@ -224,7 +116,7 @@ pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
         digests.total,
         digest::FORMAT_VERSION
     );
-    if let Some(dir) = &args.dump {
+    if let Some(dir) = &w.dump {
         info.backend = "plan".into();
         info.options.extend(
             json!({
@@ -234,7 +126,7 @@ pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
                 "hidden": s.hidden,
                 "topk": s.topk,
                 "experts": experts,
-                "fp8": args.fp8 || s.fp8,
+                "fp8": fp8,
             })
             .as_object()
             .cloned()
@@ -251,113 +143,6 @@ pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
         println!("plan != oracle: MISMATCH");
         Ok(1)
     }
-}
-
-/// `T` of every rank: one number when they agree, `min..max` otherwise.
-fn tokens_text(tokens: &[usize]) -> String {
-    let (lo, hi) = (
-        tokens.iter().min().copied().unwrap_or(0),
-        tokens.iter().max().copied().unwrap_or(0),
-    );
-    if lo == hi {
-        lo.to_string()
-    } else {
-        format!("{lo}..{hi}")
-    }
-}
-
-/// Options given beside `--inputs` must agree with the files.
-fn check_options(
-    args: &LayoutArgs,
-    dir: &std::path::Path,
-    s: &InputsSummary,
-) -> anyhow::Result<()> {
-    let rank0 = io::rank_dir(dir, 0);
-    let x_file = rank0.join(if s.fp8 { "x_fp8.npy" } else { "x.npy" });
-    let idx_file = rank0.join("topk_idx.npy");
-    let t0 = s.tokens.first().copied().unwrap_or(0) as u64;
-    let mismatch =
-        |path: PathBuf, shape: Vec<u64>, expected: String, option: String| IoError::ShapeMismatch {
-            path,
-            shape,
-            expected,
-            why: format!("{option} was given"),
-        };
-    if let Some(r) = args.ranks
-        && r != s.num_ranks
-    {
-        bail!(IoError::RankCountMismatch {
-            dir: dir.to_path_buf(),
-            found: s.num_ranks,
-            expected: r,
-        });
-    }
-    if let Some(t) = args.tokens
-        && let Some(r) = s.tokens.iter().position(|&x| x != t)
-    {
-        let path = io::rank_dir(dir, r).join("topk_idx.npy");
-        bail!(mismatch(
-            path,
-            vec![s.tokens[r] as u64, s.topk as u64],
-            format!("[{t}, K]"),
-            format!("--tokens {t}")
-        ));
-    }
-    if let Some(h) = args.hidden
-        && h != s.hidden
-    {
-        bail!(mismatch(
-            x_file,
-            vec![t0, s.hidden as u64],
-            format!("[T, {h}]"),
-            format!("--hidden {h}")
-        ));
-    }
-    if let Some(k) = args.topk
-        && k != s.topk
-    {
-        bail!(mismatch(
-            idx_file,
-            vec![t0, s.topk as u64],
-            format!("[T, {k}]"),
-            format!("--topk {k}")
-        ));
-    }
-    if args.fp8 && args.mode == Mode::Normal && !s.fp8 {
-        bail!(IoError::AmbiguousActivations {
-            path: rank0,
-            detail: "--fp8 was given but the inputs are BF16 (x.npy); drop --fp8 or provide \
-                     x_fp8.npy + x_scales.npy"
-                .into(),
-        });
-    }
-    Ok(())
-}
-
-/// Low-latency parameters: `N` = the tokens per rank, or with inputs from files the largest
-/// `T`, raised until `R * N` is a multiple of 4 (spec §1.9).
-fn ll_params(args: &LayoutArgs, s: &InputsSummary, experts: usize) -> LlParams {
-    let mut n = s.max_tokens().max(1);
-    while !(s.num_ranks * n).is_multiple_of(ll::LL_PACKED_ROWS_MULTIPLE) {
-        n += 1;
-    }
-    let params = LlParams::new(n, experts);
-    if args.fp8 {
-        params.with_fp8(false, false)
-    } else {
-        params
-    }
-}
-
-/// The "expert" of the round trips: identity, as BF16 (FP8 rows dequantised first).
-fn expert_rows(x: &Activations) -> anyhow::Result<Tensor2<bf16>> {
-    Ok(match x {
-        Activations::Bf16(x) => x.clone(),
-        Activations::Fp8 { data, scales } => {
-            let f = fp8::dequantize(data, scales)?;
-            Tensor2::from_fn(f.rows(), f.cols(), |r, c| bf16::from_f32(f.get(r, c)))
-        }
-    })
 }
 
 fn normal(
@@ -431,7 +216,7 @@ fn combine_round_trip(
 ) -> anyhow::Result<(bool, Vec<CombineOutput>)> {
     let ys: Vec<Tensor2<bf16>> = plan
         .iter()
-        .map(|o| expert_rows(&o.recv_x))
+        .map(|o| workload::expert_rows(&o.recv_x).map_err(anyhow::Error::from))
         .collect::<anyhow::Result<_>>()?;
     let args: Vec<CombineArgs<'_>> = plan
         .iter()
@@ -482,6 +267,7 @@ fn ll_expert(out: &Option<LlDispatchOutput>) -> anyhow::Result<Option<Vec<Tensor
 
 fn low_latency(
     args: &LayoutArgs,
+    fp8: bool,
     inputs: &[RankInputs],
     params: &LlParams,
 ) -> anyhow::Result<(bool, RunOutputs)> {
@@ -493,7 +279,7 @@ fn low_latency(
         "{:>4} {:>14} {:>14} {:>22}",
         "rank", "rows recv", "experts min..max", "DeepEP dispatch bytes"
     );
-    let msg = if args.fp8 {
+    let msg = if fp8 {
         args.bytes_hidden + args.bytes_hidden / 128 * 4 + 16
     } else {
         2 * args.bytes_hidden + 16
@@ -523,7 +309,7 @@ fn low_latency(
     println!(
         "total (token, expert) rows {total}; DeepEP's byte count per row {msg} B at H={} ({})",
         args.bytes_hidden,
-        if args.fp8 {
+        if fp8 {
             "FP8 + scales + 16"
         } else {
             "BF16 + 16"
@@ -551,5 +337,14 @@ fn low_latency(
         println!("low-latency combine differs from the oracle");
         ok = false;
     }
-    Ok((ok, RunOutputs::LowLatency(plan, combined)))
+    // What ep-rs returns (and digests, on every backend) is the combine reduced on the expert's
+    // rank with BF16 partials (docs/protocol.md §5); DeepEP's order is checked above.
+    let returned = ll::combine_reduced_on_expert_rank(
+        inputs,
+        &handles(&plan),
+        &plan_y,
+        params,
+        ll::PartialPrecision::Bf16,
+    )?;
+    Ok((ok, RunOutputs::LowLatency(plan, returned)))
 }

@@ -1,7 +1,15 @@
 //! The library half of the `ep` command: reusable pieces that `ep layout` and `ep bench` share
 //! and that integration tests call directly.
 //!
+//! - [`workload`]: the options both commands take (mode, generated or replayed workload, dumps)
+//!   and their one loader.
 //! - [`io`]: NumPy `.npy` inputs (`read_inputs`, `write_inputs`) and output dumps with a
 //!   `manifest.json` (`dump_outputs`).
+//! - [`bench`]: `ep bench`, dispatch and combine on a backend, verified against the oracle and
+//!   timed, with DeepEP's byte counts and the cost model's prediction.
+//! - [`alloc`]: the caching allocator the `ep` binary installs.
 
+pub mod alloc;
+pub mod bench;
 pub mod io;
+pub mod workload;

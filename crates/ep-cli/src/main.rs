@@ -1,12 +1,18 @@
-//! The `ep` command: `ep layout` (plan + oracle on a generated or replayed workload, output
-//! dumps and digests) and `ep doctor` (machine checks for NVLink, NVSHMEM and IBGDA). Each
-//! subcommand lives in its own module; `main` parses and dispatches. Reusable parts (NumPy I/O)
-//! live in the `ep_cli` library.
+//! The `ep` command: `ep bench` (dispatch and combine on the simulator, verified against the
+//! oracle, timed beside the cost model's prediction; the library's [`ep_cli::bench`]), `ep layout`
+//! (plan + oracle on a generated or replayed workload, output dumps and digests) and `ep doctor`
+//! (machine checks for NVLink, NVSHMEM and IBGDA). Each subcommand lives in its own module;
+//! `main` parses and dispatches. Reusable parts (options, NumPy I/O, the benchmark) live in the
+//! `ep_cli` library.
 
 use clap::{Parser, Subcommand};
 
 mod doctor;
 mod layout;
+
+/// Large freed blocks are reused by the next benchmark iteration (`ep_cli::alloc`).
+#[global_allocator]
+static ALLOC: ep_cli::alloc::CachingAlloc = ep_cli::alloc::CachingAlloc::new();
 
 /// ep-rs command-line tools.
 #[derive(Debug, Parser)]
@@ -22,6 +28,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run dispatch and combine on a backend (the simulator by default), verify every result
+    /// against the oracle, and print DeepEP-style bandwidth and latency beside the cost model's
+    /// prediction. Exit codes: 0 verified, 1 mismatch, 2 usage error, 3 other errors.
+    Bench(ep_cli::bench::BenchArgs),
     /// Generate a seeded workload (or read one from .npy files), plan every rank's
     /// dispatch/combine, check against the oracle, print the output digest, dump on request.
     Layout(layout::LayoutArgs),
@@ -35,6 +45,13 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
+        Command::Bench(args) => match ep_cli::bench::run(&args) {
+            Ok(outcome) => Ok(outcome.exit_code()),
+            Err(e) => {
+                eprintln!("ep bench: {}", ep_cli::bench::error_chain(&e));
+                std::process::exit(e.exit_code());
+            }
+        },
         Command::Layout(args) => layout::run(&args),
         Command::Doctor(args) => doctor::run(&args),
         Command::NvshmemProbe => doctor::probe_child(),

@@ -1,0 +1,380 @@
+//! Low-latency mode: `Buffer::low_latency_dispatch` then `Buffer::low_latency_combine` with the
+//! identity expert (received rows dequantised to BF16), as DeepEP's `test_low_latency.py`
+//! (spec §6.4): FP8 dispatch by default, BF16 combine.
+//!
+//! Verification, every iteration:
+//! - dispatch: each rank's outputs in canonical form equal the oracle's
+//!   (`oracle::low_latency::dispatch`; block offsets and the order inside a block are free);
+//! - combine: bit for bit equal to `plan::low_latency::combine_reduced_on_expert_rank` with BF16
+//!   partials (ep-rs's reduction order, docs/protocol.md §5), within `calc_diff < 1e-5` of
+//!   DeepEP's order (`plan::low_latency::combine`), and DeepEP's own check, `calc_diff(x * Σ
+//!   weights, combined)` below 9e-4 (FP8 dispatch) or 1e-5 (BF16).
+//!
+//! The references are computed once for the inputs and once for their negation; iterations
+//! alternate between the two, so rows left over from the previous iteration never pass.
+
+use std::time::Instant;
+
+use ep_core::Buffer;
+use ep_core::config::BufferConfig;
+use ep_core::oracle;
+use ep_core::plan::low_latency::{
+    self as ll, LlCanonical, LlDispatchOutput, LlHandle, LlParams, PartialPrecision,
+};
+use ep_core::{Activations, RankInputs, Tensor2};
+use half::bf16;
+use half::vec::HalfBitsVecExt;
+
+use super::backend::Recorded;
+use super::error::BenchError;
+use super::{Checks, ModeResult, PhaseResult, RunParams, flip_signs, predictions};
+use crate::io::{IoError, Outputs};
+use crate::workload::{self, Workload};
+
+/// DeepEP's tolerance of BF16 combine (spec §6.4), also used between the two reduction orders.
+const TOL_BF16: f64 = 1e-5;
+/// DeepEP's tolerance of combine after an FP8 dispatch (spec §6.4).
+const TOL_FP8: f64 = 9e-4;
+
+/// What one sign of the inputs must give.
+struct Reference {
+    canonical: Vec<Option<LlCanonical>>,
+    /// ep-rs's order (BF16 partials on the expert rank).
+    reduced: Vec<Option<Tensor2<bf16>>>,
+    /// DeepEP's order.
+    deepep: Vec<Option<Tensor2<bf16>>>,
+}
+
+/// Runs low-latency mode on `transport` (module docs).
+pub(crate) fn run<T: Recorded>(
+    transport: T,
+    w: &mut Workload,
+    p: &RunParams<'_>,
+) -> Result<ModeResult, BenchError> {
+    let r = w.inputs.len();
+    let e = w.num_experts;
+    let h = w.summary.hidden;
+    let params = workload::ll_params(w.fp8, &w.summary, e);
+    let n = params.num_max_dispatch_tokens_per_rank;
+
+    p.progress.step("oracle: dispatch and combine");
+    let pos = reference(&w.inputs, &params)?;
+    let neg = if p.alternate {
+        flip_signs(&mut w.inputs);
+        let neg = reference(&w.inputs, &params);
+        flip_signs(&mut w.inputs);
+        Some(neg?)
+    } else {
+        None
+    };
+    p.progress.done();
+
+    let mut cfg = BufferConfig::new(r);
+    cfg.low_latency_mode = true;
+    cfg.num_qps_per_rank = (e / r.max(1)).max(1) as u32;
+    cfg.nvshmem_qp_depth = p.fabric.qp_depth;
+    cfg.num_rdma_bytes = Buffer::<T>::low_latency_size_hint(n, h, r, e).div_ceil(128) * 128;
+    let mut buf =
+        Buffer::new(transport, cfg).map_err(|x| BenchError::setup("low-latency", p.backend, x))?;
+
+    let tol = if params.use_fp8 { TOL_FP8 } else { TOL_BF16 };
+    let mut checks = Checks::default();
+    let mut worst = (0.0f64, 0.0f64);
+    let mut disp = Vec::new();
+    let mut comb = Vec::new();
+    let mut last = (0, 0, 0);
+    let mut digest = None;
+    let mut negated = false;
+    for it in 0..p.warmup + p.iters {
+        let timed = it >= p.warmup;
+        p.progress.step(format!(
+            "{} {}",
+            if timed { "iteration" } else { "warm-up" },
+            if timed { it - p.warmup + 1 } else { it + 1 }
+        ));
+        let want_negated = p.alternate && it % 2 == 1;
+        if want_negated != negated {
+            flip_signs(&mut w.inputs);
+            negated = want_negated;
+        }
+        let want = if negated {
+            neg.as_ref().unwrap_or(&pos)
+        } else {
+            &pos
+        };
+        let rec0 = buf.transport().phase_records().len();
+        let t0 = Instant::now();
+        let got = buf
+            .low_latency_dispatch(&w.inputs, &params)
+            .map_err(|x| BenchError::call("low-latency dispatch", it, x))?;
+        let dt = t0.elapsed();
+        let rec1 = buf.transport().phase_records().len();
+        for (d, (g, c)) in got.outputs.iter().zip(&want.canonical).enumerate() {
+            let same = match (g, c) {
+                (Some(g), Some(c)) => match ll::canonicalize(g) {
+                    Ok(gc) => gc.first_difference(c).map(|x| format!(": {x}")),
+                    Err(x) => Some(format!(": {x}")),
+                },
+                (None, None) => None,
+                _ => Some(": masked on one side only".into()),
+            };
+            if let Some(why) = same {
+                checks.fail(format!(
+                    "iteration {it}: rank {d}: dispatch differs from the oracle{why}"
+                ));
+            }
+        }
+
+        let y = got
+            .outputs
+            .iter()
+            .map(|o| o.as_ref().map(identity_expert).transpose())
+            .collect::<Result<Vec<_>, _>>()?;
+        let t1 = Instant::now();
+        let combined = buf
+            .low_latency_combine(&got.routes, &y, &w.inputs, false)
+            .map_err(|x| BenchError::call("low-latency combine", it, x))?;
+        let ct = t1.elapsed();
+        let rec2 = buf.transport().phase_records().len();
+        for (s, ((g, a), b)) in combined
+            .iter()
+            .zip(&want.reduced)
+            .zip(&want.deepep)
+            .enumerate()
+        {
+            let (Some(g), Some(a), Some(b)) = (g, a, b) else {
+                if g.is_some() || a.is_some() {
+                    checks.fail(format!("iteration {it}: rank {s}: masked on one side only"));
+                }
+                continue;
+            };
+            let exact = g.shape() == a.shape()
+                && g.data()
+                    .iter()
+                    .zip(a.data())
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+            if !exact {
+                checks.fail(format!(
+                    "iteration {it}: rank {s}: combined_x differs from the plan \
+                     (combine_reduced_on_expert_rank, BF16 partials)"
+                ));
+            }
+            let d1 = calc_diff(
+                g.data().iter().map(|v| v.to_f64()),
+                b.data().iter().map(|v| v.to_f64()),
+            );
+            if d1.is_nan() || d1 >= TOL_BF16 {
+                checks.fail(format!(
+                    "iteration {it}: rank {s}: calc_diff to DeepEP's combine order {d1:.3e} >= {TOL_BF16:e}"
+                ));
+            }
+            let d2 = deepep_check(&w.inputs[s], g, &params, r, e);
+            if d2.is_nan() || d2 >= tol {
+                checks.fail(format!(
+                    "iteration {it}: rank {s}: calc_diff(x * sum(weights), combined) {d2:.3e} >= {tol:e}"
+                ));
+            }
+            worst = (worst.0.max(d1), worst.1.max(d2));
+        }
+        checks.iterations += 1;
+        if it == 0 {
+            let view = Outputs::LowLatency {
+                dispatch: &got.outputs,
+                combined_x: &combined,
+            };
+            digest = Some(view.digest().map_err(IoError::outputs)?);
+            if let Some(dir) = p.dump {
+                crate::io::dump_outputs(dir, &view, p.info)?;
+            }
+        }
+        drop((got, y, combined));
+        if timed {
+            disp.push(dt.as_secs_f64() * 1e6);
+            comb.push(ct.as_secs_f64() * 1e6);
+        }
+        last = (rec0, rec1, rec2);
+        p.progress.done();
+    }
+    if negated {
+        flip_signs(&mut w.inputs);
+    }
+    checks.notes.push(format!(
+        "combine: worst calc_diff to DeepEP's order {:.2e} (< {TOL_BF16:e}), DeepEP's check \
+         calc_diff(x * sum(w), combined) {:.2e} (< {tol:e})",
+        worst.0, worst.1
+    ));
+
+    // DeepEP's byte counts (spec §6.4), per rank over its own tokens' valid selections `s`:
+    // dispatch s * (H + H/128*4 + 16) with FP8 (s * (2H + 16) with BF16), combine s * 2H.
+    // Payload: one row per (token, destination rank), local included, both ways.
+    let per_sel_dispatch = if params.use_fp8 {
+        h + h / 128 * 4 + 16
+    } else {
+        2 * h + 16
+    };
+    let row_bytes = if params.use_fp8 {
+        h + h / 128 * 4
+    } else {
+        2 * h
+    } as u64;
+    let mut sel = Vec::with_capacity(r);
+    let mut msgs = 0u64;
+    for (s, inp) in w.inputs.iter().enumerate() {
+        let mut count = 0u64;
+        if !params.is_masked(s) {
+            for t in 0..inp.num_tokens() {
+                let mut ranks: Vec<usize> = inp
+                    .topk_idx
+                    .row(t)
+                    .iter()
+                    .filter_map(|&x| usize::try_from(x).ok())
+                    .map(|x| x / (e / r))
+                    .filter(|&d| !params.is_masked(d))
+                    .collect();
+                count += ranks.len() as u64;
+                ranks.sort_unstable();
+                ranks.dedup();
+                msgs += ranks.len() as u64;
+            }
+        }
+        sel.push(count);
+    }
+    let recs = buf.transport().phase_records();
+    let label = if params.use_fp8 { "FP8" } else { "BF16" };
+    Ok(ModeResult {
+        phases: vec![
+            PhaseResult {
+                name: "dispatch",
+                format: label,
+                samples_us: disp,
+                deepep_bytes_per_rank: sel
+                    .iter()
+                    .map(|&s| (s * per_sel_dispatch as u64) as f64)
+                    .collect(),
+                deepep_unit: "logical",
+                payload_bytes: msgs * row_bytes,
+                payload_what: "one row per (token, destination rank), x and scales, local \
+                               included",
+                recorded_bytes: recs[last.0..last.1].iter().map(|x| x.bytes()).sum(),
+                predictions: predictions(&recs[last.0..last.1], p.fabric),
+            },
+            PhaseResult {
+                name: "combine",
+                format: "BF16",
+                samples_us: comb,
+                deepep_bytes_per_rank: sel.iter().map(|&s| (s * 2 * h as u64) as f64).collect(),
+                deepep_unit: "logical",
+                payload_bytes: msgs * 2 * h as u64,
+                payload_what: "one BF16 partial per (token, expert rank), local included",
+                recorded_bytes: recs[last.1..last.2].iter().map(|x| x.bytes()).sum(),
+                predictions: predictions(&recs[last.1..last.2], p.fabric),
+            },
+        ],
+        checks,
+        digest: digest.ok_or_else(|| BenchError::Usage("no iteration ran".into()))?,
+    })
+}
+
+/// The oracle's dispatch (canonical form) and both combine orders for `inputs`.
+fn reference(inputs: &[RankInputs], params: &LlParams) -> Result<Reference, BenchError> {
+    let out = oracle::low_latency::dispatch(inputs, params)
+        .map_err(|x| BenchError::reference("oracle low-latency dispatch", x))?;
+    let canonical = out
+        .iter()
+        .map(|o| o.as_ref().map(ll::canonicalize).transpose())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|x| BenchError::reference("canonical form", x))?;
+    let handles: Vec<Option<LlHandle>> = out
+        .iter()
+        .map(|o| o.as_ref().map(|o| o.handle.clone()))
+        .collect();
+    let y = out
+        .iter()
+        .map(|o| o.as_ref().map(identity_expert).transpose())
+        .collect::<Result<Vec<_>, _>>()?;
+    let reduced =
+        ll::combine_reduced_on_expert_rank(inputs, &handles, &y, params, PartialPrecision::Bf16)
+            .map_err(|x| BenchError::reference("low-latency combine (ep-rs order)", x))?;
+    let deepep = ll::combine(inputs, &handles, &y, params)
+        .map_err(|x| BenchError::reference("low-latency combine (DeepEP order)", x))?;
+    Ok(Reference {
+        canonical,
+        reduced,
+        deepep,
+    })
+}
+
+/// The identity expert over a receiver's packed rows: `[L][R·N, H]` BF16, valid rows
+/// dequantised, the rest zero. Allocated zeroed and written only where rows are valid, so the
+/// mostly empty packed layout costs what is received.
+fn identity_expert(out: &LlDispatchOutput) -> Result<Vec<Tensor2<bf16>>, BenchError> {
+    let h = out.handle.hidden;
+    let rows = out.handle.src_info.cols();
+    out.recv_count
+        .iter()
+        .enumerate()
+        .map(|(l, &count)| {
+            let zero: Vec<bf16> = vec![0u16; rows * h].reinterpret_into();
+            let mut t = Tensor2::new(rows, h, zero)
+                .map_err(|x| BenchError::reference("expert outputs", x))?;
+            for row in 0..usize::try_from(count).unwrap_or(0).min(rows) {
+                let x = out.recv_x.row_f32(l, row).ok_or_else(|| {
+                    BenchError::reference(
+                        "expert outputs",
+                        ep_core::Error::LlInvalidLayout {
+                            local_expert: l,
+                            source_rank: usize::MAX,
+                            detail: format!("row {row} is malformed"),
+                        },
+                    )
+                })?;
+                for (o, v) in t.row_mut(row).iter_mut().zip(x) {
+                    *o = bf16::from_f32(v);
+                }
+            }
+            Ok(t)
+        })
+        .collect()
+}
+
+/// DeepEP's `calc_diff` (spec §6.1): `1 - 2 Σxy / Σ(x² + y²)` over `x + 1`, `y + 1` in f64.
+fn calc_diff(x: impl Iterator<Item = f64>, y: impl Iterator<Item = f64>) -> f64 {
+    let (mut xy, mut sq) = (0.0f64, 0.0f64);
+    for (a, b) in x.zip(y) {
+        let (a, b) = (a + 1.0, b + 1.0);
+        xy += a * b;
+        sq += a * a + b * b;
+    }
+    if sq == 0.0 { 0.0 } else { 1.0 - 2.0 * xy / sq }
+}
+
+/// DeepEP's combine check for rank `s`: `calc_diff(x * Σ_k w[t][k] [idx >= 0, expert's rank
+/// unmasked], combined)` with `x` the BF16 input.
+fn deepep_check(
+    inp: &RankInputs,
+    got: &Tensor2<bf16>,
+    params: &LlParams,
+    r: usize,
+    e: usize,
+) -> f64 {
+    let Activations::Bf16(x) = &inp.x else {
+        return f64::NAN;
+    };
+    if got.shape() != x.shape() {
+        return f64::NAN;
+    }
+    let l = (e / r.max(1)).max(1);
+    let mut want = Vec::with_capacity(x.rows() * x.cols());
+    for t in 0..x.rows() {
+        let sw: f64 = inp
+            .topk_idx
+            .row(t)
+            .iter()
+            .zip(inp.topk_weights.row(t))
+            .filter(|&(&i, _)| i >= 0 && !params.is_masked(i as usize / l))
+            .map(|(_, &w)| f64::from(w))
+            .sum();
+        want.extend(x.row(t).iter().map(|v| v.to_f64() * sw));
+    }
+    calc_diff(want.into_iter(), got.data().iter().map(|v| v.to_f64()))
+}

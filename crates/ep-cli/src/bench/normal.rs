@@ -1,0 +1,621 @@
+//! Normal (intranode) mode: `Buffer::dispatch` then `Buffer::combine` with the identity expert
+//! (the expert output of each received row is the row itself, FP8 rows dequantised to BF16), as
+//! DeepEP's `test_intranode.py` (spec §6.2).
+//!
+//! Verification against `oracle::normal`, exact, without materialising a second copy of the
+//! received rows:
+//! - the oracle runs once on the inputs narrowed to their first 128 columns (every index field of
+//!   the outputs is independent of the columns): every output except `recv_x` is compared with
+//!   it whole, and each `recv_x` row, all columns, with the input row the oracle placed there
+//!   (its source rank from `rank_prefix_matrix`, its token from `recv_src_idx`; the oracle's own
+//!   narrowed row is checked against the same input row);
+//! - the combine reference is the oracle's combine, run column block by column block (combine is
+//!   column-wise) on the oracle's received rows, on all cores, once;
+//! - iterations alternate the sign of the activations (exact in BF16 and e4m3), so a row left in
+//!   the arena by the previous iteration never passes for this one's; dispatch rows are compared
+//!   with the current inputs, combined rows with the reference negated (zeros stay `+0`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use ep_core::Buffer;
+use ep_core::buffer::NormalDispatchArgs;
+use ep_core::config::{BufferConfig, Config};
+use ep_core::numerics::fp8;
+use ep_core::oracle;
+use ep_core::plan::combine::{CombineArgs, CombineOutput};
+use ep_core::plan::intranode::{DispatchOptions, IntranodeDispatch, IntranodeHandle};
+use ep_core::plan::layout::DispatchLayout;
+use ep_core::routing::Activations;
+use ep_core::{RankInputs, Tensor2};
+use half::bf16;
+use half::slice::HalfFloatSliceExt;
+
+use super::backend::Recorded;
+use super::error::BenchError;
+use super::{Checks, ModeResult, PhaseResult, RunParams, flip_signs, predictions};
+use crate::io::Outputs;
+use crate::workload::Workload;
+
+/// Columns the oracle's dispatch runs on.
+const NARROW: usize = 128;
+/// Columns per block of the combine reference.
+const COMBINE_BLOCK: usize = 512;
+
+/// Where each received row of each rank comes from: `(source rank, token)`.
+type Sources = Vec<Vec<(usize, usize)>>;
+
+/// Runs normal mode on `transport` (module docs).
+pub(crate) fn run<T: Recorded>(
+    transport: T,
+    w: &mut Workload,
+    p: &RunParams<'_>,
+) -> Result<ModeResult, BenchError> {
+    let r = w.inputs.len();
+    let e = w.num_experts;
+    let fp8_in = matches!(w.inputs[0].x, Activations::Fp8 { .. });
+    let h = w.summary.hidden;
+    let k = w.summary.topk;
+    if p.num_sms < 2 {
+        return Err(BenchError::Usage(format!(
+            "--num-sms {}: normal mode needs at least 2 SMs (one channel)",
+            p.num_sms
+        )));
+    }
+    let config = Config::new(p.num_sms, 8, 256, 6, 128)
+        .map_err(|e| BenchError::Usage(format!("--num-sms {}: {e}", p.num_sms)))?;
+    let args = NormalDispatchArgs::new(config);
+    let opts = DispatchOptions {
+        num_channels: config.num_channels(),
+        expert_alignment: args.expert_alignment,
+        num_worst_tokens: args.num_worst_tokens,
+        with_topk: args.with_topk,
+    };
+
+    // Layouts (the routing never changes) and the references, untimed.
+    let tl = p.timeline;
+    let mut t = Instant::now();
+    p.progress.step("oracle: layout and dispatch");
+    let topk: Vec<_> = w.inputs.iter().map(|i| i.topk_idx.clone()).collect();
+    let mut checks = Checks::default();
+    let layouts: Vec<DispatchLayout> = (0..r)
+        .map(|s| {
+            ep_core::plan::layout::get_dispatch_layout_for_rank(s, &topk[s], e, r)
+                .map_err(|x| BenchError::reference("dispatch layout", x))
+        })
+        .collect::<Result<_, _>>()?;
+    for (s, l) in layouts.iter().enumerate() {
+        let want = oracle::normal::layout(&topk[s], e, r)
+            .map_err(|x| BenchError::reference("oracle layout", x))?;
+        if *l != want {
+            checks.fail(format!(
+                "rank {s}: get_dispatch_layout differs from the oracle"
+            ));
+        }
+    }
+    let narrow: Vec<RankInputs> = w.inputs.iter().map(narrow_inputs).collect();
+    let reference = oracle::normal::intranode_dispatch(&narrow, e, &opts)
+        .map_err(|x| BenchError::reference("oracle dispatch", x))?;
+    let sources = sources_of(&reference, &narrow, &mut checks);
+    t = tl.lap("oracle dispatch", t);
+    p.progress.done();
+    p.progress.step("oracle: combine");
+    let ref_combine = combine_reference(&w.inputs, &narrow, &reference, &sources, e)?;
+    t = tl.lap("oracle combine", t);
+    p.progress.done();
+
+    let max_rows = reference
+        .iter()
+        .map(|d| d.handle.num_recv_tokens)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut cfg = BufferConfig::new(r);
+    let elem = if fp8_in { 1 } else { 2 };
+    cfg.num_nvl_bytes = Buffer::<T>::normal_size_hint(r, max_rows, h, elem, k).div_ceil(128) * 128;
+    let mut buf =
+        Buffer::new(transport, cfg).map_err(|x| BenchError::setup("normal", p.backend, x))?;
+    t = tl.lap("buffer", t);
+
+    let mut disp = Vec::new();
+    let mut comb = Vec::new();
+    let mut last = (0, 0, 0);
+    let mut digest = None;
+    let mut negated = false;
+    for it in 0..p.warmup + p.iters {
+        let timed = it >= p.warmup;
+        p.progress.step(format!(
+            "{} {}",
+            if timed { "iteration" } else { "warm-up" },
+            if timed { it - p.warmup + 1 } else { it + 1 }
+        ));
+        let want_negated = p.alternate && it % 2 == 1;
+        if want_negated != negated {
+            flip_signs(&mut w.inputs);
+            negated = want_negated;
+        }
+        let rec0 = buf.transport().phase_records().len();
+        t = tl.lap("inputs", t);
+        let got = buf
+            .dispatch(&w.inputs, &layouts, e, &args)
+            .map_err(|x| BenchError::call("normal dispatch", it, x))?;
+        let dt = t.elapsed();
+        t = tl.lap("dispatch calls", t);
+        let rec1 = buf.transport().phase_records().len();
+        check_dispatch(&got, &reference, &sources, &w.inputs, it, &mut checks);
+        t = tl.lap("verification", t);
+
+        let ys = expert_outputs(&got)?;
+        let handles: Vec<IntranodeHandle> = got.iter().map(|d| d.handle.clone()).collect();
+        let cargs: Vec<CombineArgs<'_>> = got
+            .iter()
+            .enumerate()
+            .map(|(d, o)| CombineArgs {
+                x: match (&o.recv_x, &ys) {
+                    (Activations::Bf16(x), _) => x,
+                    (_, Some(ys)) => &ys[d],
+                    (_, None) => unreachable!("FP8 rows always get expert outputs"),
+                },
+                topk_weights: o.recv_topk_weights.as_ref(),
+                bias: &[],
+            })
+            .collect();
+        t = tl.lap("expert outputs", t);
+        let combined = buf
+            .combine(&handles, &cargs)
+            .map_err(|x| BenchError::call("normal combine", it, x))?;
+        let ct = t.elapsed();
+        t = tl.lap("combine calls", t);
+        let rec2 = buf.transport().phase_records().len();
+        check_combine(&combined, &ref_combine, negated, it, &mut checks);
+        checks.iterations += 1;
+        t = tl.lap("verification", t);
+
+        if it == 0 {
+            let view = Outputs::Normal {
+                dispatch: &got,
+                combine: &combined,
+            };
+            digest = Some(view.digest().map_err(crate::io::IoError::outputs)?);
+            if let Some(dir) = p.dump {
+                crate::io::dump_outputs(dir, &view, p.info)?;
+            }
+            t = tl.lap("digest and dump", t);
+        }
+        drop(cargs);
+        drop((got, combined, ys, handles));
+        t = tl.lap("freeing outputs", t);
+        if timed {
+            disp.push(dt.as_secs_f64() * 1e6);
+            comb.push(ct.as_secs_f64() * 1e6);
+        }
+        last = (rec0, rec1, rec2);
+        p.progress.done();
+    }
+    if negated {
+        flip_signs(&mut w.inputs);
+    }
+
+    // DeepEP's byte counts (spec §6.2): recv_x.numel() * 2 per rank, FP8 (1 + 4/128) / 2 of it;
+    // combine sends the same. Payload: every row stored at its destination (dispatch) and every
+    // row pulled back (combine), the rank's own included: rows x (H x element + scales).
+    let rows: Vec<u64> = reference
+        .iter()
+        .map(|d| d.handle.num_recv_tokens as u64)
+        .collect();
+    let bf16_bytes: Vec<f64> = rows.iter().map(|&n| (n * h as u64 * 2) as f64).collect();
+    let disp_bytes: Vec<f64> = if fp8_in {
+        bf16_bytes
+            .iter()
+            .map(|b| b * (1.0 + 4.0 / 128.0) / 2.0)
+            .collect()
+    } else {
+        bf16_bytes.clone()
+    };
+    let total_rows: u64 = rows.iter().sum();
+    let row_bytes = if fp8_in {
+        (h + 4 * h.div_ceil(128)) as u64
+    } else {
+        2 * h as u64
+    };
+    let recs = buf.transport().phase_records();
+    let fabric = buf.transport().fabric().clone();
+    let label = if fp8_in { "FP8" } else { "BF16" };
+    Ok(ModeResult {
+        phases: vec![
+            PhaseResult {
+                name: "dispatch",
+                format: label,
+                samples_us: disp,
+                deepep_bytes_per_rank: disp_bytes,
+                deepep_unit: "NVL",
+                payload_bytes: total_rows * row_bytes,
+                payload_what: "received rows stored at their final place (x and scales), local \
+                               rows included",
+                recorded_bytes: recs[last.0..last.1].iter().map(|x| x.bytes()).sum(),
+                predictions: predictions(&recs[last.0..last.1], &fabric),
+            },
+            PhaseResult {
+                name: "combine",
+                format: "BF16",
+                samples_us: comb,
+                deepep_bytes_per_rank: bf16_bytes,
+                deepep_unit: "NVL",
+                payload_bytes: total_rows * 2 * h as u64,
+                payload_what: "expert output rows pulled back by their token's rank (BF16), \
+                               local rows included",
+                recorded_bytes: recs[last.1..last.2].iter().map(|x| x.bytes()).sum(),
+                predictions: predictions(&recs[last.1..last.2], &fabric),
+            },
+        ],
+        checks,
+        digest: digest.ok_or_else(|| BenchError::Usage("no iteration ran".into()))?,
+    })
+}
+
+/// The inputs with their activations cut to the first [`NARROW`] columns (FP8: one scale
+/// block).
+fn narrow_inputs(i: &RankInputs) -> RankInputs {
+    let x = match &i.x {
+        Activations::Bf16(x) => {
+            let w = x.cols().min(NARROW);
+            Activations::Bf16(Tensor2::from_fn(x.rows(), w, |r, c| x.get(r, c)))
+        }
+        Activations::Fp8 { data, scales } => {
+            let w = data.cols().min(NARROW);
+            Activations::Fp8 {
+                data: Tensor2::from_fn(data.rows(), w, |r, c| data.get(r, c)),
+                scales: Tensor2::from_fn(scales.rows(), 1.min(scales.cols()), |r, c| {
+                    scales.get(r, c)
+                }),
+            }
+        }
+    };
+    RankInputs {
+        x,
+        topk_idx: i.topk_idx.clone(),
+        topk_weights: i.topk_weights.clone(),
+    }
+}
+
+/// Row `t` of `x` as bytes (BF16 little-endian bits, or e4m3 bytes then the scales' bits).
+fn row_bits(x: &Activations, t: usize) -> (Vec<u8>, &[u8]) {
+    match x {
+        Activations::Bf16(x) => (Vec::new(), bytes_of_bf16(x.row(t))),
+        Activations::Fp8 { data, scales } => (
+            scales.row(t).iter().flat_map(|v| v.to_le_bytes()).collect(),
+            data.row(t),
+        ),
+    }
+}
+
+fn bytes_of_bf16(v: &[bf16]) -> &[u8] {
+    let bits: &[u16] = v.reinterpret_cast();
+    // SAFETY: `u16` has no padding and every byte pattern is a valid `u8`; the slice covers
+    // exactly `2 * bits.len()` initialised bytes with `u8`'s alignment (1).
+    unsafe { std::slice::from_raw_parts(bits.as_ptr().cast::<u8>(), 2 * bits.len()) }
+}
+
+/// `(source rank, token)` of every received row, from the oracle's handle; checks that the
+/// oracle's (narrowed) row equals that input row.
+fn sources_of(
+    reference: &[IntranodeDispatch],
+    narrow: &[RankInputs],
+    checks: &mut Checks,
+) -> Sources {
+    let r = reference.len();
+    reference
+        .iter()
+        .enumerate()
+        .map(|(d, o)| {
+            let h = &o.handle;
+            let mut out = Vec::with_capacity(h.num_recv_tokens);
+            for s in 0..r {
+                let begin = if s == 0 {
+                    0
+                } else {
+                    h.rank_prefix_matrix.get(s - 1, d) as usize
+                };
+                let end = h.rank_prefix_matrix.get(s, d) as usize;
+                for j in begin..end {
+                    let t = h.recv_src_idx[j] as usize;
+                    if row_bits(&o.recv_x, j) != row_bits(&narrow[s].x, t) {
+                        checks.fail(format!(
+                            "oracle: rank {d} row {j} is not token {t} of rank {s} as its handle says"
+                        ));
+                    }
+                    out.push((s, t));
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+fn same_f32(a: &Tensor2<f32>, b: &Tensor2<f32>, rows: usize) -> bool {
+    let n = rows * a.cols();
+    a.cols() == b.cols()
+        && a.rows() >= rows
+        && b.rows() >= rows
+        && a.data()[..n]
+            .iter()
+            .zip(&b.data()[..n])
+            .all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Compares one iteration's dispatch with the oracle (module docs).
+fn check_dispatch(
+    got: &[IntranodeDispatch],
+    reference: &[IntranodeDispatch],
+    sources: &Sources,
+    inputs: &[RankInputs],
+    it: usize,
+    checks: &mut Checks,
+) {
+    if got.len() != reference.len() {
+        checks.fail(format!("iteration {it}: {} ranks returned", got.len()));
+        return;
+    }
+    for (d, (g, o)) in got.iter().zip(reference).enumerate() {
+        let (gh, oh) = (&g.handle, &o.handle);
+        let n = oh.num_recv_tokens;
+        let mut bad = Vec::new();
+        if gh.num_recv_tokens != n {
+            bad.push("num_recv_tokens");
+        }
+        let r = oh.rank_prefix_matrix.rows();
+        if gh.rank_prefix_matrix.shape() != oh.rank_prefix_matrix.shape()
+            || (0..r).any(|i| gh.rank_prefix_matrix.get(i, d) != oh.rank_prefix_matrix.get(i, d))
+        {
+            bad.push("rank_prefix_matrix[:, rank]");
+        }
+        if gh.channel_prefix_matrix != oh.channel_prefix_matrix {
+            bad.push("channel_prefix_matrix");
+        }
+        if gh.recv_channel_prefix_matrix != oh.recv_channel_prefix_matrix {
+            bad.push("recv_channel_prefix_matrix");
+        }
+        if gh.recv_src_idx.get(..n) != oh.recv_src_idx.get(..n) {
+            bad.push("recv_src_idx");
+        }
+        if gh.is_token_in_rank != oh.is_token_in_rank {
+            bad.push("is_token_in_rank");
+        }
+        let neg = |t: &Tensor2<i32>| t.data().iter().map(|&v| v.max(-1)).collect::<Vec<_>>();
+        if gh.send_head.shape() != oh.send_head.shape() || neg(&gh.send_head) != neg(&oh.send_head)
+        {
+            bad.push("send_head");
+        }
+        if g.num_recv_tokens_per_expert_list != o.num_recv_tokens_per_expert_list {
+            bad.push("num_recv_tokens_per_expert_list");
+        }
+        match (&g.recv_topk_idx, &o.recv_topk_idx) {
+            (Some(a), Some(b)) if a.cols() == b.cols() && a.rows() >= n && b.rows() >= n => {
+                if a.data()[..n * a.cols()] != b.data()[..n * b.cols()] {
+                    bad.push("recv_topk_idx");
+                }
+            }
+            (None, None) => {}
+            _ => bad.push("recv_topk_idx"),
+        }
+        match (&g.recv_topk_weights, &o.recv_topk_weights) {
+            (Some(a), Some(b)) => {
+                if !same_f32(a, b, n) {
+                    bad.push("recv_topk_weights");
+                }
+            }
+            (None, None) => {}
+            _ => bad.push("recv_topk_weights"),
+        }
+        let rows_ok = g.recv_x.num_tokens() >= n && g.recv_x.hidden() == inputs[0].x.hidden();
+        if !rows_ok {
+            bad.push("recv_x shape");
+        } else if let Some(j) = (0..n).find(|&j| {
+            let (s, t) = sources[d][j];
+            row_bits(&g.recv_x, j) != row_bits(&inputs[s].x, t)
+        }) {
+            let (s, t) = sources[d][j];
+            checks.fail(format!(
+                "iteration {it}: rank {d}: recv_x row {j} differs from token {t} of rank {s}"
+            ));
+        }
+        if !bad.is_empty() {
+            checks.fail(format!(
+                "iteration {it}: rank {d}: {} differ from the oracle",
+                bad.join(", ")
+            ));
+        }
+    }
+}
+
+/// The identity expert's outputs for FP8 rows (dequantised to BF16); `None` for BF16 rows,
+/// which are their own expert output.
+fn expert_outputs(got: &[IntranodeDispatch]) -> Result<Option<Vec<Tensor2<bf16>>>, BenchError> {
+    if !got
+        .iter()
+        .any(|o| matches!(o.recv_x, Activations::Fp8 { .. }))
+    {
+        return Ok(None);
+    }
+    got.iter()
+        .map(|o| dequantized(&o.recv_x, 0..o.recv_x.hidden(), o.recv_x.num_tokens()))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+/// Columns `cols` of the first `rows` rows of `x` as BF16 (FP8: dequantised per row, `cols`
+/// aligned to 128).
+fn dequantized(
+    x: &Activations,
+    cols: std::ops::Range<usize>,
+    rows: usize,
+) -> Result<Tensor2<bf16>, BenchError> {
+    let w = cols.len();
+    let mut data = Vec::with_capacity(rows * w);
+    match x {
+        Activations::Bf16(x) => {
+            for j in 0..rows {
+                data.extend_from_slice(&x.row(j)[cols.clone()]);
+            }
+        }
+        Activations::Fp8 { data: q, scales } => {
+            let (b0, b1) = (cols.start / 128, cols.end.div_ceil(128));
+            for j in 0..rows {
+                let f = fp8::dequantize_row(&q.row(j)[cols.clone()], &scales.row(j)[b0..b1])
+                    .map_err(|e| BenchError::reference("dequantising FP8 rows", e))?;
+                data.extend(f.iter().map(|&v| bf16::from_f32(v)));
+            }
+        }
+    }
+    Tensor2::new(rows, w, data).map_err(|e| BenchError::reference("expert outputs", e))
+}
+
+/// The oracle's combine of the identity expert's outputs, over column blocks on all cores.
+fn combine_reference(
+    inputs: &[RankInputs],
+    narrow: &[RankInputs],
+    reference: &[IntranodeDispatch],
+    sources: &Sources,
+    e: usize,
+) -> Result<Vec<CombineOutput>, BenchError> {
+    let h = inputs[0].x.hidden();
+    let blocks: Vec<std::ops::Range<usize>> = (0..h.div_ceil(COMBINE_BLOCK))
+        .map(|b| b * COMBINE_BLOCK..((b + 1) * COMBINE_BLOCK).min(h))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, blocks.len().max(1));
+    type Part = (usize, Vec<CombineOutput>);
+    let parts: Vec<Result<Vec<Part>, BenchError>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let b = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(cols) = blocks.get(b) else { break };
+                        // The oracle's received rows, these columns, through the identity expert.
+                        let ys = sources
+                            .iter()
+                            .map(|src| {
+                                let mut rows = Vec::with_capacity(src.len());
+                                for &(s, t) in src {
+                                    rows.push(row_block(&inputs[s].x, t, cols.clone())?);
+                                }
+                                Tensor2::new(src.len(), cols.len(), rows.concat())
+                                    .map_err(|x| BenchError::reference("expert outputs", x))
+                            })
+                            .collect::<Result<Vec<_>, _>>()?;
+                        let args: Vec<CombineArgs<'_>> = ys
+                            .iter()
+                            .zip(reference)
+                            .map(|(y, o)| CombineArgs {
+                                x: y,
+                                topk_weights: o.recv_topk_weights.as_ref(),
+                                bias: &[],
+                            })
+                            .collect();
+                        let out = oracle::normal::intranode_combine(narrow, e, &args)
+                            .map_err(|x| BenchError::reference("oracle combine", x))?;
+                        mine.push((b, out));
+                    }
+                    Ok(mine)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("the combine reference does not panic"))
+            .collect()
+    });
+    let mut full: Vec<CombineOutput> = inputs
+        .iter()
+        .map(|i| CombineOutput {
+            combined_x: Tensor2::filled(i.num_tokens(), h, bf16::ZERO),
+            combined_topk_weights: None,
+        })
+        .collect();
+    for part in parts {
+        for (b, outs) in part? {
+            let cols = blocks[b].clone();
+            for (s, o) in outs.into_iter().enumerate() {
+                let dst = &mut full[s];
+                for t in 0..o.combined_x.rows() {
+                    dst.combined_x.row_mut(t)[cols.clone()].copy_from_slice(o.combined_x.row(t));
+                }
+                if b == 0 {
+                    dst.combined_topk_weights = o.combined_topk_weights;
+                }
+            }
+        }
+    }
+    Ok(full)
+}
+
+/// Columns `cols` of row `t` through the identity expert (BF16; FP8 dequantised).
+fn row_block(
+    x: &Activations,
+    t: usize,
+    cols: std::ops::Range<usize>,
+) -> Result<Vec<bf16>, BenchError> {
+    Ok(match x {
+        Activations::Bf16(x) => x.row(t)[cols].to_vec(),
+        Activations::Fp8 { data, scales } => {
+            let (b0, b1) = (cols.start / 128, cols.end.div_ceil(128));
+            fp8::dequantize_row(&data.row(t)[cols], &scales.row(t)[b0..b1])
+                .map_err(|e| BenchError::reference("dequantising FP8 rows", e))?
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect()
+        }
+    })
+}
+
+/// Compares one iteration's combine with the reference: `combined_x` bit for bit (negated when
+/// the inputs are; a zero stays `+0`), the weights bit for bit.
+fn check_combine(
+    got: &[CombineOutput],
+    reference: &[CombineOutput],
+    negated: bool,
+    it: usize,
+    checks: &mut Checks,
+) {
+    for (s, (g, o)) in got.iter().zip(reference).enumerate() {
+        if g.combined_x.shape() != o.combined_x.shape() {
+            checks.fail(format!(
+                "iteration {it}: rank {s}: combined_x shape differs"
+            ));
+            continue;
+        }
+        let a: &[u16] = g.combined_x.data().reinterpret_cast();
+        let b: &[u16] = o.combined_x.data().reinterpret_cast();
+        let flip = if negated { 0x8000u16 } else { 0 };
+        let ok = a.iter().zip(b).all(|(&x, &y)| {
+            let want = if y & 0x7fff == 0 { y } else { y ^ flip };
+            x == want
+        });
+        if !ok {
+            let i = a
+                .iter()
+                .zip(b)
+                .position(|(&x, &y)| x != if y & 0x7fff == 0 { y } else { y ^ flip })
+                .unwrap_or(0);
+            let cols = o.combined_x.cols().max(1);
+            checks.fail(format!(
+                "iteration {it}: rank {s}: combined_x[{}][{}] differs from the oracle",
+                i / cols,
+                i % cols
+            ));
+        }
+        let w_ok = match (&g.combined_topk_weights, &o.combined_topk_weights) {
+            (Some(a), Some(b)) => a.shape() == b.shape() && same_f32(a, b, a.rows()),
+            (None, None) => true,
+            _ => false,
+        };
+        if !w_ok {
+            checks.fail(format!(
+                "iteration {it}: rank {s}: combined_topk_weights differ from the oracle"
+            ));
+        }
+    }
+}
