@@ -93,72 +93,108 @@ pub struct RunDigest {
     pub total: Digest,
 }
 
-/// Feeds the canonical byte format into SHA-256.
-struct Writer(Sha256);
+/// Feeds the canonical byte format into SHA-256, through a buffer: elements are encoded into it
+/// and hashed 64 KiB at a time (one `update` per element costs several times the hashing).
+struct Writer {
+    hash: Sha256,
+    buf: Vec<u8>,
+}
+
+/// Bytes buffered before hashing.
+const WRITER_BUF: usize = 1 << 16;
 
 impl Writer {
     fn new(tag: &str, mode: &str, index: u64) -> Self {
-        let mut h = Sha256::new();
-        h.update(tag.as_bytes());
-        h.update(mode.as_bytes());
-        h.update([0u8]);
-        h.update(index.to_le_bytes());
-        Self(h)
+        let mut w = Self {
+            hash: Sha256::new(),
+            buf: Vec::with_capacity(WRITER_BUF),
+        };
+        w.bytes(tag.as_bytes());
+        w.bytes(mode.as_bytes());
+        w.bytes(&[0u8]);
+        w.u64(index);
+        w
+    }
+
+    fn flush(&mut self) {
+        self.hash.update(&self.buf);
+        self.buf.clear();
     }
 
     fn bytes(&mut self, b: &[u8]) {
-        self.0.update(b);
+        if self.buf.len() + b.len() > WRITER_BUF {
+            self.flush();
+        }
+        if b.len() >= WRITER_BUF {
+            self.hash.update(b);
+        } else {
+            self.buf.extend_from_slice(b);
+        }
+    }
+
+    /// Encodes `v` with `enc` (`N` bytes each), a buffer's worth at a time.
+    fn elements<T: Copy, const N: usize>(&mut self, v: &[T], enc: impl Fn(T) -> [u8; N]) {
+        for chunk in v.chunks(WRITER_BUF / N) {
+            if self.buf.len() + chunk.len() * N > WRITER_BUF {
+                self.flush();
+            }
+            let start = self.buf.len();
+            self.buf.resize(start + chunk.len() * N, 0);
+            for (o, &x) in self.buf[start..].chunks_exact_mut(N).zip(chunk) {
+                o.copy_from_slice(&enc(x));
+            }
+        }
     }
 
     fn u64(&mut self, v: u64) {
-        self.0.update(v.to_le_bytes());
+        self.bytes(&v.to_le_bytes());
     }
 
     fn header(&mut self, name: &str, dims: &[usize]) {
-        self.0.update([name.len() as u8]);
-        self.0.update(name.as_bytes());
-        self.0.update([dims.len() as u8]);
+        self.bytes(&[name.len() as u8]);
+        self.bytes(name.as_bytes());
+        self.bytes(&[dims.len() as u8]);
         for &d in dims {
             self.u64(d as u64);
         }
     }
 
     fn absent(&mut self, name: &str) {
-        self.0.update([name.len() as u8]);
-        self.0.update(name.as_bytes());
-        self.0.update([0xffu8]);
+        self.bytes(&[name.len() as u8]);
+        self.bytes(name.as_bytes());
+        self.bytes(&[0xffu8]);
     }
 
     fn i32s(&mut self, name: &str, dims: &[usize], v: impl IntoIterator<Item = i32>) {
         self.header(name, dims);
         for x in v {
-            self.0.update(x.to_le_bytes());
+            self.bytes(&x.to_le_bytes());
         }
+    }
+
+    fn i32_slice(&mut self, name: &str, dims: &[usize], v: &[i32]) {
+        self.header(name, dims);
+        self.elements(v, i32::to_le_bytes);
     }
 
     fn i64s(&mut self, name: &str, dims: &[usize], v: &[i64]) {
         self.header(name, dims);
-        for x in v {
-            self.0.update(x.to_le_bytes());
-        }
+        self.elements(v, i64::to_le_bytes);
     }
 
     fn f32s(&mut self, name: &str, dims: &[usize], v: &[f32]) {
         self.header(name, dims);
-        for x in v {
-            self.0.update(x.to_bits().to_le_bytes());
-        }
+        self.elements(v, |x: f32| x.to_bits().to_le_bytes());
     }
 
     fn bf16s(&mut self, name: &str, dims: &[usize], v: &[bf16]) {
         self.header(name, dims);
-        for x in v {
-            self.0.update(x.to_bits().to_le_bytes());
-        }
+        self.elements(v, |x: bf16| x.to_bits().to_le_bytes());
     }
 
-    fn finish(self) -> Digest {
-        Digest(self.0.finalize().into())
+    fn finish(mut self) -> Digest {
+        self.flush();
+        Digest(self.hash.finalize().into())
     }
 }
 
@@ -234,10 +270,10 @@ pub fn normal_rank(
         ("channel_prefix_matrix", &h.channel_prefix_matrix),
         ("recv_channel_prefix_matrix", &h.recv_channel_prefix_matrix),
     ] {
-        w.i32s(name, &[m.rows(), m.cols()], m.data().iter().copied());
+        w.i32_slice(name, &[m.rows(), m.cols()], m.data());
     }
     check_rows(rank, "recv_src_idx", h.recv_src_idx.len(), n)?;
-    w.i32s("recv_src_idx", &[n], h.recv_src_idx[..n].iter().copied());
+    w.i32_slice("recv_src_idx", &[n], &h.recv_src_idx[..n]);
     let sh = &h.send_head;
     w.i32s(
         "send_head",
@@ -270,11 +306,9 @@ pub fn normal(dispatch: &[IntranodeDispatch], combine: &[CombineOutput]) -> Resu
             found: combine.len(),
         });
     }
-    let ranks = dispatch
-        .iter()
-        .enumerate()
-        .map(|(r, d)| normal_rank(r, d, combine.get(r)))
-        .collect::<Result<Vec<_>>>()?;
+    let ranks = per_rank(dispatch.len(), |r| {
+        normal_rank(r, &dispatch[r], combine.get(r))
+    })?;
     Ok(total(NORMAL, ranks))
 }
 
@@ -332,12 +366,51 @@ pub fn low_latency(
             found: combined_x.len(),
         });
     }
-    let ranks = dispatch
-        .iter()
-        .enumerate()
-        .map(|(r, d)| low_latency_rank(r, d.as_ref(), combined_x.get(r).and_then(Option::as_ref)))
-        .collect::<Result<Vec<_>>>()?;
+    let ranks = per_rank(dispatch.len(), |r| {
+        low_latency_rank(
+            r,
+            dispatch[r].as_ref(),
+            combined_x.get(r).and_then(Option::as_ref),
+        )
+    })?;
     Ok(total(LOW_LATENCY, ranks))
+}
+
+/// `f(0..n)` on all cores (rank digests are independent; the result is in rank order, so the
+/// same whatever the thread count).
+fn per_rank(n: usize, f: impl Fn(usize) -> Result<Digest> + Sync) -> Result<Vec<Digest>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, n.max(1));
+    if threads == 1 {
+        return (0..n).map(f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut out: Vec<Option<Result<Digest>>> = (0..n).map(|_| None).collect();
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let r = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if r >= n {
+                            return mine;
+                        }
+                        mine.push((r, f(r)));
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            for (r, d) in w.join().expect("digest workers do not panic") {
+                out[r] = Some(d);
+            }
+        }
+    });
+    out.into_iter()
+        .map(|d| d.expect("every rank digested"))
+        .collect()
 }
 
 fn total(mode: &str, ranks: Vec<Digest>) -> RunDigest {

@@ -242,49 +242,51 @@ fn tail_record(fmt: RowFormat) -> Vec<u8> {
     rec
 }
 
-/// Parses `rows` dispatch records into outputs.
-fn parse_rows(
-    buf: &[u8],
-    rows: usize,
-    fmt: RowFormat,
-    like: &Activations,
-    with_topk: bool,
-) -> RecvResult {
-    let drec = fmt.dispatch_record() as usize;
-    let h = fmt.hidden;
-    let k = fmt.num_topk;
-    let mo = fmt.meta_offset() as usize;
-    let so = fmt.scales_offset() as usize;
-    let mut recv_x = match like {
+/// Bytes of arena rows a receiver loads (or a publisher stores) per operation: the rows move in
+/// chunks through a buffer that stays in cache, never through a second copy of all of them.
+const ROW_CHUNK_BYTES: usize = 1 << 20;
+
+/// Zeroed outputs of `rows` rows.
+fn recv_outputs(rows: usize, fmt: RowFormat, like: &Activations, with_topk: bool) -> RecvResult {
+    let (h, k) = (fmt.hidden, fmt.num_topk);
+    let recv_x = match like {
         Activations::Bf16(_) => Activations::Bf16(Tensor2::filled(rows, h, bf16::ZERO)),
         Activations::Fp8 { scales, .. } => Activations::Fp8 {
             data: Tensor2::filled(rows, h, 0u8),
             scales: Tensor2::filled(rows, scales.cols(), 0.0f32),
         },
     };
-    let mut src_idx = vec![-1i32; rows];
-    let mut idx = Tensor2::filled(rows, k, -1 as ExpertIdx);
-    let mut w = Tensor2::filled(rows, k, 0.0f32);
-    for j in 0..rows {
-        let rec = &buf[j * drec..(j + 1) * drec];
-        match &mut recv_x {
+    RecvResult {
+        recv_x,
+        src_idx: vec![-1i32; rows],
+        topk_idx: with_topk.then(|| Tensor2::filled(rows, k, -1 as ExpertIdx)),
+        topk_weights: with_topk.then(|| Tensor2::filled(rows, k, 0.0f32)),
+    }
+}
+
+/// Parses the dispatch records in `buf` into rows `first..` of `out`.
+fn parse_rows(buf: &[u8], first: usize, fmt: RowFormat, out: &mut RecvResult) {
+    let drec = fmt.dispatch_record() as usize;
+    let h = fmt.hidden;
+    let k = fmt.num_topk;
+    let mo = fmt.meta_offset() as usize;
+    let so = fmt.scales_offset() as usize;
+    for (i, rec) in buf.chunks_exact(drec).enumerate() {
+        let j = first + i;
+        match &mut out.recv_x {
             Activations::Bf16(x) => get_bf16_row(rec, x.row_mut(j)),
             Activations::Fp8 { data, scales } => {
                 data.row_mut(j).copy_from_slice(&rec[..h]);
                 get_f32s(&rec[so..], scales.row_mut(j));
             }
         }
-        src_idx[j] = get_i32(rec, mo);
-        for kk in 0..k {
-            idx.set(j, kk, get_i64(rec, mo + 8 + 8 * kk));
-            w.set(j, kk, get_f32(rec, mo + 8 + 8 * k + 4 * kk));
+        out.src_idx[j] = get_i32(rec, mo);
+        if let (Some(idx), Some(w)) = (&mut out.topk_idx, &mut out.topk_weights) {
+            for kk in 0..k {
+                idx.set(j, kk, get_i64(rec, mo + 8 + 8 * kk));
+                w.set(j, kk, get_f32(rec, mo + 8 + 8 * k + 4 * kk));
+            }
         }
-    }
-    RecvResult {
-        recv_x,
-        src_idx,
-        topk_idx: with_topk.then_some(idx),
-        topk_weights: with_topk.then_some(w),
     }
 }
 
@@ -321,11 +323,16 @@ fn receive(
         }
         ctx.store(d, arena.at(data.dispatch_row(num_recv as u64, drec)), &tail)?;
     }
-    let mut buf = vec![0u8; rows * drec as usize];
-    if rows > 0 {
-        ctx.load(d, arena.at(data.dispatch_row(0, drec)), &mut buf)?;
+    let mut out = recv_outputs(rows, fmt, like, with_topk);
+    let chunk = (ROW_CHUNK_BYTES / drec as usize).clamp(1, rows.max(1));
+    let mut buf = vec![0u8; chunk * drec as usize];
+    for first in (0..rows).step_by(chunk) {
+        let n = chunk.min(rows - first);
+        let part = &mut buf[..n * drec as usize];
+        ctx.load(d, arena.at(data.dispatch_row(first as u64, drec)), part)?;
+        parse_rows(part, first, fmt, &mut out);
     }
-    Ok(parse_rows(&buf, rows, fmt, like, with_topk))
+    Ok(out)
 }
 
 /// The non-cached dispatch phase (docs/protocol.md §2.3).
@@ -747,17 +754,19 @@ pub(crate) fn combine_phase<'a>(
             let data = arena.data_layout();
             let a = &job.args[d];
             let rows = a.x.rows();
-            let mut buf = vec![0u8; rows * yrec as usize];
             let wo = crate::protocol::layout::align16(2 * job.hidden as u64) as usize;
-            for j in 0..rows {
-                let rec = &mut buf[j * yrec as usize..(j + 1) * yrec as usize];
-                put_bf16_row(rec, a.x.row(j));
-                if let Some(w) = a.topk_weights {
-                    put_f32s(&mut rec[wo..], w.row(j));
+            let chunk = (ROW_CHUNK_BYTES / yrec as usize).clamp(1, rows.max(1));
+            let mut buf = vec![0u8; chunk * yrec as usize];
+            for first in (0..rows).step_by(chunk) {
+                let n = chunk.min(rows - first);
+                let part = &mut buf[..n * yrec as usize];
+                for (i, rec) in part.chunks_exact_mut(yrec as usize).enumerate() {
+                    put_bf16_row(rec, a.x.row(first + i));
+                    if let Some(w) = a.topk_weights {
+                        put_f32s(&mut rec[wo..], w.row(first + i));
+                    }
                 }
-            }
-            if rows > 0 {
-                ctx.store(d, arena.at(data.combine_row(0, yrec)), &buf)?;
+                ctx.store(d, arena.at(data.combine_row(first as u64, yrec)), part)?;
             }
             for s in 0..r {
                 ctx.store_release(s, arena.word(ctrl.y_ready(d)), call)?;
