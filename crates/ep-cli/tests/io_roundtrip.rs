@@ -146,10 +146,11 @@ fn dumped_shapes_follow_the_spec() {
         [4]
     );
     assert_eq!(npy_shape(&r0.join("rank_prefix_matrix.npy")), [2, 2]);
-    assert_eq!(npy_shape(&r0.join("channel_prefix_matrix.npy")), [2, 10]);
+    // 12 channels: DeepEP's 24 SMs (--num-sms), the same default as ep bench.
+    assert_eq!(npy_shape(&r0.join("channel_prefix_matrix.npy")), [2, 12]);
     assert_eq!(
         npy_shape(&r0.join("recv_channel_prefix_matrix.npy")),
-        [2, 10]
+        [2, 12]
     );
     assert_eq!(npy_shape(&r0.join("send_head.npy")), [16, 2]);
     assert_eq!(npy_shape(&r0.join("combined_x.npy")), [16, 256]);

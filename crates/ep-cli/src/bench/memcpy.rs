@@ -11,7 +11,7 @@ const BYTES: usize = 128 << 20;
 /// copy that also faults the pages in).
 #[must_use]
 pub(crate) fn single_thread_gb_per_s(budget: Duration) -> f64 {
-    let src: Vec<u8> = (0..BYTES).map(|i| (i * 31 + 7) as u8).collect();
+    let src = vec![0x5au8; BYTES];
     let mut dst = vec![0u8; BYTES];
     dst.copy_from_slice(&src);
     let mut rates = Vec::new();

@@ -39,8 +39,6 @@ use crate::workload::Workload;
 
 /// Columns the oracle's dispatch runs on.
 const NARROW: usize = 128;
-/// Columns per block of the combine reference.
-const COMBINE_BLOCK: usize = 512;
 
 /// Where each received row of each rank comes from: `(source rank, token)`.
 type Sources = Vec<Vec<(usize, usize)>>;
@@ -100,7 +98,7 @@ pub(crate) fn run<T: Recorded>(
     t = tl.lap("oracle dispatch", t);
     p.progress.done();
     p.progress.step("oracle: combine");
-    let ref_combine = combine_reference(&w.inputs, &narrow, &reference, &sources, e)?;
+    let ref_combine = combine_reference(&w.inputs, &narrow, &reference, &sources, e, &mut checks)?;
     t = tl.lap("oracle combine", t);
     p.progress.done();
 
@@ -303,14 +301,13 @@ fn sources_of(
     narrow: &[RankInputs],
     checks: &mut Checks,
 ) -> Sources {
-    let r = reference.len();
     reference
         .iter()
         .enumerate()
         .map(|(d, o)| {
             let h = &o.handle;
             let mut out = Vec::with_capacity(h.num_recv_tokens);
-            for s in 0..r {
+            for (s, src) in narrow.iter().enumerate() {
                 let begin = if s == 0 {
                     0
                 } else {
@@ -319,7 +316,7 @@ fn sources_of(
                 let end = h.rank_prefix_matrix.get(s, d) as usize;
                 for j in begin..end {
                     let t = h.recv_src_idx[j] as usize;
-                    if row_bits(&o.recv_x, j) != row_bits(&narrow[s].x, t) {
+                    if row_bits(&o.recv_x, j) != row_bits(&src.x, t) {
                         checks.fail(format!(
                             "oracle: rank {d} row {j} is not token {t} of rank {s} as its handle says"
                         ));
@@ -470,55 +467,81 @@ fn dequantized(
     Tensor2::new(rows, w, data).map_err(|e| BenchError::reference("expert outputs", e))
 }
 
-/// The oracle's combine of the identity expert's outputs, over column blocks on all cores.
+/// The combine reference of the identity expert (module docs): the oracle's combine on the
+/// narrowed rows gives the first columns and the weights; every column follows from the
+/// oracle's definition, `bf16(0 + 0 + Σ_{d ascending} f32(y_d[j_d(t)]))`, where every reached
+/// rank's row is the token's own row `y(x[t])`, so the sum is `n_t` additions of the same value
+/// in f32. The first columns of that closed form must equal the oracle's, or the reference is
+/// refused. Computed on all cores, one rank per task.
 fn combine_reference(
     inputs: &[RankInputs],
     narrow: &[RankInputs],
     reference: &[IntranodeDispatch],
     sources: &Sources,
     e: usize,
+    checks: &mut Checks,
 ) -> Result<Vec<CombineOutput>, BenchError> {
-    let h = inputs[0].x.hidden();
-    let blocks: Vec<std::ops::Range<usize>> = (0..h.div_ceil(COMBINE_BLOCK))
-        .map(|b| b * COMBINE_BLOCK..((b + 1) * COMBINE_BLOCK).min(h))
+    let w = narrow[0].x.hidden();
+    let ys = sources
+        .iter()
+        .map(|src| {
+            let mut rows = Vec::with_capacity(src.len() * w);
+            for &(s, t) in src {
+                rows.extend(row_block(&narrow[s].x, t, 0..w)?);
+            }
+            Tensor2::new(src.len(), w, rows).map_err(|x| BenchError::reference("expert outputs", x))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let args: Vec<CombineArgs<'_>> = ys
+        .iter()
+        .zip(reference)
+        .map(|(y, o)| CombineArgs {
+            x: y,
+            topk_weights: o.recv_topk_weights.as_ref(),
+            bias: &[],
+        })
         .collect();
+    let oracle = oracle::normal::intranode_combine(narrow, e, &args)
+        .map_err(|x| BenchError::reference("oracle combine", x))?;
+    drop(args);
+
+    let r = inputs.len();
+    let h = inputs[0].x.hidden();
     let next = AtomicUsize::new(0);
     let threads = std::thread::available_parallelism()
         .map_or(1, usize::from)
-        .clamp(1, blocks.len().max(1));
-    type Part = (usize, Vec<CombineOutput>);
-    let parts: Vec<Result<Vec<Part>, BenchError>> = std::thread::scope(|sc| {
+        .clamp(1, r.max(1));
+    type Part = Result<Vec<(usize, Tensor2<bf16>)>, BenchError>;
+    let parts: Vec<Part> = std::thread::scope(|sc| {
         let hs: Vec<_> = (0..threads)
             .map(|_| {
                 sc.spawn(|| {
                     let mut mine = Vec::new();
+                    let mut acc = vec![0f32; h];
                     loop {
-                        let b = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(cols) = blocks.get(b) else { break };
-                        // The oracle's received rows, these columns, through the identity expert.
-                        let ys = sources
-                            .iter()
-                            .map(|src| {
-                                let mut rows = Vec::with_capacity(src.len());
-                                for &(s, t) in src {
-                                    rows.push(row_block(&inputs[s].x, t, cols.clone())?);
+                        let s = next.fetch_add(1, Ordering::Relaxed);
+                        if s >= r {
+                            break;
+                        }
+                        // The ranks token t reached, by the oracle's is_token_in_rank.
+                        let itr = &reference[s].handle.is_token_in_rank;
+                        let t_s = inputs[s].num_tokens();
+                        let mut out = Vec::with_capacity(t_s * h);
+                        for t in 0..t_s {
+                            let n = itr.row(t).iter().filter(|&&b| b).count();
+                            let y = row_block(&inputs[s].x, t, 0..h)?;
+                            // f32(b0) + f32(b1) with no bias.
+                            acc.iter_mut().for_each(|a| *a = 0.0);
+                            for _ in 0..n {
+                                for (a, v) in acc.iter_mut().zip(&y) {
+                                    *a += v.to_f32();
                                 }
-                                Tensor2::new(src.len(), cols.len(), rows.concat())
-                                    .map_err(|x| BenchError::reference("expert outputs", x))
-                            })
-                            .collect::<Result<Vec<_>, _>>()?;
-                        let args: Vec<CombineArgs<'_>> = ys
-                            .iter()
-                            .zip(reference)
-                            .map(|(y, o)| CombineArgs {
-                                x: y,
-                                topk_weights: o.recv_topk_weights.as_ref(),
-                                bias: &[],
-                            })
-                            .collect();
-                        let out = oracle::normal::intranode_combine(narrow, e, &args)
-                            .map_err(|x| BenchError::reference("oracle combine", x))?;
-                        mine.push((b, out));
+                            }
+                            out.extend(acc.iter().map(|&a| bf16::from_f32(a)));
+                        }
+                        let x = Tensor2::new(t_s, h, out)
+                            .map_err(|x| BenchError::reference("combine reference", x))?;
+                        mine.push((s, x));
                     }
                     Ok(mine)
                 })
@@ -528,28 +551,32 @@ fn combine_reference(
             .map(|h| h.join().expect("the combine reference does not panic"))
             .collect()
     });
-    let mut full: Vec<CombineOutput> = inputs
-        .iter()
-        .map(|i| CombineOutput {
-            combined_x: Tensor2::filled(i.num_tokens(), h, bf16::ZERO),
-            combined_topk_weights: None,
-        })
-        .collect();
+    let mut full: Vec<Option<Tensor2<bf16>>> = (0..r).map(|_| None).collect();
     for part in parts {
-        for (b, outs) in part? {
-            let cols = blocks[b].clone();
-            for (s, o) in outs.into_iter().enumerate() {
-                let dst = &mut full[s];
-                for t in 0..o.combined_x.rows() {
-                    dst.combined_x.row_mut(t)[cols.clone()].copy_from_slice(o.combined_x.row(t));
-                }
-                if b == 0 {
-                    dst.combined_topk_weights = o.combined_topk_weights;
-                }
-            }
+        for (s, x) in part? {
+            full[s] = Some(x);
         }
     }
-    Ok(full)
+    let mut out = Vec::with_capacity(r);
+    for (s, (x, o)) in full.into_iter().zip(oracle).enumerate() {
+        let x = x.ok_or_else(|| BenchError::Usage(format!("rank {s} has no reference")))?;
+        let agrees = (0..x.rows()).all(|t| {
+            x.row(t)[..w]
+                .iter()
+                .zip(o.combined_x.row(t))
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        });
+        if !agrees {
+            checks.fail(format!(
+                "reference: rank {s}: the closed-form combine disagrees with the oracle's on the                  first {w} columns"
+            ));
+        }
+        out.push(CombineOutput {
+            combined_x: x,
+            combined_topk_weights: o.combined_topk_weights,
+        });
+    }
+    Ok(out)
 }
 
 /// Columns `cols` of row `t` through the identity expert (BF16; FP8 dequantised).

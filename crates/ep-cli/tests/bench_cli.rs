@@ -1,0 +1,171 @@
+//! `ep bench` end to end at small sizes: the JSON report's fields, the same digest on both
+//! simulator backends and as `ep layout`'s, QP depth changing the prediction but not the outputs,
+//! the typed errors and their exit codes. Timings are printed, never asserted.
+
+mod bench_support;
+
+use bench_support::{SMALL, bench_fails, bench_ok, cat, digest, layout_digest, scratch};
+
+#[test]
+fn report_has_every_field_in_both_modes() {
+    let dir = scratch("fields");
+    for (mode, hidden, calls_format) in [("normal", "256", "BF16"), ("low-latency", "512", "FP8")] {
+        let json = dir.join(format!("{mode}.json"));
+        let args = cat(SMALL, &["--mode", mode, "--hidden", hidden, "--iters", "3"]);
+        let r = bench_ok(&args, &json);
+        assert_eq!(r["command"], "bench");
+        assert_eq!(r["backend"], "sim");
+        assert_eq!(r["mode"], mode);
+        assert!(r["ep_rs_version"].as_str().is_some_and(|v| !v.is_empty()));
+        for key in [
+            "ranks", "tokens", "hidden", "topk", "experts", "fp8", "seed", "iters",
+        ] {
+            assert!(!r["options"][key].is_null(), "options.{key} missing: {r:#}");
+        }
+        assert_eq!(r["fabric"]["num_ranks"], 4);
+        assert!(r["memcpy_gb_per_s"].as_f64().unwrap() > 0.0);
+        let calls = r["calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0]["name"], "dispatch");
+        assert_eq!(calls[0]["format"], calls_format);
+        assert_eq!(calls[1]["name"], "combine");
+        for c in calls {
+            assert_eq!(c["samples_us"].as_array().unwrap().len(), 3);
+            for key in [
+                "median_us",
+                "min_us",
+                "max_us",
+                "predicted_us",
+                "payload_gb_per_s",
+            ] {
+                assert!(c[key].as_f64().unwrap() > 0.0, "{key}: {c:#}");
+            }
+            assert!(c["payload_bytes"].as_u64().unwrap() > 0);
+            assert_eq!(c["deepep"]["bytes_per_rank"].as_array().unwrap().len(), 4);
+            assert!(!c["predicted_phases"].as_array().unwrap().is_empty());
+            assert!(c["payload_memcpy_ratio"].as_f64().is_some());
+        }
+        assert!(r["payload"]["memcpy_ratio"].as_f64().is_some());
+        let total = digest(&r);
+        assert_eq!(total.len(), 64);
+        assert_eq!(r["digest"]["ranks"].as_array().unwrap().len(), 4);
+        assert_eq!(r["digest"]["format_version"], 1);
+        assert_eq!(r["verification"]["iterations"], 4, "one warm-up + 3");
+        assert_eq!(r["verification"]["mismatches"], 0);
+    }
+}
+
+#[test]
+fn sim_and_sim_checked_and_layout_agree_on_the_digest() {
+    let dir = scratch("backends");
+    let cases: [&[&str]; 3] = [
+        &["--mode", "normal", "--hidden", "256"],
+        &[
+            "--mode",
+            "normal",
+            "--hidden",
+            "256",
+            "--fp8",
+            "--routing",
+            "zipf:1.5",
+        ],
+        &["--mode", "low-latency", "--hidden", "512"],
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        let args = cat(SMALL, case);
+        let a = bench_ok(
+            &cat(&args, &["--iters", "1"]),
+            &dir.join(format!("{i}-sim.json")),
+        );
+        let b = bench_ok(
+            &cat(
+                &args,
+                &["--backend", "sim-checked", "--iters", "1", "--warmup", "0"],
+            ),
+            &dir.join(format!("{i}-checked.json")),
+        );
+        assert_eq!(b["backend"], "sim-checked");
+        assert_eq!(digest(&a), digest(&b), "{case:?}");
+        assert_eq!(a["digest"]["ranks"], b["digest"]["ranks"]);
+        // ep layout's plan gives the same digest (LL: ep bench's FP8 default is --fp8 there).
+        let mut l = args.clone();
+        if case.contains(&"low-latency") {
+            l.push("--fp8");
+        }
+        assert_eq!(layout_digest(&l), digest(&a), "{case:?}");
+    }
+}
+
+#[test]
+fn smaller_qp_depth_same_outputs_never_faster_prediction() {
+    let dir = scratch("qp");
+    let base = cat(
+        SMALL,
+        &[
+            "--mode",
+            "low-latency",
+            "--hidden",
+            "512",
+            "--ranks-per-node",
+            "1",
+            "--iters",
+            "1",
+        ],
+    );
+    let deep = bench_ok(&cat(&base, &["--qp-depth", "64"]), &dir.join("64.json"));
+    let shallow = bench_ok(&cat(&base, &["--qp-depth", "1"]), &dir.join("1.json"));
+    assert_eq!(digest(&deep), digest(&shallow));
+    assert_eq!(shallow["fabric"]["qp_depth"], 1);
+    for i in 0..2 {
+        let (a, b) = (
+            shallow["calls"][i]["predicted_us"].as_f64().unwrap(),
+            deep["calls"][i]["predicted_us"].as_f64().unwrap(),
+        );
+        assert!(
+            a >= b,
+            "call {i}: depth 1 predicts {a} us < depth 64 {b} us"
+        );
+    }
+}
+
+#[test]
+fn typed_errors_and_exit_codes() {
+    // The GPU backend: a typed error, exit 3 (not the mismatch code 1).
+    let e = bench_fails(&cat(SMALL, &["--backend", "gpu"]), 3);
+    assert!(e.contains("GPU backend is not built yet"), "{e}");
+    // Usage errors: exit 2.
+    let e = bench_fails(
+        &cat(SMALL, &["--hidden", "256", "--ranks-per-node", "3"]),
+        2,
+    );
+    assert!(e.contains("--ranks-per-node 3"), "{e}");
+    let e = bench_fails(
+        &cat(SMALL, &["--hidden", "256", "--ranks-per-node", "2"]),
+        2,
+    );
+    assert!(
+        e.contains("normal mode needs every rank on one NVLink domain"),
+        "{e}"
+    );
+    let e = bench_fails(&cat(SMALL, &["--hidden", "256", "--iters", "0"]), 2);
+    assert!(e.contains("--iters 0"), "{e}");
+    let e = bench_fails(&["--inputs", "/nonexistent-ep-inputs"], 2);
+    assert!(e.contains("--experts is required"), "{e}");
+    // clap's own usage errors are exit 2 as well.
+    bench_fails(&["--routing", "zipf"], 2);
+    // A workload ep-core refuses: exit 3, with ep-core's reason.
+    let e = bench_fails(
+        &[
+            "--ranks",
+            "4",
+            "--experts",
+            "18",
+            "--tokens",
+            "8",
+            "--hidden",
+            "128",
+        ],
+        3,
+    );
+    assert!(e.contains("experts") || e.contains("18"), "{e}");
+}
