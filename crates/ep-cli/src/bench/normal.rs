@@ -9,8 +9,11 @@
 //!   it whole, and each `recv_x` row, all columns, with the input row the oracle placed there
 //!   (its source rank from `rank_prefix_matrix`, its token from `recv_src_idx`; the oracle's own
 //!   narrowed row is checked against the same input row);
-//! - the combine reference is the oracle's combine, run column block by column block (combine is
-//!   column-wise) on the oracle's received rows, on all cores, once;
+//! - the combine reference: the oracle's combine on the narrowed rows (first 128 columns and the
+//!   weights), extended to every column by the oracle's own definition — with the identity
+//!   expert every rank a token reached returns the token's row, so each element is `n_t`
+//!   f32 additions of the same value, rounded once — which must agree with the oracle on the
+//!   columns it computed; once, on all cores;
 //! - iterations alternate the sign of the activations (exact in BF16 and e4m3), so a row left in
 //!   the arena by the previous iteration never passes for this one's; dispatch rows are compared
 //!   with the current inputs, combined rows with the reference negated (zeros stay `+0`).
