@@ -21,8 +21,9 @@ use crate::plan::combine::{
     CombineArgs, CombineOutput, check_combine_args, combine_row, combine_weights, rewrite_heads,
 };
 use crate::plan::intranode::{
-    DispatchOptions, DispatchOutput, DispatchShape, check_dispatch, copy_row, empty_like,
-    expert_list, handle_mismatch, output_rows, remap_topk, scatter_cached, sender_channels,
+    DispatchOptions, DispatchOutput, DispatchShape, check_cached_args, check_dispatch, copy_row,
+    empty_like, expert_list, handle_mismatch, output_rows, remap_topk, scatter_cached,
+    sender_channels,
 };
 use crate::plan::layout::{DispatchLayout, NUM_MAX_NVL_PEERS, channel_range};
 use crate::routing::{Activations, ExpertIdx, RankInputs};
@@ -408,15 +409,7 @@ pub fn internode_dispatch_cached(
 ) -> Result<Activations> {
     let r = handles.len();
     check_internode_ranks(r)?;
-    if xs.len() != r {
-        return Err(Error::RankCountMismatch {
-            expected: r,
-            found: xs.len(),
-        });
-    }
-    if rank >= r {
-        return Err(Error::RankOutOfRange { rank, num_ranks: r });
-    }
+    check_cached_args(xs.len(), r, rank)?;
     let own = &handles[rank];
     let c_count = own.recv_gbl_channel_prefix_matrix.cols();
     if own.recv_gbl_channel_prefix_matrix.rows() != r {

@@ -522,15 +522,7 @@ pub fn intranode_dispatch_cached(
 ) -> Result<Activations> {
     let r = handles.len();
     check_num_ranks(r)?;
-    if xs.len() != r {
-        return Err(Error::RankCountMismatch {
-            expected: r,
-            found: xs.len(),
-        });
-    }
-    if rank >= r {
-        return Err(Error::RankOutOfRange { rank, num_ranks: r });
-    }
+    check_cached_args(xs.len(), r, rank)?;
     let own = &handles[rank];
     let c_count = own.recv_channel_prefix_matrix.cols();
     if own.rank_prefix_matrix.shape() != (r, r) || own.recv_channel_prefix_matrix.rows() != r {
@@ -550,6 +542,21 @@ pub fn intranode_dispatch_cached(
     };
     let rows = own.recv_src_idx.len();
     scatter_cached(xs, &itr, rank, rows, own.num_recv_tokens, c_count, start)
+}
+
+/// Argument checks shared by intranode and internode cached dispatch: one `x` per rank, and
+/// `rank` one of them.
+pub(crate) fn check_cached_args(num_xs: usize, num_ranks: usize, rank: usize) -> Result<()> {
+    if num_xs != num_ranks {
+        return Err(Error::RankCountMismatch {
+            expected: num_ranks,
+            found: num_xs,
+        });
+    }
+    if rank >= num_ranks {
+        return Err(Error::RankOutOfRange { rank, num_ranks });
+    }
+    Ok(())
 }
 
 /// The data path shared by intranode and internode cached dispatch: receiver `rank` takes,
