@@ -505,12 +505,13 @@ fn shrink_does_not_apply_to_normal_mode() {
 
 // ---- threads mode -----------------------------------------------------------------------------
 
-/// Threads mode, wall-clock bound: a dead rank in normal dispatch fails naming it and poisons;
+/// Threads mode, wall-clock bound (1 s): a dead rank in normal dispatch fails naming it and poisons;
 /// after repair and reset the calls are exact. In shrink mode, a dead rank during low-latency
 /// dispatch is masked with the plan's result.
 #[test]
 fn threads_mode_poison_reset_and_shrink() {
-    let bound = Duration::from_millis(200);
+    // Generous for healthy waits on a loaded 2-core CI machine (many agent threads per core).
+    let bound = Duration::from_millis(1000);
     let mut rng = ChaCha8Rng::seed_from_u64(21);
     let mut buf = Buffer::new(ThreadSim::new(fab(true), bound), config(true, false)).unwrap();
     normal_round(&mut buf, &mut rng).unwrap();
