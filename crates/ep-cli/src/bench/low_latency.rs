@@ -86,17 +86,7 @@ pub(crate) fn run<T: Recorded>(
     let mut digest = None;
     let mut negated = false;
     for it in 0..p.warmup + p.iters {
-        let timed = it >= p.warmup;
-        p.progress.step(format!(
-            "{} {}",
-            if timed { "iteration" } else { "warm-up" },
-            if timed { it - p.warmup + 1 } else { it + 1 }
-        ));
-        let want_negated = p.alternate && it % 2 == 1;
-        if want_negated != negated {
-            flip_signs(&mut w.inputs);
-            negated = want_negated;
-        }
+        let timed = p.begin_iteration(it, &mut w.inputs, &mut negated);
         let want = if negated {
             neg.as_ref().unwrap_or(&pos)
         } else {

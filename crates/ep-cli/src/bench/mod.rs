@@ -169,6 +169,30 @@ pub(crate) struct RunParams<'a> {
     pub(crate) timeline: &'a Timeline,
 }
 
+impl RunParams<'_> {
+    /// Starts iteration `it` (warm-ups first): shows it on the progress bar and brings the
+    /// inputs' sign to this iteration's (`*negated` tracks it). Returns whether it is timed.
+    pub(crate) fn begin_iteration(
+        &self,
+        it: usize,
+        inputs: &mut [RankInputs],
+        negated: &mut bool,
+    ) -> bool {
+        let timed = it >= self.warmup;
+        self.progress.step(format!(
+            "{} {}",
+            if timed { "iteration" } else { "warm-up" },
+            if timed { it - self.warmup + 1 } else { it + 1 }
+        ));
+        let want_negated = self.alternate && it % 2 == 1;
+        if want_negated != *negated {
+            flip_signs(inputs);
+            *negated = want_negated;
+        }
+        timed
+    }
+}
+
 /// Wall time per step of a run (set-up, references, calls, verification, digest).
 #[derive(Debug, Default)]
 pub(crate) struct Timeline(std::cell::RefCell<Vec<(&'static str, f64)>>);
