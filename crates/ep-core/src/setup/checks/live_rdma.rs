@@ -218,22 +218,36 @@ fn listed(v: &VerbsFacts) -> bool {
     v.load_error.is_none() && !v.no_rdma_subsystem && v.list_error.is_none()
 }
 
-pub(crate) fn nic_verbs_ports(f: &Facts) -> Check {
-    const ID: &str = "nic.verbs-ports";
-    const T: &str = "NIC ports through verbs (open, state, GIDs) vs sysfs";
-    let caps = &[GPU, CPU];
+/// The verbs facts and the mlx5 devices libibverbs listed, or the Skip check (`id`, `title`)
+/// saying why there are none: the common start of the per-mlx5-device live checks.
+fn listed_mlx5<'a>(
+    f: &'a Facts,
+    id: &'static str,
+    title: &'static str,
+) -> Result<(&'a VerbsFacts, Vec<&'a VerbsDevice>), Check> {
     let Some(v) = f.verbs.as_ref().filter(|v| listed(v)) else {
         let why = if f.verbs.is_some() {
             "libibverbs lists no device (see rdma.verbs-consistency)"
         } else {
             NOT_QUERIED
         };
-        return check(ID, T, &[], Status::Skip, why, None);
+        return Err(check(id, title, &[], Status::Skip, why, None));
     };
     let mlx5: Vec<&VerbsDevice> = v.devices.iter().filter(|d| is_mlx5(f, d)).collect();
     if mlx5.is_empty() {
-        return check(ID, T, &[], Status::Skip, "no mlx5 device", None);
+        return Err(check(id, title, &[], Status::Skip, "no mlx5 device", None));
     }
+    Ok((v, mlx5))
+}
+
+pub(crate) fn nic_verbs_ports(f: &Facts) -> Check {
+    const ID: &str = "nic.verbs-ports";
+    const T: &str = "NIC ports through verbs (open, state, GIDs) vs sysfs";
+    let caps = &[GPU, CPU];
+    let (_, mlx5) = match listed_mlx5(f, ID, T) {
+        Ok(found) => found,
+        Err(skip) => return skip,
+    };
     let mut lines = Vec::new();
     let mut diffs = Vec::new();
     let mut closed = Vec::new();
@@ -348,18 +362,10 @@ pub(crate) fn nic_devx(f: &Facts) -> Check {
     const ID: &str = "nic.devx";
     const T: &str = "mlx5 DevX context (IBGDA creates its queues through it)";
     let caps = &[GPU, CPU];
-    let Some(v) = f.verbs.as_ref().filter(|v| listed(v)) else {
-        let why = if f.verbs.is_some() {
-            "libibverbs lists no device (see rdma.verbs-consistency)"
-        } else {
-            NOT_QUERIED
-        };
-        return check(ID, T, &[], Status::Skip, why, None);
+    let (v, mlx5) = match listed_mlx5(f, ID, T) {
+        Ok(found) => found,
+        Err(skip) => return skip,
     };
-    let mlx5: Vec<&VerbsDevice> = v.devices.iter().filter(|d| is_mlx5(f, d)).collect();
-    if mlx5.is_empty() {
-        return check(ID, T, &[], Status::Skip, "no mlx5 device", None);
-    }
     if let Some(e) = &v.mlx5_error {
         return check(
             ID,
