@@ -13,7 +13,8 @@ use ep_core::plan::intranode::DispatchOptions;
 use ep_core::{Activations, Error, RankInputs, Tensor2, oracle};
 use half::bf16;
 use normal_support::{
-    Case, Routing, bf16_rows, gen_inputs, layouts, rand_bf16_tensor, rand_f32_tensor, routing_from,
+    Case, Routing, bf16_rows, dispatch_options, gen_inputs, layouts, rand_bf16_tensor,
+    rand_f32_tensor, routing_from,
 };
 use proptest::prelude::*;
 use rand::SeedableRng;
@@ -50,16 +51,13 @@ fn case_strategy() -> impl Strategy<Value = (Case, DispatchOptions)> {
                     mask,
                     routing: routing_from(code, victim),
                 };
-                let opts = DispatchOptions {
+                let opts = dispatch_options(
                     num_channels,
                     expert_alignment,
-                    num_worst_tokens: if worst && with_topk {
-                        max_tokens.max(1) * num_ranks
-                    } else {
-                        0
-                    },
+                    worst,
                     with_topk,
-                };
+                    max_tokens.max(1) * num_ranks,
+                );
                 (case, opts)
             },
         )

@@ -2,6 +2,7 @@
 
 #![allow(dead_code, reason = "each test file uses a different subset")]
 
+use ep_core::plan::intranode::DispatchOptions;
 use ep_core::plan::layout::{DispatchLayout, get_dispatch_layout_for_rank};
 use ep_core::{Activations, ExpertIdx, RankInputs, Tensor2};
 use half::bf16;
@@ -142,5 +143,22 @@ pub(crate) fn routing_from(code: u8, victim: usize) -> Routing {
         1 => Routing::Starve(victim),
         2 => Routing::AllMasked,
         _ => Routing::Random,
+    }
+}
+
+/// Dispatch options of a random case; `worst` (with top-k only) sizes the outputs like the
+/// DeepEP test's worst case, `max_rows` = `T * R`.
+pub(crate) fn dispatch_options(
+    num_channels: usize,
+    expert_alignment: usize,
+    worst: bool,
+    with_topk: bool,
+    max_rows: usize,
+) -> DispatchOptions {
+    DispatchOptions {
+        num_channels,
+        expert_alignment,
+        num_worst_tokens: if worst && with_topk { max_rows } else { 0 },
+        with_topk,
     }
 }
