@@ -162,7 +162,149 @@ fn run_case(c: &NCase) -> Result<(), TestCaseError> {
         .combine(&handles, &cargs)
         .map_err(|e| TestCaseError::fail(format!("combine: {e}")))?;
     prop_assert_eq!(got_c, want_c);
+    in_place_leg(&mut buf, &inputs, &layouts, &args, &want, &ys, &bs)
+}
+
+/// The same dispatch with the rows left in the arena (docs/protocol.md §2.6): every output but
+/// `recv_x` equals the plan, `recv_x` read back in two pieces equals the plan's; combine in place
+/// of the received rows (identity expert) and of random expert outputs written over them equals
+/// the plan's combine with the dispatched weights; FP8 rows refuse the in-place combine with a
+/// typed error and leave the buffer usable.
+#[allow(clippy::too_many_arguments)]
+fn in_place_leg(
+    buf: &mut ep_rs::core::Buffer<ep_rs::sim::Sim>,
+    inputs: &[ep_rs::core::RankInputs],
+    layouts: &[ep_rs::core::plan::layout::DispatchLayout],
+    args: &NormalDispatchArgs,
+    want: &[ep_rs::core::plan::intranode::IntranodeDispatch],
+    ys: &[ep_rs::core::Tensor2<half::bf16>],
+    bs: &[Vec<ep_rs::core::Tensor2<half::bf16>>],
+) -> Result<(), TestCaseError> {
+    let r = inputs.len();
+    let e = layouts[0].num_tokens_per_expert.len();
+    let got = buf
+        .dispatch_in_place(inputs, layouts, e, args)
+        .map_err(|e| TestCaseError::fail(format!("dispatch_in_place: {e}")))?;
+    for (d, (g, w)) in got.iter().zip(want).enumerate() {
+        prop_assert_eq!(g.num_rows, w.recv_x.num_tokens());
+        let mut x = w.recv_x.clone();
+        poison_activations(&mut x);
+        let half = g.num_rows / 2;
+        let (mut a, mut b) = split_rows(&x, half);
+        buf.read_recv_x(d, 0, &mut a)
+            .map_err(|e| TestCaseError::fail(format!("read_recv_x: {e}")))?;
+        buf.read_recv_x(d, half, &mut b)
+            .map_err(|e| TestCaseError::fail(format!("read_recv_x: {e}")))?;
+        let back = g.clone().with_recv_x(join_rows(&a, &b));
+        prop_assert_eq!(&back, w);
+        if g.num_rows > 0 {
+            let past = buf.read_recv_x(d, g.num_rows, &mut split_rows(&x, 1).0);
+            prop_assert!(past.is_err(), "a read past the rows must fail");
+        }
+    }
+    let handles: Vec<_> = got.iter().map(|o| o.handle.clone()).collect();
+    let bias: Vec<&[_]> = bs.iter().map(Vec::as_slice).collect();
+    let Activations::Bf16(_) = &inputs[0].x else {
+        let err = buf.combine_in_place(&handles, &bias);
+        prop_assert!(matches!(err, Err(ep_rs::core::Error::Unsupported(_))));
+        let again = buf.dispatch_in_place(inputs, layouts, e, args);
+        prop_assert!(again.is_ok(), "the buffer stays usable");
+        return Ok(());
+    };
+    for pass in 0..2 {
+        if pass == 1 {
+            for (d, y) in ys.iter().enumerate() {
+                buf.write_expert_x(d, 0, y)
+                    .map_err(|e| TestCaseError::fail(format!("write_expert_x: {e}")))?;
+            }
+        }
+        let cargs: Vec<CombineArgs<'_>> = (0..r)
+            .map(|d| CombineArgs {
+                x: match (&want[d].recv_x, pass) {
+                    (Activations::Bf16(x), 0) => x,
+                    _ => &ys[d],
+                },
+                topk_weights: want[d].recv_topk_weights.as_ref(),
+                bias: &bs[d],
+            })
+            .collect();
+        let want_c = intranode_combine(&handles, &cargs).unwrap();
+        let got_c = buf
+            .combine_in_place(&handles, &bias)
+            .map_err(|e| TestCaseError::fail(format!("combine_in_place: {e}")))?;
+        prop_assert_eq!(got_c, want_c);
+    }
     Ok(())
+}
+
+/// Every element of `x` set to a value no dispatch writes (NaN bits / 0xff bytes).
+fn poison_activations(x: &mut Activations) {
+    match x {
+        Activations::Bf16(t) => t
+            .data_mut()
+            .iter_mut()
+            .for_each(|v| *v = half::bf16::from_bits(0x7fc1)),
+        Activations::Fp8 { data, scales } => {
+            data.data_mut().iter_mut().for_each(|v| *v = 0xff);
+            scales.data_mut().iter_mut().for_each(|v| *v = f32::NAN);
+        }
+    }
+}
+
+/// Rows `[0, at)` and `[at, rows)` of `x` as two tensors.
+fn split_rows(x: &Activations, at: usize) -> (Activations, Activations) {
+    fn part<T: Copy>(
+        t: &ep_rs::core::Tensor2<T>,
+        rows: std::ops::Range<usize>,
+    ) -> ep_rs::core::Tensor2<T> {
+        ep_rs::core::Tensor2::from_fn(rows.len(), t.cols(), |i, j| t.get(rows.start + i, j))
+    }
+    let n = x.num_tokens();
+    match x {
+        Activations::Bf16(t) => (
+            Activations::Bf16(part(t, 0..at)),
+            Activations::Bf16(part(t, at..n.max(at))),
+        ),
+        Activations::Fp8 { data, scales } => (
+            Activations::Fp8 {
+                data: part(data, 0..at),
+                scales: part(scales, 0..at),
+            },
+            Activations::Fp8 {
+                data: part(data, at..n.max(at)),
+                scales: part(scales, at..n.max(at)),
+            },
+        ),
+    }
+}
+
+/// `a` above `b`.
+fn join_rows(a: &Activations, b: &Activations) -> Activations {
+    fn cat<T: Copy>(
+        a: &ep_rs::core::Tensor2<T>,
+        b: &ep_rs::core::Tensor2<T>,
+    ) -> ep_rs::core::Tensor2<T> {
+        let mut v = a.data().to_vec();
+        v.extend_from_slice(b.data());
+        ep_rs::core::Tensor2::new(a.rows() + b.rows(), a.cols(), v).unwrap()
+    }
+    match (a, b) {
+        (Activations::Bf16(a), Activations::Bf16(b)) => Activations::Bf16(cat(a, b)),
+        (
+            Activations::Fp8 {
+                data: a,
+                scales: sa,
+            },
+            Activations::Fp8 {
+                data: b,
+                scales: sb,
+            },
+        ) => Activations::Fp8 {
+            data: cat(a, b),
+            scales: cat(sa, sb),
+        },
+        _ => unreachable!("same kind"),
+    }
 }
 
 proptest! {

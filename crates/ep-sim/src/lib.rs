@@ -238,6 +238,14 @@ impl Transport for Sim {
         self.world.recover(&team.ranks)
     }
 
+    fn read_local(&mut self, rank: usize, addr: SymAddr, out: &mut [u8]) -> ep_core::Result<()> {
+        self.world.host_read_into(rank, addr.0, out)
+    }
+
+    fn write_local(&mut self, rank: usize, addr: SymAddr, bytes: &[u8]) -> ep_core::Result<()> {
+        self.world.host_write(rank, addr.0, bytes)
+    }
+
     fn run_phase(&mut self, phase: Phase<'_>) -> ep_core::Result<PhaseReport> {
         self.run(phase).map_err(Into::into)
     }

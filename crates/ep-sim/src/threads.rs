@@ -649,6 +649,14 @@ impl Transport for ThreadSim {
         Ok(()) // every operation completed when it returned
     }
 
+    fn read_local(&mut self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()> {
+        self.host_read_into(rank, addr, out)
+    }
+
+    fn write_local(&mut self, rank: usize, addr: SymAddr, bytes: &[u8]) -> Result<()> {
+        self.host_write(rank, addr, bytes)
+    }
+
     fn run_phase(&mut self, phase: Phase<'_>) -> Result<PhaseReport> {
         self.sh.abort.store(false, Ordering::Release);
         self.sh.phase_start = Instant::now();

@@ -393,10 +393,20 @@ impl World {
     }
 
     pub(crate) fn host_read(&mut self, rank: usize, addr: u64, len: u64) -> Result<Vec<u8>, Error> {
-        self.check_bounds(rank, addr, len, "host read")?;
         let mut v = vec![0u8; len as usize];
-        self.heaps[rank].read(addr, &mut v);
+        self.host_read_into(rank, addr, &mut v)?;
         Ok(v)
+    }
+
+    pub(crate) fn host_read_into(
+        &mut self,
+        rank: usize,
+        addr: u64,
+        out: &mut [u8],
+    ) -> Result<(), Error> {
+        self.check_bounds(rank, addr, out.len() as u64, "host read")?;
+        self.heaps[rank].read(addr, out);
+        Ok(())
     }
 
     pub(crate) fn resident_bytes(&self) -> u64 {

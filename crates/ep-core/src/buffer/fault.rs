@@ -89,6 +89,7 @@ impl<T: Transport> Buffer<T> {
             };
             self.reset_failed(e, shrink)?;
         }
+        self.in_place = None;
         let call = self.next_call();
         let words: Vec<_> = self
             .normal

@@ -12,6 +12,7 @@
 //! | `dispatch(x, num_tokens_per_rank=..., topk_idx=..., ...)` | [`Buffer::dispatch`] |
 //! | `dispatch(x, handle=...)` | [`Buffer::dispatch_cached`] |
 //! | `combine(x, handle, topk_weights, bias)` | [`Buffer::combine`] |
+//! | (GPU: `recv_x` is a view of the arena; combine of it reads it in place) | [`Buffer::dispatch_in_place`], [`Buffer::read_recv_x`], [`Buffer::write_expert_x`], [`Buffer::combine_in_place`] |
 //! | `low_latency_dispatch(..., return_recv_hook)` | [`Buffer::low_latency_dispatch`] / [`Buffer::low_latency_dispatch_send`] + [`Buffer::low_latency_dispatch_recv`] |
 //! | `low_latency_combine(..., zero_copy, return_recv_hook)` | [`Buffer::low_latency_combine`] / `_send` + `_recv` |
 //! | `clean_low_latency_buffer` | [`Buffer::clean_low_latency_buffer`] |
@@ -28,10 +29,12 @@
 //! call returns the plan's result with that rank masked ([`Buffer::query_mask`] reports it).
 //!
 //! Files: this one holds the struct, its constructor and accessors; `normal` the normal-mode
-//! calls; `low_latency` the low-latency calls and hooks; `mask` the shrink-mode mask and how a
+//! calls; `in_place` the normal calls whose rows stay in the arena; `low_latency` the
+//! low-latency calls and hooks; `mask` the shrink-mode mask and how a
 //! failed peer gets masked; `fault` poisoning and reset.
 
 mod fault;
+mod in_place;
 mod low_latency;
 mod mask;
 mod normal;
@@ -46,6 +49,7 @@ use crate::protocol::low_latency::LlArena;
 use crate::protocol::normal::NormalArena;
 use crate::transport::{AllocRequest, Init, Transport};
 
+pub use in_place::InPlaceDispatch;
 pub use low_latency::{LlCombineHook, LlDispatchHook, LlDispatched};
 
 /// Options of a normal dispatch (spec §1.8).
@@ -100,6 +104,10 @@ pub struct Buffer<T: Transport> {
     mutation: ProtocolMutation,
     /// Set by a failed phase, cleared by [`Buffer::reset`].
     poison: Option<fault::Poison>,
+    /// What the last in-place dispatch left in the arena (docs/protocol.md §2.6).
+    in_place: Option<in_place::InPlaceRows>,
+    /// Reused by host reads of arena rows.
+    scratch: Vec<u8>,
 }
 
 impl<T: Transport> std::fmt::Debug for Buffer<T> {
@@ -204,6 +212,8 @@ impl<T: Transport> Buffer<T> {
             pending_hooks: Vec::new(),
             mutation: ProtocolMutation::None,
             poison: None,
+            in_place: None,
+            scratch: Vec::new(),
         })
     }
 

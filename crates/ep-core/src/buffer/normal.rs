@@ -5,6 +5,7 @@ use std::sync::Mutex;
 
 use half::bf16;
 
+use super::in_place::{InPlaceDispatch, InPlaceRows};
 use super::{Buffer, NormalDispatchArgs};
 use crate::error::{Error, Result};
 use crate::plan::combine::{CombineArgs, CombineOutput, check_combine_args};
@@ -57,7 +58,7 @@ impl<T: Transport> Buffer<T> {
             .collect()
     }
 
-    fn normal_arena(&self) -> Result<&NormalArena> {
+    pub(super) fn normal_arena(&self) -> Result<&NormalArena> {
         let r = self.num_ranks();
         for s in 0..r {
             for d in 0..r {
@@ -77,7 +78,12 @@ impl<T: Transport> Buffer<T> {
         })
     }
 
-    fn check_capacity(arena: &NormalArena, rows: usize, rec: u64, dispatch: bool) -> Result<()> {
+    pub(super) fn check_capacity(
+        arena: &NormalArena,
+        rows: usize,
+        rec: u64,
+        dispatch: bool,
+    ) -> Result<()> {
         let data = arena.data_layout();
         let cap = if dispatch {
             data.dispatch_capacity(rec)
@@ -107,7 +113,30 @@ impl<T: Transport> Buffer<T> {
         num_experts: usize,
         args: &NormalDispatchArgs,
     ) -> Result<Vec<IntranodeDispatch>> {
+        let out = self.run_dispatch(inputs, layouts, num_experts, args, false)?;
+        out.into_iter()
+            .map(|(d, x)| {
+                let recv_x = x.ok_or_else(|| Error::AgentFailed {
+                    rank: 0,
+                    agent: "receiver".into(),
+                    detail: "the receiver returned no rows".into(),
+                })?;
+                Ok(d.with_recv_x(recv_x))
+            })
+            .collect()
+    }
+
+    /// The dispatch phase; `in_place`: the received rows stay in the arena (§2.6).
+    pub(super) fn run_dispatch(
+        &mut self,
+        inputs: &[RankInputs],
+        layouts: &[DispatchLayout],
+        num_experts: usize,
+        args: &NormalDispatchArgs,
+        in_place: bool,
+    ) -> Result<Vec<(InPlaceDispatch, Option<Activations>)>> {
         self.check_poison()?;
+        self.in_place = None;
         let opts = DispatchOptions {
             num_channels: args.config.num_channels(),
             expert_alignment: args.expert_alignment,
@@ -168,16 +197,17 @@ impl<T: Transport> Buffer<T> {
             num_worst_tokens: opts.num_worst_tokens,
             with_topk: opts.with_topk,
             fmt,
+            in_place,
         };
         let slots = normal::DispatchSlots::new(r);
         let phase = normal::dispatch_phase(&arena, &job, call, mutation, &slots);
         self.run(phase)?;
-        (0..r)
+        let out: Vec<_> = (0..r)
             .map(|d| {
                 let n = take_slot(&slots.notify[d], "notify")?;
                 let v = take_slot(&slots.recv[d], "receiver")?;
-                Ok(IntranodeDispatch {
-                    recv_x: v.recv_x,
+                let disp = InPlaceDispatch {
+                    num_rows: v.src_idx.len(),
                     recv_topk_idx: v.topk_idx,
                     recv_topk_weights: v.topk_weights,
                     num_recv_tokens_per_expert_list: n.expert_list,
@@ -190,9 +220,19 @@ impl<T: Transport> Buffer<T> {
                         send_head: n.send_head,
                         num_recv_tokens: n.num_recv,
                     },
-                })
+                };
+                Ok((disp, v.recv_x))
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        if in_place {
+            self.in_place = Some(InPlaceRows {
+                call,
+                fmt,
+                with_topk: opts.with_topk,
+                rows: out.iter().map(|(d, _)| d.num_rows).collect(),
+            });
+        }
+        Ok(out)
     }
 
     /// Cached dispatch (handle given, no top-k, spec §1.8; docs/protocol.md §2.4). Equals
@@ -212,6 +252,7 @@ impl<T: Transport> Buffer<T> {
                 });
             }
         }
+        self.in_place = None;
         let mut max_rows = 0;
         for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
             check_same_activation_kind(xs[0], x, s)?;
@@ -241,7 +282,15 @@ impl<T: Transport> Buffer<T> {
         let phase = normal::cached_phase(&arena, &job, call, mutation, &out);
         self.run(phase)?;
         out.iter()
-            .map(|o| take_slot(o, "receiver").map(|v| v.recv_x))
+            .map(|o| {
+                take_slot(o, "receiver")?
+                    .recv_x
+                    .ok_or_else(|| Error::AgentFailed {
+                        rank: 0,
+                        agent: "receiver".into(),
+                        detail: "the receiver returned no rows".into(),
+                    })
+            })
             .collect()
     }
 
@@ -266,6 +315,35 @@ impl<T: Transport> Buffer<T> {
         let num_tokens: Vec<usize> = handles.iter().map(|h| h.send_head.rows()).collect();
         let num_recv: Vec<usize> = handles.iter().map(|h| h.recv_src_idx.len()).collect();
         let (hidden, num_topk) = check_combine_args(args, &num_tokens, &num_recv)?;
+        Self::check_combine_handles(handles, &num_recv)?;
+        let k = num_topk.unwrap_or(0);
+        let fmt = RowFormat {
+            hidden,
+            elem_bytes: 2,
+            num_scales: 0,
+            num_topk: k,
+        };
+        Self::check_capacity(
+            self.normal_arena()?,
+            num_recv.iter().copied().max().unwrap_or(0),
+            fmt.combine_record(),
+            false,
+        )?;
+        let job = normal::CombineJob {
+            handles,
+            source: normal::CombineSource::Host(args),
+            hidden,
+            num_topk: k,
+        };
+        self.run_combine(&job, num_topk.is_some())
+    }
+
+    /// Every row a handle pulls exists on its rank (`num_recv[d]` rows on `d`).
+    pub(super) fn check_combine_handles(
+        handles: &[IntranodeHandle],
+        num_recv: &[usize],
+    ) -> Result<()> {
+        let r = handles.len();
         for (s, h) in handles.iter().enumerate() {
             let c = h.channel_prefix_matrix.cols();
             if h.rank_prefix_matrix.shape() != (r, r)
@@ -308,28 +386,21 @@ impl<T: Transport> Buffer<T> {
                 }
             }
         }
-        let k = num_topk.unwrap_or(0);
-        let fmt = RowFormat {
-            hidden,
-            elem_bytes: 2,
-            num_scales: 0,
-            num_topk: k,
-        };
+        Ok(())
+    }
+
+    /// The combine phase of a checked job; the outputs assembled per rank.
+    pub(super) fn run_combine(
+        &mut self,
+        job: &normal::CombineJob<'_>,
+        with_weights: bool,
+    ) -> Result<Vec<CombineOutput>> {
+        let (handles, hidden, k) = (job.handles, job.hidden, job.num_topk);
+        let r = self.num_ranks();
+        let num_tokens: Vec<usize> = handles.iter().map(|h| h.send_head.rows()).collect();
         let call = self.next_call();
         let mutation = self.mutation;
         let arena = self.normal_arena()?.clone();
-        Self::check_capacity(
-            &arena,
-            num_recv.iter().copied().max().unwrap_or(0),
-            fmt.combine_record(),
-            false,
-        )?;
-        let job = normal::CombineJob {
-            handles,
-            args,
-            hidden,
-            num_topk: k,
-        };
         let out: Vec<Vec<Mutex<Option<normal::ReducedRows>>>> = handles
             .iter()
             .map(|h| {
@@ -338,7 +409,7 @@ impl<T: Transport> Buffer<T> {
                     .collect()
             })
             .collect();
-        let phase = normal::combine_phase(&arena, &job, call, mutation, &out);
+        let phase = normal::combine_phase(&arena, job, call, mutation, &out);
         self.run(phase)?;
         let mut res = Vec::with_capacity(r);
         for (s, chans) in out.iter().enumerate() {
@@ -359,7 +430,7 @@ impl<T: Transport> Buffer<T> {
             }
             res.push(CombineOutput {
                 combined_x: x,
-                combined_topk_weights: num_topk.map(|_| w),
+                combined_topk_weights: with_weights.then_some(w),
             });
         }
         Ok(res)

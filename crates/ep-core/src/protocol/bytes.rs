@@ -71,3 +71,12 @@ pub(crate) fn get_f32s(inp: &[u8], vals: &mut [f32]) {
         *v = f32::from_bits(u32::from_le_bytes([i[0], i[1], i[2], i[3]]));
     }
 }
+
+/// `acc[i] += f32(y[i])` for the BF16 row stored (little-endian bits) at the start of `inp`:
+/// the same sum as `plan::combine::accumulate` of that row (BF16 → f32 is exact), without an
+/// intermediate BF16 copy.
+pub(crate) fn accumulate_bf16_row(acc: &mut [f32], inp: &[u8]) {
+    for (a, i) in acc.iter_mut().zip(inp.chunks_exact(2)) {
+        *a += f32::from_bits(u32::from(u16::from_le_bytes([i[0], i[1]])) << 16);
+    }
+}

@@ -10,7 +10,7 @@
 //!
 //! [`crate::buffer::Buffer`] drives these phases through a [`crate::transport::Transport`].
 
-mod bytes;
+pub(crate) mod bytes;
 pub mod layout;
 pub(crate) mod low_latency;
 pub(crate) mod normal;

@@ -12,15 +12,15 @@ use half::bf16;
 
 use super::ProtocolMutation;
 use super::bytes::{
-    get_bf16_row, get_f32, get_f32s, get_i32, get_i64, put_bf16_row, put_f32, put_f32s, put_i32,
-    put_i64,
+    accumulate_bf16_row, get_bf16_row, get_f32, get_f32s, get_i32, get_i64, put_bf16_row, put_f32,
+    put_f32s, put_i32, put_i64,
 };
 use super::layout::{
     MAX_CHANNELS, NormalCtrl, NormalData, RowFormat, channel_range, count_record_fields,
     normal_final_row, parity, table_fields,
 };
 use crate::error::{Error, Result};
-use crate::plan::combine::{accumulate, init_accumulator, round_row};
+use crate::plan::combine::{init_accumulator, round_row};
 use crate::plan::intranode::{IntranodeHandle, sender_channels};
 use crate::plan::layout::DispatchLayout;
 use crate::routing::{Activations, ExpertIdx, RankInputs};
@@ -120,7 +120,8 @@ pub(crate) struct NotifyResult {
 /// What a dispatch receiver loaded from its arena.
 #[derive(Clone, Debug)]
 pub(crate) struct RecvResult {
-    pub(crate) recv_x: Activations,
+    /// `None` when the rows stay in the arena (docs/protocol.md §2.6).
+    pub(crate) recv_x: Option<Activations>,
     pub(crate) src_idx: Vec<i32>,
     pub(crate) topk_idx: Option<Tensor2<ExpertIdx>>,
     pub(crate) topk_weights: Option<Tensor2<f32>>,
@@ -136,6 +137,9 @@ pub(crate) struct DispatchJob<'a> {
     pub(crate) num_worst_tokens: usize,
     pub(crate) with_topk: bool,
     pub(crate) fmt: RowFormat,
+    /// The received rows stay in the arena: the receiver loads only their meta parts
+    /// (docs/protocol.md §2.6).
+    pub(crate) in_place: bool,
 }
 
 /// Output slots of a dispatch phase, one per rank.
@@ -246,16 +250,22 @@ fn tail_record(fmt: RowFormat) -> Vec<u8> {
 /// chunks through a buffer that stays in cache, never through a second copy of all of them.
 const ROW_CHUNK_BYTES: usize = 1 << 20;
 
-/// Zeroed outputs of `rows` rows.
-fn recv_outputs(rows: usize, fmt: RowFormat, like: &Activations, with_topk: bool) -> RecvResult {
+/// Zeroed outputs of `rows` rows (`recv_x` only when the rows leave the arena).
+fn recv_outputs(
+    rows: usize,
+    fmt: RowFormat,
+    like: &Activations,
+    with_topk: bool,
+    in_place: bool,
+) -> RecvResult {
     let (h, k) = (fmt.hidden, fmt.num_topk);
-    let recv_x = match like {
+    let recv_x = (!in_place).then(|| match like {
         Activations::Bf16(_) => Activations::Bf16(Tensor2::filled(rows, h, bf16::ZERO)),
         Activations::Fp8 { scales, .. } => Activations::Fp8 {
             data: Tensor2::filled(rows, h, 0u8),
             scales: Tensor2::filled(rows, scales.cols(), 0.0f32),
         },
-    };
+    });
     RecvResult {
         recv_x,
         src_idx: vec![-1i32; rows],
@@ -264,34 +274,44 @@ fn recv_outputs(rows: usize, fmt: RowFormat, like: &Activations, with_topk: bool
     }
 }
 
-/// Parses the dispatch records in `buf` into rows `first..` of `out`.
-fn parse_rows(buf: &[u8], first: usize, fmt: RowFormat, out: &mut RecvResult) {
-    let drec = fmt.dispatch_record() as usize;
-    let h = fmt.hidden;
-    let k = fmt.num_topk;
-    let mo = fmt.meta_offset() as usize;
-    let so = fmt.scales_offset() as usize;
-    for (i, rec) in buf.chunks_exact(drec).enumerate() {
-        let j = first + i;
-        match &mut out.recv_x {
-            Activations::Bf16(x) => get_bf16_row(rec, x.row_mut(j)),
-            Activations::Fp8 { data, scales } => {
-                data.row_mut(j).copy_from_slice(&rec[..h]);
-                get_f32s(&rec[so..], scales.row_mut(j));
-            }
-        }
-        out.src_idx[j] = get_i32(rec, mo);
-        if let (Some(idx), Some(w)) = (&mut out.topk_idx, &mut out.topk_weights) {
-            for kk in 0..k {
-                idx.set(j, kk, get_i64(rec, mo + 8 + 8 * kk));
-                w.set(j, kk, get_f32(rec, mo + 8 + 8 * k + 4 * kk));
-            }
+/// Parses the x part (and FP8 scales) of record `rec` into row `j` of `x`.
+pub(crate) fn parse_x(rec: &[u8], j: usize, fmt: RowFormat, x: &mut Activations) {
+    match x {
+        Activations::Bf16(x) => get_bf16_row(rec, x.row_mut(j)),
+        Activations::Fp8 { data, scales } => {
+            data.row_mut(j).copy_from_slice(&rec[..fmt.hidden]);
+            get_f32s(&rec[fmt.scales_offset() as usize..], scales.row_mut(j));
         }
     }
 }
 
+/// Parses the meta part `meta` of a record (`src_idx`, top-k) into row `j` of `out`.
+fn parse_meta(meta: &[u8], j: usize, k: usize, out: &mut RecvResult) {
+    out.src_idx[j] = get_i32(meta, 0);
+    if let (Some(idx), Some(w)) = (&mut out.topk_idx, &mut out.topk_weights) {
+        for kk in 0..k {
+            idx.set(j, kk, get_i64(meta, 8 + 8 * kk));
+            w.set(j, kk, get_f32(meta, 8 + 8 * k + 4 * kk));
+        }
+    }
+}
+
+/// Parses the dispatch records in `buf` into rows `first..` of `out`.
+fn parse_rows(buf: &[u8], first: usize, fmt: RowFormat, out: &mut RecvResult) {
+    let drec = fmt.dispatch_record() as usize;
+    let mo = fmt.meta_offset() as usize;
+    for (i, rec) in buf.chunks_exact(drec).enumerate() {
+        let j = first + i;
+        if let Some(x) = &mut out.recv_x {
+            parse_x(rec, j, fmt, x);
+        }
+        parse_meta(&rec[mo..], j, fmt.num_topk, out);
+    }
+}
+
 /// The receive side shared by dispatch and cached dispatch: wait every `done[s][c]`, write the
-/// tail, load rows `[0, rows)`.
+/// tail, load rows `[0, rows)` — whole records, or only their meta parts when the rows stay in
+/// the arena (`in_place`, docs/protocol.md §2.6).
 #[allow(clippy::too_many_arguments, reason = "one agent's whole context")]
 fn receive(
     ctx: &mut dyn AgentCtx,
@@ -303,6 +323,7 @@ fn receive(
     fmt: RowFormat,
     like: &Activations,
     with_topk: bool,
+    in_place: bool,
 ) -> Result<RecvResult> {
     let d = ctx.me().rank;
     let ctrl = arena.ctrl_layout();
@@ -323,7 +344,17 @@ fn receive(
         }
         ctx.store(d, arena.at(data.dispatch_row(num_recv as u64, drec)), &tail)?;
     }
-    let mut out = recv_outputs(rows, fmt, like, with_topk);
+    let mut out = recv_outputs(rows, fmt, like, with_topk, in_place);
+    if in_place {
+        let mo = fmt.meta_offset();
+        let mut meta = vec![0u8; (drec - mo) as usize];
+        for j in 0..rows {
+            let at = data.dispatch_row(j as u64, drec) + mo;
+            ctx.load(d, arena.at(at), &mut meta)?;
+            parse_meta(&meta, j, fmt.num_topk, &mut out);
+        }
+        return Ok(out);
+    }
     let chunk = (ROW_CHUNK_BYTES / drec as usize).clamp(1, rows.max(1));
     let mut buf = vec![0u8; chunk * drec as usize];
     for first in (0..rows).step_by(chunk) {
@@ -376,6 +407,7 @@ pub(crate) fn dispatch_phase<'a>(
                 job.fmt,
                 &job.inputs[0].x,
                 job.with_topk,
+                job.in_place,
             )?;
             put_slot(&slots.recv[s], res);
             Ok(())
@@ -705,6 +737,7 @@ pub(crate) fn cached_phase<'a>(
                     job.fmt,
                     job.xs[0],
                     false,
+                    false,
                 )?;
                 put_slot(&out[d], res);
                 Ok(())
@@ -714,12 +747,57 @@ pub(crate) fn cached_phase<'a>(
     phase
 }
 
-/// A normal combine of all ranks (docs/protocol.md §2.5).
+/// Where the expert outputs of a combine are.
+pub(crate) enum CombineSource<'a> {
+    /// Host tensors: each rank's publish agent stores them in its combine rows (§2.5).
+    Host(&'a [crate::plan::combine::CombineArgs<'a>]),
+    /// Already in the arena (§2.6): row `j`'s output is the BF16 x part of dispatch record `j`
+    /// (format `fmt`), its weights the record's top-k weights; `bias[s]` are rank `s`'s biases.
+    DispatchRows {
+        fmt: RowFormat,
+        bias: &'a [&'a [Tensor2<bf16>]],
+    },
+}
+
+impl CombineSource<'_> {
+    /// Rank `s`'s biases.
+    fn bias(&self, s: usize) -> &[Tensor2<bf16>] {
+        match self {
+            Self::Host(args) => args[s].bias,
+            Self::DispatchRows { bias, .. } => bias[s],
+        }
+    }
+}
+
+/// A normal combine of all ranks (docs/protocol.md §2.5, §2.6).
 pub(crate) struct CombineJob<'a> {
     pub(crate) handles: &'a [IntranodeHandle],
-    pub(crate) args: &'a [crate::plan::combine::CombineArgs<'a>],
+    pub(crate) source: CombineSource<'a>,
     pub(crate) hidden: usize,
     pub(crate) num_topk: usize,
+}
+
+/// Where expert row `j` lives in its rank's data arena: `(offset, record bytes, offset of the
+/// weights in the record)`; the BF16 row is at the record's start.
+fn expert_row(job: &CombineJob<'_>, data: NormalData, j: u64) -> (u64, u64, usize) {
+    match &job.source {
+        CombineSource::Host(_) => {
+            let fmt = RowFormat {
+                hidden: job.hidden,
+                elem_bytes: 2,
+                num_scales: 0,
+                num_topk: job.num_topk,
+            };
+            let yrec = fmt.combine_record();
+            let wo = crate::protocol::layout::align16(2 * job.hidden as u64) as usize;
+            (data.combine_row(j, yrec), yrec, wo)
+        }
+        CombineSource::DispatchRows { fmt, .. } => {
+            let drec = fmt.dispatch_record();
+            let wo = fmt.meta_offset() as usize + 8 + 8 * fmt.num_topk;
+            (data.dispatch_row(j, drec), drec, wo)
+        }
+    }
 }
 
 /// One reducer's rows: `(first token, combined rows, combined weights)`.
@@ -734,13 +812,6 @@ pub(crate) fn combine_phase<'a>(
     out: &'a [Vec<Mutex<Option<ReducedRows>>>],
 ) -> Phase<'a> {
     let r = arena.num_ranks;
-    let fmt = RowFormat {
-        hidden: job.hidden,
-        elem_bytes: 2,
-        num_scales: 0,
-        num_topk: job.num_topk,
-    };
-    let yrec = fmt.combine_record();
     let chans: Vec<usize> = job
         .handles
         .iter()
@@ -751,22 +822,8 @@ pub(crate) fn combine_phase<'a>(
         let chans_d = chans.clone();
         phase = phase.agent(d, 0, "publish", move |ctx: &mut dyn AgentCtx| {
             let ctrl = arena.ctrl_layout();
-            let data = arena.data_layout();
-            let a = &job.args[d];
-            let rows = a.x.rows();
-            let wo = crate::protocol::layout::align16(2 * job.hidden as u64) as usize;
-            let chunk = (ROW_CHUNK_BYTES / yrec as usize).clamp(1, rows.max(1));
-            let mut buf = vec![0u8; chunk * yrec as usize];
-            for first in (0..rows).step_by(chunk) {
-                let n = chunk.min(rows - first);
-                let part = &mut buf[..n * yrec as usize];
-                for (i, rec) in part.chunks_exact_mut(yrec as usize).enumerate() {
-                    put_bf16_row(rec, a.x.row(first + i));
-                    if let Some(w) = a.topk_weights {
-                        put_f32s(&mut rec[wo..], w.row(first + i));
-                    }
-                }
-                ctx.store(d, arena.at(data.combine_row(first as u64, yrec)), part)?;
+            if let CombineSource::Host(args) = &job.source {
+                publish_rows(ctx, arena, job, &args[d])?;
             }
             for s in 0..r {
                 ctx.store_release(s, arena.word(ctrl.y_ready(d)), call)?;
@@ -783,7 +840,7 @@ pub(crate) fn combine_phase<'a>(
         for c in 0..chans[d] {
             let s = d;
             phase = phase.agent(s, 1 + c, "reducer", move |ctx: &mut dyn AgentCtx| {
-                let rows = reduce(ctx, arena, job, call, c, yrec, mutation)?;
+                let rows = reduce(ctx, arena, job, call, c, mutation)?;
                 put_slot(&out[s][c], rows);
                 Ok(())
             });
@@ -792,13 +849,39 @@ pub(crate) fn combine_phase<'a>(
     phase
 }
 
+/// The publish agent's stores of host expert outputs into its combine rows (§2.5).
+fn publish_rows(
+    ctx: &mut dyn AgentCtx,
+    arena: &NormalArena,
+    job: &CombineJob<'_>,
+    a: &crate::plan::combine::CombineArgs<'_>,
+) -> Result<()> {
+    let d = ctx.me().rank;
+    let data = arena.data_layout();
+    let rows = a.x.rows();
+    let (_, yrec, wo) = expert_row(job, data, 0);
+    let chunk = (ROW_CHUNK_BYTES / yrec as usize).clamp(1, rows.max(1));
+    let mut buf = vec![0u8; chunk * yrec as usize];
+    for first in (0..rows).step_by(chunk) {
+        let n = chunk.min(rows - first);
+        let part = &mut buf[..n * yrec as usize];
+        for (i, rec) in part.chunks_exact_mut(yrec as usize).enumerate() {
+            put_bf16_row(rec, a.x.row(first + i));
+            if let Some(w) = a.topk_weights {
+                put_f32s(&mut rec[wo..], w.row(first + i));
+            }
+        }
+        ctx.store(d, arena.at(data.combine_row(first as u64, yrec)), part)?;
+    }
+    Ok(())
+}
+
 fn reduce(
     ctx: &mut dyn AgentCtx,
     arena: &NormalArena,
     job: &CombineJob<'_>,
     call: u64,
     c: usize,
-    yrec: u64,
     mutation: ProtocolMutation,
 ) -> Result<ReducedRows> {
     let s = ctx.me().rank;
@@ -821,11 +904,13 @@ fn reduce(
     let mut out_x = vec![bf16::ZERO; range.len() * h];
     let mut out_w = vec![0.0f32; range.len() * k];
     let mut acc = vec![0.0f32; h];
-    let mut rec = vec![0u8; yrec as usize];
-    let mut y = vec![bf16::ZERO; h];
+    let (_, rec_len, wo) = expert_row(job, data, 0);
+    debug_assert!((wo + 4 * k).max(2 * h) as u64 <= rec_len);
+    // Only the BF16 row and the weights are read (never a padding byte).
+    let mut y = vec![0u8; 2 * h];
+    let mut wb = vec![0u8; 4 * k];
     let mut w = vec![0.0f32; k];
-    let wo = crate::protocol::layout::align16(2 * h as u64) as usize;
-    let a = &job.args[s];
+    let bias = job.source.bias(s);
     let base: Vec<i32> = (0..r)
         .map(|d| {
             (if s == 0 {
@@ -842,8 +927,8 @@ fn reduce(
     for (i, t) in range.enumerate() {
         init_accumulator(
             &mut acc,
-            a.bias.first().map(|b| b.row(t)),
-            a.bias.get(1).map(|b| b.row(t)),
+            bias.first().map(|b| b.row(t)),
+            bias.get(1).map(|b| b.row(t)),
         );
         let ow = &mut out_w[i * k..(i + 1) * k];
         for d in 0..r {
@@ -852,11 +937,12 @@ fn reduce(
                 continue;
             }
             let j = (base[d] + slot) as u64;
-            ctx.load(d, arena.at(data.combine_row(j, yrec)), &mut rec)?;
-            get_bf16_row(&rec, &mut y);
-            accumulate(&mut acc, &y);
+            let at = expert_row(job, data, j).0;
+            ctx.load(d, arena.at(at), &mut y)?;
+            accumulate_bf16_row(&mut acc, &y);
             if k > 0 {
-                get_f32s(&rec[wo..], &mut w);
+                ctx.load(d, arena.at(at + wo as u64), &mut wb)?;
+                get_f32s(&wb, &mut w);
                 for (o, v) in ow.iter_mut().zip(&w) {
                     *o += v;
                 }

@@ -204,6 +204,16 @@ pub trait Transport {
         self.barrier(team)
     }
 
+    /// Host read of `rank`'s own symmetric memory between phases (a `cudaMemcpy` from the
+    /// device after the stream's last kernel): fills `out` from `addr`. Used by calls whose
+    /// outputs stay in the arena (docs/protocol.md §2.6). Fails with a typed error naming the
+    /// rank when `[addr, addr + out.len())` is outside every allocation.
+    fn read_local(&mut self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()>;
+
+    /// Host write into `rank`'s own symmetric memory between phases (a `cudaMemcpy` to the
+    /// device before the next kernel): defined bytes, visible to every agent of later phases.
+    fn write_local(&mut self, rank: usize, addr: SymAddr, bytes: &[u8]) -> Result<()>;
+
     /// Executes one protocol phase on all ranks and returns when every agent has finished.
     /// Operations still in flight at the end (non-blocking puts without `quiet`) stay in flight.
     fn run_phase(&mut self, phase: Phase<'_>) -> Result<PhaseReport>;

@@ -1,0 +1,272 @@
+//! Normal-mode calls whose rows stay in the arena (docs/protocol.md §2.6): a dispatch that hands
+//! back everything but `recv_x`, host reads of the received rows, host writes of expert outputs
+//! over them, and a combine that pulls the expert outputs from the dispatch rows in place. This
+//! is how the GPU backend works (no copy out of the arena); on the simulator it saves a copy of
+//! every received row and a second region of the arena.
+
+use half::bf16;
+
+use super::{Buffer, NormalDispatchArgs};
+use crate::error::{Error, Result};
+use crate::plan::combine::CombineOutput;
+use crate::plan::intranode::{IntranodeDispatch, IntranodeHandle};
+use crate::plan::layout::DispatchLayout;
+use crate::protocol::bytes::put_bf16_row;
+use crate::protocol::layout::RowFormat;
+use crate::protocol::normal::{self, parse_x};
+use crate::routing::{Activations, ExpertIdx, RankInputs};
+use crate::tensor::Tensor2;
+use crate::transport::Transport;
+
+/// A normal dispatch whose received rows stay in the buffer's arena: everything
+/// [`IntranodeDispatch`] holds except `recv_x`, which [`Buffer::read_recv_x`] reads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InPlaceDispatch {
+    /// Rows of `recv_x` in the arena: `num_recv_tokens`, or `num_worst_tokens` in worst-token
+    /// mode (the tail rows included).
+    pub num_rows: usize,
+    /// As [`IntranodeDispatch::recv_topk_idx`].
+    pub recv_topk_idx: Option<Tensor2<ExpertIdx>>,
+    /// As [`IntranodeDispatch::recv_topk_weights`].
+    pub recv_topk_weights: Option<Tensor2<f32>>,
+    /// As [`IntranodeDispatch::num_recv_tokens_per_expert_list`].
+    pub num_recv_tokens_per_expert_list: Vec<i32>,
+    /// The handle for combine and cached dispatch.
+    pub handle: IntranodeHandle,
+}
+
+impl InPlaceDispatch {
+    /// The owned form, with `recv_x` given (e.g. read with [`Buffer::read_recv_x`]).
+    #[must_use]
+    pub fn with_recv_x(self, recv_x: Activations) -> IntranodeDispatch {
+        IntranodeDispatch {
+            recv_x,
+            recv_topk_idx: self.recv_topk_idx,
+            recv_topk_weights: self.recv_topk_weights,
+            num_recv_tokens_per_expert_list: self.num_recv_tokens_per_expert_list,
+            handle: self.handle,
+        }
+    }
+}
+
+/// What the last in-place dispatch left in the arena.
+#[derive(Clone, Debug)]
+pub(super) struct InPlaceRows {
+    /// The call that wrote them.
+    pub(super) call: u64,
+    pub(super) fmt: RowFormat,
+    pub(super) with_topk: bool,
+    /// Rows per rank.
+    pub(super) rows: Vec<usize>,
+}
+
+/// Records moved per host read.
+const READ_CHUNK_BYTES: usize = 1 << 20;
+
+impl<T: Transport> Buffer<T> {
+    /// [`Buffer::dispatch`] with the received rows left in the arena (docs/protocol.md §2.6):
+    /// the same outputs but `recv_x`, which stays readable with [`Buffer::read_recv_x`] until
+    /// the next dispatch of any kind, and which [`Buffer::combine_in_place`] combines.
+    pub fn dispatch_in_place(
+        &mut self,
+        inputs: &[RankInputs],
+        layouts: &[DispatchLayout],
+        num_experts: usize,
+        args: &NormalDispatchArgs,
+    ) -> Result<Vec<InPlaceDispatch>> {
+        let out = self.run_dispatch(inputs, layouts, num_experts, args, true)?;
+        Ok(out.into_iter().map(|(d, _)| d).collect())
+    }
+
+    /// The rows the last in-place dispatch left on `rank`, or a typed error saying why none are.
+    fn in_place_rows(&self, rank: usize) -> Result<&InPlaceRows> {
+        self.check_poison()?;
+        let st = self.in_place.as_ref().ok_or_else(|| {
+            Error::Unsupported(
+                "no in-place rows: call Buffer::dispatch_in_place first (a later dispatch of \
+                 another kind, or a reset, replaces them)"
+                    .into(),
+            )
+        })?;
+        if rank >= st.rows.len() {
+            return Err(Error::RankOutOfRange {
+                rank,
+                num_ranks: st.rows.len(),
+            });
+        }
+        Ok(st)
+    }
+
+    /// Reads rows `first .. first + out.num_tokens()` of `rank`'s `recv_x`, left in the arena
+    /// by the last [`Buffer::dispatch_in_place`] (or overwritten since with
+    /// [`Buffer::write_expert_x`]), into `out` (the dispatch's activation kind and hidden size).
+    pub fn read_recv_x(&mut self, rank: usize, first: usize, out: &mut Activations) -> Result<()> {
+        let st = self.in_place_rows(rank)?;
+        let fmt = st.fmt;
+        let n = out.num_tokens();
+        let kind_ok = match out {
+            Activations::Bf16(x) => fmt.elem_bytes == 2 && x.cols() == fmt.hidden,
+            Activations::Fp8 { data, scales } => {
+                fmt.elem_bytes == 1 && data.cols() == fmt.hidden && scales.cols() == fmt.num_scales
+            }
+        };
+        if !kind_ok {
+            return Err(Error::ShapeMismatch {
+                what: "read_recv_x output (activation kind and hidden size of the dispatch)",
+                expected: format!(
+                    "{} rows of {} {}",
+                    n,
+                    fmt.hidden,
+                    if fmt.elem_bytes == 2 {
+                        "BF16"
+                    } else {
+                        "e4m3 + scales"
+                    }
+                ),
+                found: format!(
+                    "{} with {} columns",
+                    if matches!(out, Activations::Bf16(_)) {
+                        "BF16"
+                    } else {
+                        "FP8"
+                    },
+                    out.hidden()
+                ),
+            });
+        }
+        if first + n > st.rows[rank] {
+            return Err(Error::ShapeMismatch {
+                what: "read_recv_x rows",
+                expected: format!("rows within [0, {}) on rank {rank}", st.rows[rank]),
+                found: format!("[{first}, {})", first + n),
+            });
+        }
+        let arena = self.normal_arena()?.clone();
+        let data = arena.data_layout();
+        let drec = fmt.dispatch_record();
+        let chunk = (READ_CHUNK_BYTES / drec as usize).clamp(1, n.max(1));
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.resize(chunk * drec as usize, 0);
+        let mut res = Ok(());
+        for c0 in (0..n).step_by(chunk) {
+            let m = chunk.min(n - c0);
+            let part = &mut buf[..m * drec as usize];
+            let at = arena.data.at(data.dispatch_row((first + c0) as u64, drec));
+            res = self.transport.read_local(rank, at, part);
+            if res.is_err() {
+                break;
+            }
+            for (i, rec) in part.chunks_exact(drec as usize).enumerate() {
+                parse_x(rec, c0 + i, fmt, out);
+            }
+        }
+        self.scratch = buf;
+        res
+    }
+
+    /// Overwrites rows `first .. first + y.rows()` of `rank`'s `recv_x` in the arena with
+    /// expert outputs `y` (BF16, the dispatch's hidden size), the input of the next
+    /// [`Buffer::combine_in_place`]. Needs BF16 dispatch rows (an FP8 row has no room for a
+    /// BF16 output: use [`Buffer::combine`]).
+    pub fn write_expert_x(&mut self, rank: usize, first: usize, y: &Tensor2<bf16>) -> Result<()> {
+        let st = self.in_place_rows(rank)?;
+        let fmt = st.fmt;
+        Self::check_bf16_rows(fmt)?;
+        if y.cols() != fmt.hidden || first + y.rows() > st.rows[rank] {
+            return Err(Error::ShapeMismatch {
+                what: "write_expert_x rows",
+                expected: format!(
+                    "rows within [0, {}) of {} columns on rank {rank}",
+                    st.rows[rank], fmt.hidden
+                ),
+                found: format!("[{first}, {}) of {} columns", first + y.rows(), y.cols()),
+            });
+        }
+        let arena = self.normal_arena()?.clone();
+        let data = arena.data_layout();
+        let drec = fmt.dispatch_record();
+        let mut row = vec![0u8; 2 * fmt.hidden];
+        for i in 0..y.rows() {
+            put_bf16_row(&mut row, y.row(i));
+            let at = arena.data.at(data.dispatch_row((first + i) as u64, drec));
+            self.transport.write_local(rank, at, &row)?;
+        }
+        Ok(())
+    }
+
+    fn check_bf16_rows(fmt: RowFormat) -> Result<()> {
+        if fmt.elem_bytes != 2 {
+            return Err(Error::Unsupported(
+                "in-place combine reads BF16 rows, and these dispatch rows are FP8: dequantise \
+                 into a tensor and call Buffer::combine"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Normal combine of the expert outputs left in the arena (docs/protocol.md §2.6): row `j`
+    /// of rank `d`'s last [`Buffer::dispatch_in_place`] (or what [`Buffer::write_expert_x`]
+    /// wrote over it) with its dispatched top-k weights; `bias[s]` are rank `s`'s 0–2 biases
+    /// (`[T_s, H]`, may be empty for every rank). Equals [`Buffer::combine`] with `x` = those
+    /// rows and `topk_weights` = the dispatch's `recv_topk_weights` (when dispatched).
+    pub fn combine_in_place(
+        &mut self,
+        handles: &[IntranodeHandle],
+        bias: &[&[Tensor2<bf16>]],
+    ) -> Result<Vec<CombineOutput>> {
+        let st = self.in_place_rows(0)?.clone();
+        Self::check_bf16_rows(st.fmt)?;
+        let r = self.num_ranks();
+        for len in [handles.len(), bias.len()] {
+            if len != r {
+                return Err(Error::RankCountMismatch {
+                    expected: r,
+                    found: len,
+                });
+            }
+        }
+        for (s, (h, b)) in handles.iter().zip(bias).enumerate() {
+            if h.recv_src_idx.len() != st.rows[s] {
+                return Err(crate::plan::intranode::handle_mismatch(
+                    s,
+                    format!(
+                        "combine_in_place: the handle has {} rows, the last in-place dispatch \
+                         (call {}) left {}",
+                        h.recv_src_idx.len(),
+                        st.call,
+                        st.rows[s]
+                    ),
+                ));
+            }
+            if b.len() > 2 {
+                return Err(Error::TooManyBiases {
+                    rank: s,
+                    found: b.len(),
+                });
+            }
+            for x in *b {
+                if x.shape() != (h.send_head.rows(), st.fmt.hidden) {
+                    return Err(Error::ShapeMismatch {
+                        what: "combine bias",
+                        expected: format!(
+                            "({}, {}) on rank {s}",
+                            h.send_head.rows(),
+                            st.fmt.hidden
+                        ),
+                        found: format!("{:?}", x.shape()),
+                    });
+                }
+            }
+        }
+        Self::check_combine_handles(handles, &st.rows)?;
+        let k = if st.with_topk { st.fmt.num_topk } else { 0 };
+        let job = normal::CombineJob {
+            handles,
+            source: normal::CombineSource::DispatchRows { fmt: st.fmt, bias },
+            hidden: st.fmt.hidden,
+            num_topk: k,
+        };
+        self.run_combine(&job, st.with_topk)
+    }
+}
