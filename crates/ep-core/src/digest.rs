@@ -58,7 +58,7 @@ use sha2::Sha256;
 
 use crate::error::{Error, Result};
 use crate::plan::combine::CombineOutput;
-use crate::plan::intranode::IntranodeDispatch;
+use crate::plan::intranode::{InPlaceDispatch, IntranodeDispatch};
 use crate::plan::low_latency::{LlDispatchOutput, LlFormat, canonicalize};
 use crate::routing::Activations;
 use crate::tensor::Tensor2;
@@ -241,6 +241,72 @@ pub fn normal_rank(
             w.f32s("recv_x_scales", &[n, scales.cols()], head(scales, n));
         }
     }
+    normal_rest(w, rank, &InPlaceDispatch::of(dispatch), combine)
+}
+
+/// The digest of one rank's normal-mode outputs fed row by row: for BF16 rows that stay in a
+/// buffer's arena ([`crate::Buffer::visit_recv_rows`]); equal to [`normal_rank`] of the same
+/// outputs.
+pub struct NormalRankStream {
+    rank: usize,
+    rows: usize,
+    cols: usize,
+    fed: usize,
+    w: Writer,
+}
+
+impl NormalRankStream {
+    /// Starts the digest of `rank` whose BF16 `recv_x` has `rows` rows (`num_recv_tokens`: the
+    /// digest covers no tail row) of `cols` columns.
+    #[must_use]
+    pub fn bf16(rank: usize, rows: usize, cols: usize) -> Self {
+        let mut w = Writer::new("ep-rs/outputs/v1/", NORMAL, rank as u64);
+        w.header("recv_x", &[rows, cols]);
+        Self {
+            rank,
+            rows,
+            cols,
+            fed: 0,
+            w,
+        }
+    }
+
+    /// Feeds the next row: its `2·cols` bytes of little-endian BF16 bits (extra bytes are
+    /// ignored, so a whole dispatch record may be given).
+    pub fn row(&mut self, bytes: &[u8]) {
+        self.w.bytes(&bytes[..2 * self.cols]);
+        self.fed += 1;
+    }
+
+    /// The digest, with everything of the dispatch but `recv_x` and the combine; an error when
+    /// the rows fed are not `rows` or `rows` is not the dispatch's `num_recv_tokens`.
+    pub fn finish(
+        self,
+        dispatch: &InPlaceDispatch,
+        combine: Option<&CombineOutput>,
+    ) -> Result<Digest> {
+        let n = dispatch.handle.num_recv_tokens;
+        if self.fed != self.rows || self.rows != n {
+            return Err(Error::ShapeMismatch {
+                what: "recv_x rows fed to the digest",
+                expected: format!("{n} rows (received count on rank {})", self.rank),
+                found: format!("{} rows announced, {} fed", self.rows, self.fed),
+            });
+        }
+        normal_rest(self.w, self.rank, dispatch, combine)
+    }
+}
+
+/// Everything of a rank's normal-mode digest after `recv_x`.
+fn normal_rest(
+    mut w: Writer,
+    rank: usize,
+    dispatch: &InPlaceDispatch,
+    combine: Option<&CombineOutput>,
+) -> Result<Digest> {
+    let h = &dispatch.handle;
+    let n = h.num_recv_tokens;
+    let r = h.rank_prefix_matrix.rows();
     match &dispatch.recv_topk_idx {
         Some(t) => {
             check_rows(rank, "recv_topk_idx", t.rows(), n)?;
@@ -310,6 +376,13 @@ pub fn normal(dispatch: &[IntranodeDispatch], combine: &[CombineOutput]) -> Resu
         normal_rank(r, &dispatch[r], combine.get(r))
     })?;
     Ok(total(NORMAL, ranks))
+}
+
+/// The run digest of per-rank normal-mode digests ([`normal_rank`], rank order): what
+/// [`normal`] returns, for callers that digest one rank at a time.
+#[must_use]
+pub fn normal_total(ranks: Vec<Digest>) -> RunDigest {
+    total(NORMAL, ranks)
 }
 
 /// Digest of rank `rank`'s low-latency outputs: its dispatch (`None` = masked rank) and, when

@@ -22,8 +22,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use ep_core::Buffer;
-use ep_core::buffer::NormalDispatchArgs;
+use ep_core::buffer::{InPlaceDispatch, NormalDispatchArgs};
 use ep_core::config::{BufferConfig, Config};
+use ep_core::digest::RunDigest;
 use ep_core::numerics::fp8;
 use ep_core::oracle;
 use ep_core::plan::combine::{CombineArgs, CombineOutput};
@@ -118,6 +119,10 @@ pub(crate) fn run<T: Recorded>(
         Buffer::new(transport, cfg).map_err(|x| BenchError::setup("normal", p.backend, x))?;
     t = tl.lap("buffer", t);
 
+    // BF16 rows stay in the arena and are combined in place (docs/protocol.md §2.6), as on the
+    // GPU; FP8 rows are copied out, dequantised by the identity expert and combined from host
+    // tensors (§2.5).
+    let in_place = !fp8_in;
     let mut disp = Vec::new();
     let mut comb = Vec::new();
     let mut last = (0, 0, 0);
@@ -126,61 +131,49 @@ pub(crate) fn run<T: Recorded>(
     for it in 0..p.warmup + p.iters {
         let timed = p.begin_iteration(it, &mut w.inputs, &mut negated);
         let rec0 = buf.transport().phase_records().len();
-        t = tl.lap("inputs", t);
-        let got = buf
-            .dispatch(&w.inputs, &layouts, e, &args)
-            .map_err(|x| BenchError::call("normal dispatch", it, x))?;
-        let dt = t.elapsed();
-        t = tl.lap("dispatch calls", t);
-        let rec1 = buf.transport().phase_records().len();
-        check_dispatch(&got, &reference, &sources, &w.inputs, it, &mut checks);
-        t = tl.lap("verification", t);
-
-        let ys = expert_outputs(&got)?;
-        let handles: Vec<IntranodeHandle> = got.iter().map(|d| d.handle.clone()).collect();
-        let cargs: Vec<CombineArgs<'_>> = got
-            .iter()
-            .enumerate()
-            .map(|(d, o)| CombineArgs {
-                x: match (&o.recv_x, &ys) {
-                    (Activations::Bf16(x), _) => x,
-                    (_, Some(ys)) => &ys[d],
-                    (_, None) => unreachable!("FP8 rows always get expert outputs"),
-                },
-                topk_weights: o.recv_topk_weights.as_ref(),
-                bias: &[],
-            })
-            .collect();
-        t = tl.lap("expert outputs", t);
-        let combined = buf
-            .combine(&handles, &cargs)
-            .map_err(|x| BenchError::call("normal combine", it, x))?;
-        let ct = t.elapsed();
-        t = tl.lap("combine calls", t);
-        let rec2 = buf.transport().phase_records().len();
-        check_combine(&combined, &ref_combine, negated, it, &mut checks);
+        tl.lap("inputs", t);
+        let step = if in_place {
+            iteration_in_place(
+                &mut buf,
+                w,
+                &layouts,
+                &args,
+                &reference,
+                &sources,
+                it,
+                &mut checks,
+                p,
+            )?
+        } else {
+            iteration_owned(
+                &mut buf,
+                w,
+                &layouts,
+                &args,
+                &reference,
+                &sources,
+                it,
+                &mut checks,
+                p,
+            )?
+        };
+        t = Instant::now();
+        check_combine(&step.combined, &ref_combine, negated, it, &mut checks);
         checks.iterations += 1;
         t = tl.lap("verification", t);
-
         if it == 0 {
-            let view = Outputs::Normal {
-                dispatch: &got,
-                combine: &combined,
-            };
-            digest = Some(view.digest().map_err(crate::io::IoError::outputs)?);
-            if let Some(dir) = p.dump {
-                crate::io::dump_outputs(dir, &view, p.info)?;
-            }
-            t = tl.lap("digest and dump", t);
+            digest = Some(
+                step.digest
+                    .ok_or_else(|| BenchError::Usage("no digest".into()))?,
+            );
         }
-        drop(cargs);
-        drop((got, combined, ys, handles));
+        drop(step.combined);
         t = tl.lap("freeing outputs", t);
         if timed {
-            disp.push(dt.as_secs_f64() * 1e6);
-            comb.push(ct.as_secs_f64() * 1e6);
+            disp.push(step.dispatch_us);
+            comb.push(step.combine_us);
         }
-        last = (rec0, rec1, rec2);
+        last = (rec0, step.records.0, step.records.1);
         p.progress.done();
     }
     if negated {
@@ -242,6 +235,265 @@ pub(crate) fn run<T: Recorded>(
         checks,
         digest: digest.ok_or_else(|| BenchError::Usage("no iteration ran".into()))?,
     })
+}
+
+/// What one iteration of dispatch and combine gave.
+struct Step {
+    dispatch_us: f64,
+    combine_us: f64,
+    /// Phase records after the dispatch and after the combine.
+    records: (usize, usize),
+    combined: Vec<CombineOutput>,
+    /// The outputs' digest (first iteration only).
+    digest: Option<RunDigest>,
+}
+
+/// Dispatch in place, verification of the rows in the arena, combine in place of those rows
+/// (the identity expert writes nothing).
+#[allow(clippy::too_many_arguments, reason = "one iteration's whole context")]
+fn iteration_in_place<T: Recorded>(
+    buf: &mut Buffer<T>,
+    w: &Workload,
+    layouts: &[DispatchLayout],
+    args: &NormalDispatchArgs,
+    reference: &[IntranodeDispatch],
+    sources: &Sources,
+    it: usize,
+    checks: &mut Checks,
+    p: &RunParams<'_>,
+) -> Result<Step, BenchError> {
+    let tl = p.timeline;
+    let e = w.num_experts;
+    let r = w.inputs.len();
+    let mut t = Instant::now();
+    let got = buf
+        .dispatch_in_place(&w.inputs, layouts, e, args)
+        .map_err(|x| BenchError::call("normal dispatch", it, x))?;
+    let dispatch_us = t.elapsed().as_secs_f64() * 1e6;
+    t = tl.lap("dispatch calls", t);
+    let rec1 = buf.transport().phase_records().len();
+    check_meta(&got, reference, it, checks);
+    let rows: Vec<usize> = got
+        .iter()
+        .zip(reference)
+        .map(|(g, o)| o.handle.num_recv_tokens.min(g.num_rows))
+        .collect();
+    let (bad, streams) = scan_rows(buf, &rows, sources, &w.inputs, it == 0)
+        .map_err(|x| BenchError::call("reading the received rows", it, x))?;
+    for (d, b) in bad.into_iter().enumerate() {
+        if let Some((j, s, tok)) = b {
+            checks.fail(format!(
+                "iteration {it}: rank {d}: recv_x row {j} differs from token {tok} of rank {s}"
+            ));
+        }
+    }
+    t = tl.lap("verification", t);
+    let handles: Vec<IntranodeHandle> = got.iter().map(|d| d.handle.clone()).collect();
+    let no_bias: Vec<&[Tensor2<bf16>]> = vec![&[]; r];
+    let combined = buf
+        .combine_in_place(&handles, &no_bias)
+        .map_err(|x| BenchError::call("normal combine", it, x))?;
+    let combine_us = t.elapsed().as_secs_f64() * 1e6;
+    t = tl.lap("combine calls", t);
+    let rec2 = buf.transport().phase_records().len();
+    let digest = if let Some(streams) = streams {
+        // The rows were digested as they were verified: no second copy of every row.
+        let ranks = streams
+            .into_iter()
+            .zip(&got)
+            .enumerate()
+            .map(|(d, (st, g))| st.finish(g, Some(&combined[d])))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(crate::io::IoError::outputs)?;
+        if let Some(dir) = p.dump {
+            let mut owned = Vec::with_capacity(r);
+            for (d, g) in got.into_iter().enumerate() {
+                let mut x =
+                    Activations::Bf16(Tensor2::filled(g.num_rows, w.summary.hidden, bf16::ZERO));
+                buf.read_recv_x(d, 0, &mut x)
+                    .map_err(|x| BenchError::call("reading the received rows", it, x))?;
+                owned.push(g.with_recv_x(x));
+            }
+            let view = Outputs::Normal {
+                dispatch: &owned,
+                combine: &combined,
+            };
+            crate::io::dump_outputs(dir, &view, p.info)?;
+        }
+        tl.lap("digest and dump", t);
+        Some(ep_core::digest::normal_total(ranks))
+    } else {
+        None
+    };
+    Ok(Step {
+        dispatch_us,
+        combine_us,
+        records: (rec1, rec2),
+        combined,
+        digest,
+    })
+}
+
+/// Dispatch with owned outputs, their verification, the identity expert's outputs (FP8 rows
+/// dequantised), combine from those host tensors.
+#[allow(clippy::too_many_arguments, reason = "one iteration's whole context")]
+fn iteration_owned<T: Recorded>(
+    buf: &mut Buffer<T>,
+    w: &Workload,
+    layouts: &[DispatchLayout],
+    args: &NormalDispatchArgs,
+    reference: &[IntranodeDispatch],
+    sources: &Sources,
+    it: usize,
+    checks: &mut Checks,
+    p: &RunParams<'_>,
+) -> Result<Step, BenchError> {
+    let tl = p.timeline;
+    let e = w.num_experts;
+    let mut t = Instant::now();
+    let got = buf
+        .dispatch(&w.inputs, layouts, e, args)
+        .map_err(|x| BenchError::call("normal dispatch", it, x))?;
+    let dispatch_us = t.elapsed().as_secs_f64() * 1e6;
+    t = tl.lap("dispatch calls", t);
+    let rec1 = buf.transport().phase_records().len();
+    check_dispatch(&got, reference, sources, &w.inputs, it, checks);
+    t = tl.lap("verification", t);
+    let ys = expert_outputs(&got)?;
+    let handles: Vec<IntranodeHandle> = got.iter().map(|d| d.handle.clone()).collect();
+    let cargs: Vec<CombineArgs<'_>> = got
+        .iter()
+        .enumerate()
+        .map(|(d, o)| CombineArgs {
+            x: match (&o.recv_x, &ys) {
+                (Activations::Bf16(x), _) => x,
+                (_, Some(ys)) => &ys[d],
+                (_, None) => unreachable!("FP8 rows always get expert outputs"),
+            },
+            topk_weights: o.recv_topk_weights.as_ref(),
+            bias: &[],
+        })
+        .collect();
+    t = tl.lap("expert outputs", t);
+    let combined = buf
+        .combine(&handles, &cargs)
+        .map_err(|x| BenchError::call("normal combine", it, x))?;
+    let combine_us = t.elapsed().as_secs_f64() * 1e6;
+    t = tl.lap("combine calls", t);
+    let rec2 = buf.transport().phase_records().len();
+    let digest = if it == 0 {
+        let view = Outputs::Normal {
+            dispatch: &got,
+            combine: &combined,
+        };
+        let digest = view.digest().map_err(crate::io::IoError::outputs)?;
+        if let Some(dir) = p.dump {
+            crate::io::dump_outputs(dir, &view, p.info)?;
+        }
+        tl.lap("digest and dump", t);
+        Some(digest)
+    } else {
+        None
+    };
+    Ok(Step {
+        dispatch_us,
+        combine_us,
+        records: (rec1, rec2),
+        combined,
+        digest,
+    })
+}
+
+/// The first row of each rank that differs from its source: `(row, source rank, token)`.
+type FirstBad = Vec<Option<(usize, usize, usize)>>;
+
+/// Rows of a chunk handed to a rank's worker.
+const SCAN_CHUNK_ROWS: usize = 64;
+
+/// Reads rows `[0, rows[d])` of every rank's `recv_x` from the arena on this thread (the buffer
+/// is not shared), a chunk per rank in turn, and checks each row against its source row on one
+/// worker thread per rank, which also digests the rows (`digest`, BF16 rows only) — so the
+/// checks and the hashing run on every core while the arena is read once.
+fn scan_rows<T: Recorded>(
+    buf: &mut Buffer<T>,
+    rows: &[usize],
+    sources: &Sources,
+    inputs: &[RankInputs],
+    digest: bool,
+) -> Result<(FirstBad, Option<Vec<ep_core::digest::NormalRankStream>>), ep_core::Error> {
+    use std::sync::mpsc::sync_channel;
+    let h = inputs[0].x.hidden();
+    std::thread::scope(|sc| {
+        let mut senders = Vec::with_capacity(rows.len());
+        let mut workers = Vec::with_capacity(rows.len());
+        for (d, &n) in rows.iter().enumerate() {
+            // (first row, record bytes, concatenated records)
+            let (tx, rx) = sync_channel::<(usize, usize, Vec<u8>)>(2);
+            senders.push(tx);
+            let src = &sources[d];
+            workers.push(sc.spawn(move || {
+                let mut stream = digest.then(|| ep_core::digest::NormalRankStream::bf16(d, n, h));
+                let mut bad = None;
+                for (first, rec_len, recs) in rx {
+                    for (i, rec) in recs.chunks_exact(rec_len.max(1)).enumerate() {
+                        let j = first + i;
+                        let (s, t) = src[j];
+                        if bad.is_none() && !record_is_row(rec, &inputs[s].x, t) {
+                            bad = Some((j, s, t));
+                        }
+                        if let Some(st) = &mut stream {
+                            st.row(rec);
+                        }
+                    }
+                }
+                (bad, stream)
+            }));
+        }
+        let mut res = Ok(());
+        let most = rows.iter().copied().max().unwrap_or(0);
+        'read: for c0 in (0..most).step_by(SCAN_CHUNK_ROWS) {
+            for (d, &n) in rows.iter().enumerate() {
+                if c0 >= n {
+                    continue;
+                }
+                let mut recs = Vec::new();
+                let rec_len =
+                    match buf.read_recv_records(d, c0..n.min(c0 + SCAN_CHUNK_ROWS), &mut recs) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            res = Err(e);
+                            break 'read;
+                        }
+                    };
+                if senders[d].send((c0, rec_len, recs)).is_err() {
+                    break 'read;
+                }
+            }
+        }
+        drop(senders);
+        let mut bad = Vec::with_capacity(rows.len());
+        let mut streams = Vec::with_capacity(rows.len());
+        for w in workers {
+            let (b, st) = w.join().expect("row checks do not panic");
+            bad.push(b);
+            streams.extend(st);
+        }
+        res.map(|()| (bad, digest.then_some(streams)))
+    })
+}
+
+/// Whether dispatch record `rec` (docs/protocol.md §2.1) carries row `t` of `x`: its x bytes
+/// (and FP8 scales) bit for bit.
+fn record_is_row(rec: &[u8], x: &Activations, t: usize) -> bool {
+    let (scales, bytes) = row_bits(x, t);
+    if rec.get(..bytes.len()) != Some(bytes) {
+        return false;
+    }
+    if scales.is_empty() {
+        return true;
+    }
+    let so = ep_core::protocol::layout::align16(bytes.len() as u64) as usize;
+    rec.get(so..so + scales.len()) == Some(&scales[..])
 }
 
 /// The inputs with their activations cut to the first [`NARROW`] columns (FP8: one scale
@@ -333,12 +585,49 @@ fn same_f32(a: &Tensor2<f32>, b: &Tensor2<f32>, rows: usize) -> bool {
             .all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-/// Compares one iteration's dispatch with the oracle (module docs).
+/// Compares one iteration's dispatch (owned outputs) with the oracle (module docs).
 fn check_dispatch(
     got: &[IntranodeDispatch],
     reference: &[IntranodeDispatch],
     sources: &Sources,
     inputs: &[RankInputs],
+    it: usize,
+    checks: &mut Checks,
+) {
+    let meta: Vec<InPlaceDispatch> = got.iter().map(meta_of).collect();
+    check_meta(&meta, reference, it, checks);
+    for (d, (g, o)) in got.iter().zip(reference).enumerate() {
+        let n = o.handle.num_recv_tokens;
+        let rows_ok = g.recv_x.num_tokens() >= n && g.recv_x.hidden() == inputs[0].x.hidden();
+        if !rows_ok {
+            checks.fail(format!("iteration {it}: rank {d}: recv_x shape differs"));
+        } else if let Some(j) = (0..n).find(|&j| {
+            let (s, t) = sources[d][j];
+            row_bits(&g.recv_x, j) != row_bits(&inputs[s].x, t)
+        }) {
+            let (s, t) = sources[d][j];
+            checks.fail(format!(
+                "iteration {it}: rank {d}: recv_x row {j} differs from token {t} of rank {s}"
+            ));
+        }
+    }
+}
+
+/// Everything of a dispatch but `recv_x`.
+fn meta_of(g: &IntranodeDispatch) -> InPlaceDispatch {
+    InPlaceDispatch {
+        num_rows: g.recv_x.num_tokens(),
+        recv_topk_idx: g.recv_topk_idx.clone(),
+        recv_topk_weights: g.recv_topk_weights.clone(),
+        num_recv_tokens_per_expert_list: g.num_recv_tokens_per_expert_list.clone(),
+        handle: g.handle.clone(),
+    }
+}
+
+/// Compares everything of one iteration's dispatch but `recv_x` with the oracle.
+fn check_meta(
+    got: &[InPlaceDispatch],
+    reference: &[IntranodeDispatch],
     it: usize,
     checks: &mut Checks,
 ) {
@@ -350,7 +639,7 @@ fn check_dispatch(
         let (gh, oh) = (&g.handle, &o.handle);
         let n = oh.num_recv_tokens;
         let mut bad = Vec::new();
-        if gh.num_recv_tokens != n {
+        if gh.num_recv_tokens != n || g.num_rows < n {
             bad.push("num_recv_tokens");
         }
         let r = oh.rank_prefix_matrix.rows();
@@ -396,18 +685,6 @@ fn check_dispatch(
             }
             (None, None) => {}
             _ => bad.push("recv_topk_weights"),
-        }
-        let rows_ok = g.recv_x.num_tokens() >= n && g.recv_x.hidden() == inputs[0].x.hidden();
-        if !rows_ok {
-            bad.push("recv_x shape");
-        } else if let Some(j) = (0..n).find(|&j| {
-            let (s, t) = sources[d][j];
-            row_bits(&g.recv_x, j) != row_bits(&inputs[s].x, t)
-        }) {
-            let (s, t) = sources[d][j];
-            checks.fail(format!(
-                "iteration {it}: rank {d}: recv_x row {j} differs from token {t} of rank {s}"
-            ));
         }
         if !bad.is_empty() {
             checks.fail(format!(

@@ -9,45 +9,14 @@ use half::bf16;
 use super::{Buffer, NormalDispatchArgs};
 use crate::error::{Error, Result};
 use crate::plan::combine::CombineOutput;
-use crate::plan::intranode::{IntranodeDispatch, IntranodeHandle};
+use crate::plan::intranode::{InPlaceDispatch, IntranodeHandle};
 use crate::plan::layout::DispatchLayout;
 use crate::protocol::bytes::put_bf16_row;
 use crate::protocol::layout::RowFormat;
 use crate::protocol::normal::{self, parse_x};
-use crate::routing::{Activations, ExpertIdx, RankInputs};
+use crate::routing::{Activations, RankInputs};
 use crate::tensor::Tensor2;
 use crate::transport::Transport;
-
-/// A normal dispatch whose received rows stay in the buffer's arena: everything
-/// [`IntranodeDispatch`] holds except `recv_x`, which [`Buffer::read_recv_x`] reads.
-#[derive(Clone, Debug, PartialEq)]
-pub struct InPlaceDispatch {
-    /// Rows of `recv_x` in the arena: `num_recv_tokens`, or `num_worst_tokens` in worst-token
-    /// mode (the tail rows included).
-    pub num_rows: usize,
-    /// As [`IntranodeDispatch::recv_topk_idx`].
-    pub recv_topk_idx: Option<Tensor2<ExpertIdx>>,
-    /// As [`IntranodeDispatch::recv_topk_weights`].
-    pub recv_topk_weights: Option<Tensor2<f32>>,
-    /// As [`IntranodeDispatch::num_recv_tokens_per_expert_list`].
-    pub num_recv_tokens_per_expert_list: Vec<i32>,
-    /// The handle for combine and cached dispatch.
-    pub handle: IntranodeHandle,
-}
-
-impl InPlaceDispatch {
-    /// The owned form, with `recv_x` given (e.g. read with [`Buffer::read_recv_x`]).
-    #[must_use]
-    pub fn with_recv_x(self, recv_x: Activations) -> IntranodeDispatch {
-        IntranodeDispatch {
-            recv_x,
-            recv_topk_idx: self.recv_topk_idx,
-            recv_topk_weights: self.recv_topk_weights,
-            num_recv_tokens_per_expert_list: self.num_recv_tokens_per_expert_list,
-            handle: self.handle,
-        }
-    }
-}
 
 /// What the last in-place dispatch left in the arena.
 #[derive(Clone, Debug)]
@@ -134,30 +103,63 @@ impl<T: Transport> Buffer<T> {
                 ),
             });
         }
-        if first + n > st.rows[rank] {
+        self.visit_recv_rows(rank, first..first + n, |j, rec| {
+            parse_x(rec, j - first, fmt, out);
+        })
+    }
+
+    /// Reads the dispatch records of rows `rows` of `rank`'s `recv_x` left in the arena into
+    /// `out` (resized to fit; one host read) and returns the record length: record `i` of `out`
+    /// is row `rows.start + i`, laid out as [`Buffer::visit_recv_rows`] describes.
+    pub fn read_recv_records(
+        &mut self,
+        rank: usize,
+        rows: std::ops::Range<usize>,
+        out: &mut Vec<u8>,
+    ) -> Result<usize> {
+        let st = self.in_place_rows(rank)?;
+        let fmt = st.fmt;
+        if rows.end > st.rows[rank] || rows.start > rows.end {
             return Err(Error::ShapeMismatch {
-                what: "read_recv_x rows",
+                what: "rows read from the arena",
                 expected: format!("rows within [0, {}) on rank {rank}", st.rows[rank]),
-                found: format!("[{first}, {})", first + n),
+                found: format!("[{}, {})", rows.start, rows.end),
             });
         }
         let arena = self.normal_arena()?.clone();
-        let data = arena.data_layout();
-        let drec = fmt.dispatch_record();
-        let chunk = (READ_CHUNK_BYTES / drec as usize).clamp(1, n.max(1));
+        let drec = fmt.dispatch_record() as usize;
+        out.resize(rows.len() * drec, 0);
+        let at = arena.data.at(arena
+            .data_layout()
+            .dispatch_row(rows.start as u64, drec as u64));
+        self.transport.read_local(rank, at, out)?;
+        Ok(drec)
+    }
+
+    /// Calls `f(j, record)` for each row `j` in `rows` of `rank`'s `recv_x` left in the arena:
+    /// `record` starts with the row's x bytes (BF16 little-endian bits, or e4m3 bytes followed
+    /// at `RowFormat::scales_offset` by the f32 scales), as docs/protocol.md §2.1 lays out a
+    /// dispatch record; no copy of the rows is kept (records move about 1 MiB at a time).
+    pub fn visit_recv_rows(
+        &mut self,
+        rank: usize,
+        rows: std::ops::Range<usize>,
+        mut f: impl FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        let drec = self.in_place_rows(rank)?.fmt.dispatch_record() as usize;
+        let chunk = (READ_CHUNK_BYTES / drec).clamp(1, rows.len().max(1));
         let mut buf = std::mem::take(&mut self.scratch);
-        buf.resize(chunk * drec as usize, 0);
         let mut res = Ok(());
-        for c0 in (0..n).step_by(chunk) {
-            let m = chunk.min(n - c0);
-            let part = &mut buf[..m * drec as usize];
-            let at = arena.data.at(data.dispatch_row((first + c0) as u64, drec));
-            res = self.transport.read_local(rank, at, part);
+        for c0 in rows.clone().step_by(chunk) {
+            let m = chunk.min(rows.end - c0);
+            res = self
+                .read_recv_records(rank, c0..c0 + m, &mut buf)
+                .map(|_| ());
             if res.is_err() {
                 break;
             }
-            for (i, rec) in part.chunks_exact(drec as usize).enumerate() {
-                parse_x(rec, c0 + i, fmt, out);
+            for (i, rec) in buf.chunks_exact(drec).enumerate() {
+                f(c0 + i, rec);
             }
         }
         self.scratch = buf;

@@ -49,7 +49,7 @@ use crate::protocol::low_latency::LlArena;
 use crate::protocol::normal::NormalArena;
 use crate::transport::{AllocRequest, Init, Transport};
 
-pub use in_place::InPlaceDispatch;
+pub use crate::plan::intranode::InPlaceDispatch;
 pub use low_latency::{LlCombineHook, LlDispatchHook, LlDispatched};
 
 /// Options of a normal dispatch (spec §1.8).

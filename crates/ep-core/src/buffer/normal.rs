@@ -5,10 +5,11 @@ use std::sync::Mutex;
 
 use half::bf16;
 
-use super::in_place::{InPlaceDispatch, InPlaceRows};
+use super::in_place::InPlaceRows;
 use super::{Buffer, NormalDispatchArgs};
 use crate::error::{Error, Result};
 use crate::plan::combine::{CombineArgs, CombineOutput, check_combine_args};
+use crate::plan::intranode::InPlaceDispatch;
 use crate::plan::intranode::{
     DispatchOptions, IntranodeDispatch, IntranodeHandle, check_dispatch,
     check_same_activation_kind, handle_mismatch,
@@ -396,43 +397,51 @@ impl<T: Transport> Buffer<T> {
         with_weights: bool,
     ) -> Result<Vec<CombineOutput>> {
         let (handles, hidden, k) = (job.handles, job.hidden, job.num_topk);
-        let r = self.num_ranks();
         let num_tokens: Vec<usize> = handles.iter().map(|h| h.send_head.rows()).collect();
         let call = self.next_call();
         let mutation = self.mutation;
         let arena = self.normal_arena()?.clone();
-        let out: Vec<Vec<Mutex<Option<normal::ReducedRows>>>> = handles
+        // Each reducer writes its channel's rows (a contiguous token range) in place.
+        let mut xs: Vec<Tensor2<bf16>> = num_tokens
             .iter()
-            .map(|h| {
-                (0..h.channel_prefix_matrix.cols())
-                    .map(|_| Mutex::new(None))
-                    .collect()
-            })
+            .map(|&t| Tensor2::filled(t, hidden, bf16::ZERO))
             .collect();
-        let phase = normal::combine_phase(&arena, job, call, mutation, &out);
-        self.run(phase)?;
-        let mut res = Vec::with_capacity(r);
-        for (s, chans) in out.iter().enumerate() {
-            let t = num_tokens[s];
-            let mut x = Tensor2::filled(t, hidden, bf16::ZERO);
-            let mut w = Tensor2::filled(t, k, 0.0f32);
-            for o in chans {
-                let (first, rows_x, rows_w) = take_slot(o, "reducer")?;
-                let n = rows_x.len() / hidden.max(1);
-                for i in 0..n {
-                    x.row_mut(first + i)
-                        .copy_from_slice(&rows_x[i * hidden..(i + 1) * hidden]);
-                    if k > 0 {
-                        w.row_mut(first + i)
-                            .copy_from_slice(&rows_w[i * k..(i + 1) * k]);
-                    }
-                }
-            }
-            res.push(CombineOutput {
+        let mut ws: Vec<Tensor2<f32>> = num_tokens
+            .iter()
+            .map(|&t| Tensor2::filled(t, k, 0.0f32))
+            .collect();
+        {
+            let out: Vec<Vec<normal::ReducedRows<'_>>> = xs
+                .iter_mut()
+                .zip(ws.iter_mut())
+                .zip(handles)
+                .map(|((x, w), h)| {
+                    let c_count = h.channel_prefix_matrix.cols();
+                    let t = h.send_head.rows();
+                    let (mut rx, mut rw) = (x.data_mut(), w.data_mut());
+                    (0..c_count)
+                        .map(|c| {
+                            let n = crate::plan::layout::channel_range(t, c_count, c).len();
+                            let (a, b) = std::mem::take(&mut rx).split_at_mut(n * hidden);
+                            let (c2, d2) = std::mem::take(&mut rw).split_at_mut(n * k);
+                            rx = b;
+                            rw = d2;
+                            Mutex::new(Some((a, c2)))
+                        })
+                        .collect()
+                })
+                .collect();
+            let phase = normal::combine_phase(&arena, job, call, mutation, &out);
+            self.run(phase)?;
+        }
+        let res = xs
+            .into_iter()
+            .zip(ws)
+            .map(|(x, w)| CombineOutput {
                 combined_x: x,
                 combined_topk_weights: with_weights.then_some(w),
-            });
-        }
+            })
+            .collect();
         Ok(res)
     }
 }

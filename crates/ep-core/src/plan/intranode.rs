@@ -714,3 +714,46 @@ fn combine_one(
         combined_topk_weights: combined_w,
     })
 }
+
+/// A normal dispatch whose received rows stay in a `Buffer`'s arena (docs/protocol.md §2.6): everything
+/// [`IntranodeDispatch`] holds except `recv_x`, which `Buffer::read_recv_x` reads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InPlaceDispatch {
+    /// Rows of `recv_x` in the arena: `num_recv_tokens`, or `num_worst_tokens` in worst-token
+    /// mode (the tail rows included).
+    pub num_rows: usize,
+    /// As [`IntranodeDispatch::recv_topk_idx`].
+    pub recv_topk_idx: Option<Tensor2<ExpertIdx>>,
+    /// As [`IntranodeDispatch::recv_topk_weights`].
+    pub recv_topk_weights: Option<Tensor2<f32>>,
+    /// As [`IntranodeDispatch::num_recv_tokens_per_expert_list`].
+    pub num_recv_tokens_per_expert_list: Vec<i32>,
+    /// The handle for combine and cached dispatch.
+    pub handle: IntranodeHandle,
+}
+
+impl InPlaceDispatch {
+    /// Everything of `d` but `recv_x` (`num_rows` = its rows), cloned.
+    #[must_use]
+    pub fn of(d: &IntranodeDispatch) -> Self {
+        Self {
+            num_rows: d.recv_x.num_tokens(),
+            recv_topk_idx: d.recv_topk_idx.clone(),
+            recv_topk_weights: d.recv_topk_weights.clone(),
+            num_recv_tokens_per_expert_list: d.num_recv_tokens_per_expert_list.clone(),
+            handle: d.handle.clone(),
+        }
+    }
+
+    /// The owned form, with `recv_x` given (e.g. read with `Buffer::read_recv_x`).
+    #[must_use]
+    pub fn with_recv_x(self, recv_x: Activations) -> IntranodeDispatch {
+        IntranodeDispatch {
+            recv_x,
+            recv_topk_idx: self.recv_topk_idx,
+            recv_topk_weights: self.recv_topk_weights,
+            num_recv_tokens_per_expert_list: self.num_recv_tokens_per_expert_list,
+            handle: self.handle,
+        }
+    }
+}

@@ -801,7 +801,9 @@ fn expert_row(job: &CombineJob<'_>, data: NormalData, j: u64) -> (u64, u64, usiz
 }
 
 /// One reducer's rows: `(first token, combined rows, combined weights)`.
-pub(crate) type ReducedRows = (usize, Vec<bf16>, Vec<f32>);
+/// One reducer's output rows: its channel's rows of `combined_x` and of the combined weights
+/// (`K` per row), written in place; taken by the reducer (a second take fails).
+pub(crate) type ReducedRows<'o> = Mutex<Option<(&'o mut [bf16], &'o mut [f32])>>;
 
 /// The combine phase.
 pub(crate) fn combine_phase<'a>(
@@ -809,7 +811,7 @@ pub(crate) fn combine_phase<'a>(
     job: &'a CombineJob<'a>,
     call: u64,
     mutation: ProtocolMutation,
-    out: &'a [Vec<Mutex<Option<ReducedRows>>>],
+    out: &'a [Vec<ReducedRows<'a>>],
 ) -> Phase<'a> {
     let r = arena.num_ranks;
     let chans: Vec<usize> = job
@@ -840,9 +842,8 @@ pub(crate) fn combine_phase<'a>(
         for c in 0..chans[d] {
             let s = d;
             phase = phase.agent(s, 1 + c, "reducer", move |ctx: &mut dyn AgentCtx| {
-                let rows = reduce(ctx, arena, job, call, c, mutation)?;
-                put_slot(&out[s][c], rows);
-                Ok(())
+                let (ox, ow) = take_slot(&out[s][c], "reducer output")?;
+                reduce(ctx, arena, job, call, c, mutation, ox, ow)
             });
         }
     }
@@ -883,7 +884,9 @@ fn reduce(
     call: u64,
     c: usize,
     mutation: ProtocolMutation,
-) -> Result<ReducedRows> {
+    out_x: &mut [bf16],
+    out_w: &mut [f32],
+) -> Result<()> {
     let s = ctx.me().rank;
     let r = arena.num_ranks;
     let ctrl = arena.ctrl_layout();
@@ -900,9 +903,13 @@ fn reduce(
     let k = job.num_topk;
     let c_count = own.channel_prefix_matrix.cols();
     let range = channel_range(own.send_head.rows(), c_count, c);
-    let first = range.start;
-    let mut out_x = vec![bf16::ZERO; range.len() * h];
-    let mut out_w = vec![0.0f32; range.len() * k];
+    if out_x.len() != range.len() * h || out_w.len() != range.len() * k {
+        return Err(Error::AgentFailed {
+            rank: s,
+            agent: format!("reducer {c}"),
+            detail: "output rows do not match the channel's tokens".into(),
+        });
+    }
     let mut acc = vec![0.0f32; h];
     let (_, rec_len, wo) = expert_row(job, data, 0);
     debug_assert!((wo + 4 * k).max(2 * h) as u64 <= rec_len);
@@ -953,5 +960,5 @@ fn reduce(
     for d in 0..r {
         ctx.store_release(d, arena.word(ctrl.pulled(s, c)), call)?;
     }
-    Ok((first, out_x, out_w))
+    Ok(())
 }
