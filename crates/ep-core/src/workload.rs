@@ -28,8 +28,9 @@
 //! own ChaCha8 stream, `ChaCha8Rng::seed_from_u64(seed)` with stream `4 * rank + purpose`, so rank
 //! `r`'s data depends only on `(seed, r)` and the shapes — not on `R` or on generation order —
 //! and changing `H` leaves the routing alone. Only raw `u32`/`u64` draws are used (ChaCha's output
-//! is specified); integers in a range use Lemire's multiply-and-reject, normals the polar
-//! Box–Muller method with a logarithm written here from IEEE `+ - * /` and `sqrt` only, and
+//! is specified); integers in a range use Lemire's multiply-and-reject, normals the ziggurat
+//! (tables and tests from a logarithm and an exponential written here from IEEE `+ - * /` and
+//! `sqrt` only), and
 //! Zipf weights `exp(-S ln(i + 1))` from that logarithm and an exponential written the same way,
 //! so no platform `libm` can change a bit. The Zipf popularity order uses its own stream
 //! (`u64::MAX`), which depends on the seed alone.
@@ -461,29 +462,97 @@ fn unit_f64(rng: &mut impl RngCore) -> f64 {
     (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
-/// Standard normal samples by the polar Box–Muller method (pairs; the second is kept).
+/// Standard normal samples by Marsaglia and Tsang's ziggurat (128 layers, "The Ziggurat Method
+/// for Generating Random Variables", 2000): one `u64` draw per sample almost always — its low 7
+/// bits pick the layer, its high 32 bits (signed) the point — with the wedge and tail tests in
+/// the rare rest. The layer tables come from the paper's recurrence evaluated with the portable
+/// `ln`/`exp` below and IEEE `sqrt`, so every machine draws the same values.
 struct Normal<R> {
     rng: R,
-    spare: Option<f64>,
+    t: &'static Ziggurat,
+}
+
+/// The ziggurat's layer tables: `k[i]` the fast-path bound on `|hz|`, `w[i]` the scale from
+/// `hz` to `x`, `f[i] = exp(-x_i² / 2)`.
+struct Ziggurat {
+    k: [u32; 128],
+    w: [f64; 128],
+    f: [f64; 128],
+}
+
+/// The rightmost layer's edge and the common layer area of the 128-layer ziggurat.
+const ZIG_R: f64 = 3.442_619_855_899;
+const ZIG_V: f64 = 9.912_563_035_262_17e-3;
+
+impl Ziggurat {
+    fn get() -> &'static Ziggurat {
+        static T: std::sync::OnceLock<Ziggurat> = std::sync::OnceLock::new();
+        T.get_or_init(Self::build)
+    }
+
+    fn build() -> Self {
+        let m1 = 2_147_483_648.0f64;
+        let (mut dn, mut tn) = (ZIG_R, ZIG_R);
+        let q = ZIG_V / portable_exp(-0.5 * dn * dn);
+        let mut t = Ziggurat {
+            k: [0; 128],
+            w: [0.0; 128],
+            f: [0.0; 128],
+        };
+        t.k[0] = ((dn / q) * m1) as u32;
+        t.k[1] = 0;
+        t.w[0] = q / m1;
+        t.w[127] = dn / m1;
+        t.f[0] = 1.0;
+        t.f[127] = portable_exp(-0.5 * dn * dn);
+        for i in (1..=126).rev() {
+            dn = (-2.0 * portable_ln(ZIG_V / dn + portable_exp(-0.5 * dn * dn))).sqrt();
+            t.k[i + 1] = ((dn / tn) * m1) as u32;
+            tn = dn;
+            t.f[i] = portable_exp(-0.5 * dn * dn);
+            t.w[i] = dn / m1;
+        }
+        t
+    }
 }
 
 impl<R: RngCore> Normal<R> {
     fn new(rng: R) -> Self {
-        Self { rng, spare: None }
+        Self {
+            rng,
+            t: Ziggurat::get(),
+        }
+    }
+
+    /// Uniform in `(0, 1]` with 53 bits (never zero, so its logarithm is finite).
+    fn unit_open(&mut self) -> f64 {
+        ((self.rng.next_u64() >> 11) + 1) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
     fn sample(&mut self) -> f64 {
-        if let Some(z) = self.spare.take() {
-            return z;
-        }
+        let t = self.t;
         loop {
-            let u = 2.0 * unit_f64(&mut self.rng) - 1.0;
-            let v = 2.0 * unit_f64(&mut self.rng) - 1.0;
-            let s = u * u + v * v;
-            if s > 0.0 && s < 1.0 {
-                let f = (-2.0 * portable_ln(s) / s).sqrt();
-                self.spare = Some(v * f);
-                return u * f;
+            let u = self.rng.next_u64();
+            let i = (u & 127) as usize;
+            let hz = (u >> 32) as u32 as i32;
+            let x = f64::from(hz) * t.w[i];
+            if hz.unsigned_abs() < t.k[i] {
+                return x;
+            }
+            if i == 0 {
+                // The tail beyond ZIG_R (Marsaglia's exponential method).
+                loop {
+                    let xt = -portable_ln(self.unit_open()) / ZIG_R;
+                    let y = -portable_ln(self.unit_open());
+                    if y + y >= xt * xt {
+                        return if hz > 0 { ZIG_R + xt } else { -ZIG_R - xt };
+                    }
+                }
+            }
+            // The wedge between layers i and i - 1.
+            if t.f[i] + unit_f64(&mut self.rng) * (t.f[i - 1] - t.f[i]) < portable_exp(-0.5 * x * x)
+            {
+                return x;
             }
         }
     }
@@ -662,5 +731,27 @@ mod tests {
         let var = s2 / k as f64 - mean * mean;
         assert!(mean.abs() < 0.01, "mean {mean}");
         assert!((var - 1.0).abs() < 0.02, "var {var}");
+    }
+
+    /// The ziggurat's shape: the fourth moment, the mass within one sigma, and the tail beyond
+    /// the last layer (where the exponential method takes over) match the normal law.
+    #[test]
+    fn normal_shape_and_tail() {
+        let mut n = Normal::new(ChaCha8Rng::seed_from_u64(11));
+        let k = 2_000_000;
+        let (mut s4, mut inside, mut tail, mut neg) = (0.0, 0usize, 0usize, 0usize);
+        for _ in 0..k {
+            let z = n.sample();
+            s4 += z * z * z * z;
+            inside += usize::from(z.abs() < 1.0);
+            tail += usize::from(z.abs() > ZIG_R);
+            neg += usize::from(z < 0.0);
+        }
+        let kf = k as f64;
+        assert!((s4 / kf - 3.0).abs() < 0.05, "E[z^4] {}", s4 / kf);
+        assert!((inside as f64 / kf - 0.682_689).abs() < 0.002, "P(|z|<1)");
+        // P(|z| > 3.4426) = 5.76e-4: about 1152 of 2e6, sd about 34.
+        assert!((1000..1300).contains(&tail), "tail {tail}");
+        assert!((neg as f64 / kf - 0.5).abs() < 0.002, "P(z<0)");
     }
 }

@@ -411,5 +411,5 @@ fn golden_digests() {
     assert_eq!(lld(&run).total.to_string(), GOLDEN_LL);
 }
 
-const GOLDEN_NORMAL: &str = "e32be31f2b7a80fc41f4568f4864ced4208054069d234869ec69a41179eee7d1";
-const GOLDEN_LL: &str = "2dfc429e2da094d1b49dd76e7d0039f825ae15681266040cb0e06f82b74b12b6";
+const GOLDEN_NORMAL: &str = "13cf3e9a93f74278a0290220b80c655f9eab4c239c58473b51e1c5fbe1cb438f";
+const GOLDEN_LL: &str = "fb8064ec0ca2361b6da2c70a6c61c4924ff95f60654bacf2a23cd73d4506c11f";

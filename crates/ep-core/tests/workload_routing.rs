@@ -265,5 +265,5 @@ fn golden_digests() {
     }
 }
 
-const GOLDEN_ZIPF: u64 = 0xc9bd_c00c_a055_d8f4;
-const GOLDEN_HOT: u64 = 0xeb9a_a72f_3610_52f7;
+const GOLDEN_ZIPF: u64 = 0x9235_e2b9_7254_e044;
+const GOLDEN_HOT: u64 = 0xca74_e0db_5bcc_580f;
