@@ -83,6 +83,21 @@ impl<T> Tensor2<T> {
     }
 }
 
+impl Tensor2<half::bf16> {
+    /// `[rows, cols]` of BF16 `+0`, from zeroed memory: the allocator may hand out fresh pages
+    /// untouched (the writer faults them in, on its own thread), where `filled` writes every
+    /// element first.
+    #[must_use]
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        use half::vec::HalfBitsVecExt;
+        Self {
+            rows,
+            cols,
+            data: vec![0u16; rows * cols].reinterpret_into(),
+        }
+    }
+}
+
 impl<T: Clone> Tensor2<T> {
     /// `[rows, cols]` filled with `value`.
     pub fn filled(rows: usize, cols: usize, value: T) -> Self {

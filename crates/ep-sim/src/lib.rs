@@ -238,7 +238,7 @@ impl Transport for Sim {
         self.world.recover(&team.ranks)
     }
 
-    fn read_local(&mut self, rank: usize, addr: SymAddr, out: &mut [u8]) -> ep_core::Result<()> {
+    fn read_local(&self, rank: usize, addr: SymAddr, out: &mut [u8]) -> ep_core::Result<()> {
         self.world.host_read_into(rank, addr.0, out)
     }
 

@@ -143,6 +143,17 @@ impl Heap {
         });
     }
 
+    /// Reads bytes without materialising pages (an untouched page reads as the zeros it would be
+    /// created with): the host's shared read between phases.
+    pub(crate) fn read_shared(&self, addr: u64, out: &mut [u8]) {
+        Self::pieces(addr, out.len() as u64, |p, off, n, at| {
+            match self.pages.get(&p) {
+                Some(page) => out[at..at + n].copy_from_slice(&page.data[off..off + n]),
+                None => out[at..at + n].fill(0),
+            }
+        });
+    }
+
     /// Reads a little-endian u64.
     pub(crate) fn read_u64(&mut self, addr: u64) -> u64 {
         let mut b = [0u8; 8];

@@ -588,7 +588,7 @@ impl ThreadSim {
     }
 
     /// Host read into a caller's buffer (no allocation).
-    pub fn host_read_into(&mut self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()> {
+    pub fn host_read_into(&self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()> {
         let seg = self.sh.seg(rank, addr.0, out.len() as u64, "host read")?;
         self.sh.ranks[rank].mem.read(seg, addr.0, out);
         Ok(())
@@ -649,7 +649,7 @@ impl Transport for ThreadSim {
         Ok(()) // every operation completed when it returned
     }
 
-    fn read_local(&mut self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()> {
+    fn read_local(&self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()> {
         self.host_read_into(rank, addr, out)
     }
 

@@ -399,13 +399,13 @@ impl World {
     }
 
     pub(crate) fn host_read_into(
-        &mut self,
+        &self,
         rank: usize,
         addr: u64,
         out: &mut [u8],
     ) -> Result<(), Error> {
         self.check_bounds(rank, addr, out.len() as u64, "host read")?;
-        self.heaps[rank].read(addr, out);
+        self.heaps[rank].read_shared(addr, out);
         Ok(())
     }
 

@@ -32,7 +32,7 @@ impl Backend {
 }
 
 /// A transport whose phases' traffic is recorded.
-pub(crate) trait Recorded: Transport {
+pub(crate) trait Recorded: Transport + Sync {
     /// Every phase run so far, in order.
     fn phase_records(&self) -> &[PhaseRecord];
 }

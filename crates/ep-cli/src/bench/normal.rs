@@ -102,7 +102,7 @@ pub(crate) fn run<T: Recorded>(
     t = tl.lap("oracle dispatch", t);
     p.progress.done();
     p.progress.step("oracle: combine");
-    let ref_combine = combine_reference(&w.inputs, &narrow, &reference, &sources, e, &mut checks)?;
+    let ref_combine = combine_reference(&narrow, &reference, &sources, e, &mut checks)?;
     t = tl.lap("oracle combine", t);
     p.progress.done();
 
@@ -158,9 +158,9 @@ pub(crate) fn run<T: Recorded>(
             )?
         };
         t = Instant::now();
-        check_combine(&step.combined, &ref_combine, negated, it, &mut checks);
+        check_combine(&step.combined, &ref_combine, &w.inputs, it, &mut checks)?;
         checks.iterations += 1;
-        t = tl.lap("verification", t);
+        t = tl.lap("combine verification", t);
         if it == 0 {
             digest = Some(
                 step.digest
@@ -278,7 +278,7 @@ fn iteration_in_place<T: Recorded>(
         .zip(reference)
         .map(|(g, o)| o.handle.num_recv_tokens.min(g.num_rows))
         .collect();
-    let (bad, streams) = scan_rows(buf, &rows, sources, &w.inputs, it == 0)
+    let (bad, streams) = scan_rows(&*buf, &rows, sources, &w.inputs, it == 0)
         .map_err(|x| BenchError::call("reading the received rows", it, x))?;
     for (d, b) in bad.into_iter().enumerate() {
         if let Some((j, s, tok)) = b {
@@ -287,7 +287,7 @@ fn iteration_in_place<T: Recorded>(
             ));
         }
     }
-    t = tl.lap("verification", t);
+    t = tl.lap("dispatch verification", t);
     let handles: Vec<IntranodeHandle> = got.iter().map(|d| d.handle.clone()).collect();
     let no_bias: Vec<&[Tensor2<bf16>]> = vec![&[]; r];
     let combined = buf
@@ -407,79 +407,77 @@ fn iteration_owned<T: Recorded>(
 /// The first row of each rank that differs from its source: `(row, source rank, token)`.
 type FirstBad = Vec<Option<(usize, usize, usize)>>;
 
-/// Rows of a chunk handed to a rank's worker.
-const SCAN_CHUNK_ROWS: usize = 64;
+/// Rows read from the arena at a time (a chunk stays in the core's cache while it is checked).
+const SCAN_CHUNK_ROWS: usize = 32;
 
-/// Reads rows `[0, rows[d])` of every rank's `recv_x` from the arena on this thread (the buffer
-/// is not shared), a chunk per rank in turn, and checks each row against its source row on one
-/// worker thread per rank, which also digests the rows (`digest`, BF16 rows only) — so the
-/// checks and the hashing run on every core while the arena is read once.
+/// Reads rows `[0, rows[d])` of every rank's `recv_x` from the arena, a chunk at a time, and
+/// checks each row against its source row — one rank per task on every core — digesting the
+/// rows as they pass when `digest` (BF16 rows, first iteration).
 fn scan_rows<T: Recorded>(
-    buf: &mut Buffer<T>,
+    buf: &Buffer<T>,
     rows: &[usize],
     sources: &Sources,
     inputs: &[RankInputs],
     digest: bool,
 ) -> Result<(FirstBad, Option<Vec<ep_core::digest::NormalRankStream>>), ep_core::Error> {
-    use std::sync::mpsc::sync_channel;
+    type Scan = (
+        usize,
+        Option<(usize, usize, usize)>,
+        Option<ep_core::digest::NormalRankStream>,
+    );
     let h = inputs[0].x.hidden();
-    std::thread::scope(|sc| {
-        let mut senders = Vec::with_capacity(rows.len());
-        let mut workers = Vec::with_capacity(rows.len());
-        for (d, &n) in rows.iter().enumerate() {
-            // (first row, record bytes, concatenated records)
-            let (tx, rx) = sync_channel::<(usize, usize, Vec<u8>)>(2);
-            senders.push(tx);
-            let src = &sources[d];
-            workers.push(sc.spawn(move || {
-                let mut stream = digest.then(|| ep_core::digest::NormalRankStream::bf16(d, n, h));
-                let mut bad = None;
-                for (first, rec_len, recs) in rx {
-                    for (i, rec) in recs.chunks_exact(rec_len.max(1)).enumerate() {
-                        let j = first + i;
-                        let (s, t) = src[j];
-                        if bad.is_none() && !record_is_row(rec, &inputs[s].x, t) {
-                            bad = Some((j, s, t));
+    let r = rows.len();
+    let next = AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, r.max(1));
+    let parts: Vec<Result<Vec<Scan>, ep_core::Error>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut mine = Vec::new();
+                    let mut chunk = Vec::new();
+                    loop {
+                        let d = next.fetch_add(1, Ordering::Relaxed);
+                        if d >= r {
+                            break;
                         }
-                        if let Some(st) = &mut stream {
-                            st.row(rec);
+                        let n = rows[d];
+                        let mut stream =
+                            digest.then(|| ep_core::digest::NormalRankStream::bf16(d, n, h));
+                        let mut bad = None;
+                        for c0 in (0..n).step_by(SCAN_CHUNK_ROWS) {
+                            let m = SCAN_CHUNK_ROWS.min(n - c0);
+                            let len = buf.read_recv_records(d, c0..c0 + m, &mut chunk)?;
+                            for (i, rec) in chunk.chunks_exact(len.max(1)).enumerate() {
+                                let j = c0 + i;
+                                let (s, t) = sources[d][j];
+                                if bad.is_none() && !record_is_row(rec, &inputs[s].x, t) {
+                                    bad = Some((j, s, t));
+                                }
+                                if let Some(st) = &mut stream {
+                                    st.row(rec);
+                                }
+                            }
                         }
+                        mine.push((d, bad, stream));
                     }
-                }
-                (bad, stream)
-            }));
-        }
-        let mut res = Ok(());
-        let most = rows.iter().copied().max().unwrap_or(0);
-        'read: for c0 in (0..most).step_by(SCAN_CHUNK_ROWS) {
-            for (d, &n) in rows.iter().enumerate() {
-                if c0 >= n {
-                    continue;
-                }
-                let mut recs = Vec::new();
-                let rec_len =
-                    match buf.read_recv_records(d, c0..n.min(c0 + SCAN_CHUNK_ROWS), &mut recs) {
-                        Ok(l) => l,
-                        Err(e) => {
-                            res = Err(e);
-                            break 'read;
-                        }
-                    };
-                if senders[d].send((c0, rec_len, recs)).is_err() {
-                    break 'read;
-                }
-            }
-        }
-        drop(senders);
-        let mut bad = Vec::with_capacity(rows.len());
-        let mut streams = Vec::with_capacity(rows.len());
-        for w in workers {
-            let (b, st) = w.join().expect("row checks do not panic");
-            bad.push(b);
-            streams.extend(st);
-        }
-        res.map(|()| (bad, digest.then_some(streams)))
-    })
+                    Ok(mine)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("row checks do not panic"))
+            .collect()
+    });
+    let mut all = Vec::with_capacity(r);
+    for p in parts {
+        all.extend(p?);
+    }
+    all.sort_by_key(|x| x.0);
+    let bad = all.iter().map(|x| x.1).collect();
+    let streams = digest.then(|| all.into_iter().filter_map(|x| x.2).collect());
+    Ok((bad, streams))
 }
 
 /// Whether dispatch record `rec` (docs/protocol.md §2.1) carries row `t` of `x`: its x bytes
@@ -737,20 +735,36 @@ fn dequantized(
     Tensor2::new(rows, w, data).map_err(|e| BenchError::reference("expert outputs", e))
 }
 
-/// The combine reference of the identity expert (module docs): the oracle's combine on the
-/// narrowed rows gives the first columns and the weights; every column follows from the
-/// oracle's definition, `bf16(0 + 0 + Σ_{d ascending} f32(y_d[j_d(t)]))`, where every reached
-/// rank's row is the token's own row `y(x[t])`, so the sum is `n_t` additions of the same value
-/// in f32. The first columns of that closed form must equal the oracle's, or the reference is
-/// refused. Computed on all cores, one rank per task.
+/// The combine reference of the identity expert (module docs): with the identity expert every
+/// rank a token reached returns the token's own row `y = y(x[t])`, so the oracle's definition
+/// `bf16(0 + 0 + Σ_{d ascending} f32(y_d[j_d(t)]))` is `n_t` f32 additions of the same BF16
+/// value — each partial sum `k·y` is exact (a BF16 value has 8 significant bits, `k ≤ R ≤ 1024`
+/// adds at most 10), so the element is `bf16(0 + n_t·f32(y))` ([`closed_form`]). The oracle's
+/// combine on the narrowed rows gives the weights and the first columns, which the closed form
+/// must reproduce bit for bit, or the reference is refused. Every later iteration's
+/// `combined_x` is compared with the closed form of that iteration's inputs, all columns.
+struct CombineRef {
+    /// `n_t`: the ranks each token reached, per rank.
+    reached: Vec<Vec<u32>>,
+    /// The oracle's combined weights, per rank.
+    weights: Vec<Option<Tensor2<f32>>>,
+}
+
+/// `bf16(0 + n·f32(y))` (see [`CombineRef`]); `+0` when no rank was reached.
+fn closed_form(n: u32, y: bf16) -> bf16 {
+    if n == 0 {
+        return bf16::ZERO;
+    }
+    bf16::from_f32(0.0 + n as f32 * y.to_f32())
+}
+
 fn combine_reference(
-    inputs: &[RankInputs],
     narrow: &[RankInputs],
     reference: &[IntranodeDispatch],
     sources: &Sources,
     e: usize,
     checks: &mut Checks,
-) -> Result<Vec<CombineOutput>, BenchError> {
+) -> Result<CombineRef, BenchError> {
     let w = narrow[0].x.hidden();
     let ys = sources
         .iter()
@@ -774,79 +788,33 @@ fn combine_reference(
     let oracle = oracle::normal::intranode_combine(narrow, e, &args)
         .map_err(|x| BenchError::reference("oracle combine", x))?;
     drop(args);
-
-    let r = inputs.len();
-    let h = inputs[0].x.hidden();
-    let next = AtomicUsize::new(0);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .clamp(1, r.max(1));
-    type Part = Result<Vec<(usize, Tensor2<bf16>)>, BenchError>;
-    let parts: Vec<Part> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..threads)
-            .map(|_| {
-                sc.spawn(|| {
-                    let mut mine = Vec::new();
-                    let mut acc = vec![0f32; h];
-                    loop {
-                        let s = next.fetch_add(1, Ordering::Relaxed);
-                        if s >= r {
-                            break;
-                        }
-                        // The ranks token t reached, by the oracle's is_token_in_rank.
-                        let itr = &reference[s].handle.is_token_in_rank;
-                        let t_s = inputs[s].num_tokens();
-                        let mut out = Vec::with_capacity(t_s * h);
-                        for t in 0..t_s {
-                            let n = itr.row(t).iter().filter(|&&b| b).count();
-                            let y = row_block(&inputs[s].x, t, 0..h)?;
-                            // f32(b0) + f32(b1) with no bias.
-                            acc.iter_mut().for_each(|a| *a = 0.0);
-                            for _ in 0..n {
-                                for (a, v) in acc.iter_mut().zip(&y) {
-                                    *a += v.to_f32();
-                                }
-                            }
-                            out.extend(acc.iter().map(|&a| bf16::from_f32(a)));
-                        }
-                        let x = Tensor2::new(t_s, h, out)
-                            .map_err(|x| BenchError::reference("combine reference", x))?;
-                        mine.push((s, x));
-                    }
-                    Ok(mine)
-                })
+    let reached: Vec<Vec<u32>> = reference
+        .iter()
+        .map(|o| {
+            let itr = &o.handle.is_token_in_rank;
+            (0..itr.rows())
+                .map(|t| itr.row(t).iter().filter(|&&b| b).count() as u32)
+                .collect()
+        })
+        .collect();
+    let mut weights = Vec::with_capacity(oracle.len());
+    for (s, o) in oracle.into_iter().enumerate() {
+        let agrees = (0..o.combined_x.rows()).all(|t| {
+            row_block(&narrow[s].x, t, 0..w).is_ok_and(|y| {
+                y.iter()
+                    .zip(o.combined_x.row(t))
+                    .all(|(&y, b)| closed_form(reached[s][t], y).to_bits() == b.to_bits())
             })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("the combine reference does not panic"))
-            .collect()
-    });
-    let mut full: Vec<Option<Tensor2<bf16>>> = (0..r).map(|_| None).collect();
-    for part in parts {
-        for (s, x) in part? {
-            full[s] = Some(x);
-        }
-    }
-    let mut out = Vec::with_capacity(r);
-    for (s, (x, o)) in full.into_iter().zip(oracle).enumerate() {
-        let x = x.ok_or_else(|| BenchError::Usage(format!("rank {s} has no reference")))?;
-        let agrees = (0..x.rows()).all(|t| {
-            x.row(t)[..w]
-                .iter()
-                .zip(o.combined_x.row(t))
-                .all(|(a, b)| a.to_bits() == b.to_bits())
         });
         if !agrees {
             checks.fail(format!(
-                "reference: rank {s}: the closed-form combine disagrees with the oracle's on the                  first {w} columns"
+                "reference: rank {s}: the closed-form combine disagrees with the oracle's on the \
+                 first {w} columns"
             ));
         }
-        out.push(CombineOutput {
-            combined_x: x,
-            combined_topk_weights: o.combined_topk_weights,
-        });
+        weights.push(o.combined_topk_weights);
     }
-    Ok(out)
+    Ok(CombineRef { reached, weights })
 }
 
 /// Columns `cols` of row `t` through the identity expert (BF16; FP8 dequantised).
@@ -868,51 +836,97 @@ fn row_block(
     })
 }
 
-/// Compares one iteration's combine with the reference: `combined_x` bit for bit (negated when
-/// the inputs are; a zero stays `+0`), the weights bit for bit.
+/// Compares one iteration's combine with the reference: `combined_x` bit for bit with the
+/// closed form of this iteration's inputs ([`CombineRef`]), the weights bit for bit with the
+/// oracle's. Ranks are checked on all cores.
 fn check_combine(
     got: &[CombineOutput],
-    reference: &[CombineOutput],
-    negated: bool,
+    reference: &CombineRef,
+    inputs: &[RankInputs],
     it: usize,
     checks: &mut Checks,
-) {
-    for (s, (g, o)) in got.iter().zip(reference).enumerate() {
-        if g.combined_x.shape() != o.combined_x.shape() {
-            checks.fail(format!(
-                "iteration {it}: rank {s}: combined_x shape differs"
-            ));
-            continue;
-        }
-        let a: &[u16] = g.combined_x.data().reinterpret_cast();
-        let b: &[u16] = o.combined_x.data().reinterpret_cast();
-        let flip = if negated { 0x8000u16 } else { 0 };
-        let ok = a.iter().zip(b).all(|(&x, &y)| {
-            let want = if y & 0x7fff == 0 { y } else { y ^ flip };
-            x == want
-        });
-        if !ok {
-            let i = a
-                .iter()
-                .zip(b)
-                .position(|(&x, &y)| x != if y & 0x7fff == 0 { y } else { y ^ flip })
-                .unwrap_or(0);
-            let cols = o.combined_x.cols().max(1);
-            checks.fail(format!(
-                "iteration {it}: rank {s}: combined_x[{}][{}] differs from the oracle",
-                i / cols,
-                i % cols
-            ));
-        }
-        let w_ok = match (&g.combined_topk_weights, &o.combined_topk_weights) {
-            (Some(a), Some(b)) => a.shape() == b.shape() && same_f32(a, b, a.rows()),
-            (None, None) => true,
-            _ => false,
-        };
-        if !w_ok {
-            checks.fail(format!(
-                "iteration {it}: rank {s}: combined_topk_weights differ from the oracle"
-            ));
+) -> Result<(), BenchError> {
+    let r = got.len().min(inputs.len());
+    let next = AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, r.max(1));
+    let found: Vec<Result<Vec<String>, BenchError>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut bad = Vec::new();
+                    loop {
+                        let s = next.fetch_add(1, Ordering::Relaxed);
+                        if s >= r {
+                            break;
+                        }
+                        if let Some(m) = check_combine_rank(s, &got[s], reference, &inputs[s], it)?
+                        {
+                            bad.push(m);
+                        }
+                    }
+                    Ok(bad)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("combine checks do not panic"))
+            .collect()
+    });
+    for f in found {
+        for m in f? {
+            checks.fail(m);
         }
     }
+    Ok(())
+}
+
+/// [`check_combine`] of rank `s`: the first mismatch, if any.
+fn check_combine_rank(
+    s: usize,
+    g: &CombineOutput,
+    reference: &CombineRef,
+    input: &RankInputs,
+    it: usize,
+) -> Result<Option<String>, BenchError> {
+    let (t_s, h) = (input.num_tokens(), input.x.hidden());
+    if g.combined_x.shape() != (t_s, h) {
+        return Ok(Some(format!(
+            "iteration {it}: rank {s}: combined_x shape {:?}, expected {:?}",
+            g.combined_x.shape(),
+            (t_s, h)
+        )));
+    }
+    for t in 0..t_s {
+        let n = reference.reached[s][t];
+        let row = g.combined_x.row(t);
+        let ok = match &input.x {
+            Activations::Bf16(x) => row.iter().zip(x.row(t)).fold(true, |ok, (a, &y)| {
+                ok & (a.to_bits() == closed_form(n, y).to_bits())
+            }),
+            Activations::Fp8 { .. } => row_block(&input.x, t, 0..h)?
+                .iter()
+                .zip(row)
+                .all(|(&y, a)| a.to_bits() == closed_form(n, y).to_bits()),
+        };
+        if !ok {
+            let c = (0..h)
+                .find(|&c| {
+                    row_block(&input.x, t, c..c + 1)
+                        .is_ok_and(|y| row[c].to_bits() != closed_form(n, y[0]).to_bits())
+                })
+                .unwrap_or(0);
+            return Ok(Some(format!(
+                "iteration {it}: rank {s}: combined_x[{t}][{c}] differs from the oracle"
+            )));
+        }
+    }
+    let w_ok = match (&g.combined_topk_weights, &reference.weights[s]) {
+        (Some(a), Some(b)) => a.shape() == b.shape() && same_f32(a, b, a.rows()),
+        (None, None) => true,
+        _ => false,
+    };
+    Ok((!w_ok)
+        .then(|| format!("iteration {it}: rank {s}: combined_topk_weights differ from the oracle")))
 }

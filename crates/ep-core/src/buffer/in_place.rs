@@ -112,7 +112,7 @@ impl<T: Transport> Buffer<T> {
     /// `out` (resized to fit; one host read) and returns the record length: record `i` of `out`
     /// is row `rows.start + i`, laid out as [`Buffer::visit_recv_rows`] describes.
     pub fn read_recv_records(
-        &mut self,
+        &self,
         rank: usize,
         rows: std::ops::Range<usize>,
         out: &mut Vec<u8>,

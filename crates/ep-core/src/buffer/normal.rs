@@ -404,7 +404,7 @@ impl<T: Transport> Buffer<T> {
         // Each reducer writes its channel's rows (a contiguous token range) in place.
         let mut xs: Vec<Tensor2<bf16>> = num_tokens
             .iter()
-            .map(|&t| Tensor2::filled(t, hidden, bf16::ZERO))
+            .map(|&t| Tensor2::zeros(t, hidden))
             .collect();
         let mut ws: Vec<Tensor2<f32>> = num_tokens
             .iter()

@@ -390,7 +390,7 @@ fn dispatch_recv(
     let s_count = h / fp8::FP8_BLOCK;
     let packs = s_count.div_ceil(fp8::UE8M0_PER_PACK);
     let mut recv_x = match (rows.use_fp8, rows.use_ue8m0) {
-        (false, _) => LlRecvX::Bf16(vec![Tensor2::filled(n_rows, h, bf16::ZERO); l_count]),
+        (false, _) => LlRecvX::Bf16((0..l_count).map(|_| Tensor2::zeros(n_rows, h)).collect()),
         (true, false) => LlRecvX::Fp8 {
             data: vec![Tensor2::filled(n_rows, h, 0u8); l_count],
             scales: vec![Tensor2::filled(n_rows, s_count, 0f32); l_count],
@@ -713,7 +713,7 @@ fn combine_recv(
             ctx.load(s, op.at(arena, lay.crecv(d, 0)), &mut parts[d])?;
         }
     }
-    let mut out = Tensor2::filled(t_count, h, bf16::ZERO);
+    let mut out = Tensor2::zeros(t_count, h);
     let mut acc = vec![0f32; h];
     let mut p = vec![bf16::ZERO; h];
     let mut slot = vec![0usize; r];

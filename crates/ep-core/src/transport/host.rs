@@ -207,8 +207,9 @@ pub trait Transport {
     /// Host read of `rank`'s own symmetric memory between phases (a `cudaMemcpy` from the
     /// device after the stream's last kernel): fills `out` from `addr`. Used by calls whose
     /// outputs stay in the arena (docs/protocol.md §2.6). Fails with a typed error naming the
-    /// rank when `[addr, addr + out.len())` is outside every allocation.
-    fn read_local(&mut self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()>;
+    /// rank when `[addr, addr + out.len())` is outside every allocation. Takes `&self`: reads
+    /// of different ranks may run on several host threads at once.
+    fn read_local(&self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()>;
 
     /// Host write into `rank`'s own symmetric memory between phases (a `cudaMemcpy` to the
     /// device before the next kernel): defined bytes, visible to every agent of later phases.
