@@ -264,3 +264,82 @@ fn threads_mode_equals_plan() {
         assert_eq!(got.outputs, dispatch(&inputs, &p).unwrap());
     }
 }
+
+/// Threads mode lends its pages to `Buffer::scan_recv_rows` (no copy): records that straddle
+/// its 256 KiB pages are joined, and every row read in place equals the copying read and the
+/// plan's `recv_x`, on several host threads at once.
+#[test]
+fn threads_mode_scans_rows_in_place_across_pages() {
+    let (r, n, h, k) = (2, 64, 2048, 4);
+    let mut cfg = BufferConfig::new(r);
+    cfg.num_nvl_bytes = Buffer::<Sim>::normal_size_hint(r, r * n, h, 2, k).div_ceil(128) * 128;
+    let ts =
+        ep_rs::sim::ThreadSim::new(fabric(r, 1 << 20, 2, 2), std::time::Duration::from_secs(20));
+    let mut buf = Buffer::new(ts, cfg).unwrap();
+    let g = Gen {
+        num_ranks: r,
+        max_tokens: n,
+        num_experts: 8,
+        num_topk: k,
+        hidden: h,
+        fp8: false,
+        mask: 0.0,
+        full: true,
+    };
+    let inputs = gen_inputs(&g, 5, false);
+    let topk: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
+    let layouts = buf.get_dispatch_layout(&topk, g.num_experts).unwrap();
+    let args = NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).unwrap());
+    let opts = DispatchOptions {
+        num_channels: 2,
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        with_topk: true,
+    };
+    let want = intranode_dispatch_all(&inputs, &layouts, g.num_experts, &opts).unwrap();
+    let got = buf
+        .dispatch_in_place(&inputs, &layouts, g.num_experts, &args)
+        .unwrap();
+    let drec = 2 * h + 16 + 16 * (12 * k).div_ceil(16);
+    assert!(
+        got.iter().any(|d| d.num_rows * drec > 256 << 10),
+        "rows span pages"
+    );
+    let scanned: Vec<Vec<u8>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..r)
+            .map(|d| {
+                let (buf, rows) = (&buf, got[d].num_rows);
+                sc.spawn(move || {
+                    let mut out = Vec::new();
+                    let mut next = 0;
+                    buf.scan_recv_rows(d, 0..rows, |j, rec| {
+                        assert_eq!(j, next, "rows in order");
+                        next += 1;
+                        out.extend_from_slice(&rec[..2 * h]);
+                    })
+                    .unwrap();
+                    assert_eq!(next, rows);
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|x| x.join().unwrap()).collect()
+    });
+    for d in 0..r {
+        let ep_rs::core::Activations::Bf16(x) = &want[d].recv_x else {
+            unreachable!("BF16 inputs")
+        };
+        let bytes: Vec<u8> = x
+            .data()
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect();
+        assert_eq!(scanned[d], bytes, "rank {d}");
+        let mut copied = Vec::new();
+        buf.visit_recv_rows(d, 0..got[d].num_rows, |_, rec| {
+            copied.extend_from_slice(&rec[..2 * h]);
+        })
+        .unwrap();
+        assert_eq!(copied, bytes, "rank {d} (copying read)");
+    }
+}

@@ -265,5 +265,5 @@ fn golden_digests() {
     }
 }
 
-const GOLDEN_ZIPF: u64 = 0x9235_e2b9_7254_e044;
-const GOLDEN_HOT: u64 = 0xca74_e0db_5bcc_580f;
+const GOLDEN_ZIPF: u64 = 0x452d_61b1_f812_2fff;
+const GOLDEN_HOT: u64 = 0x116a_cf61_8dd9_22ff;

@@ -653,6 +653,18 @@ impl Transport for ThreadSim {
         self.host_read_into(rank, addr, out)
     }
 
+    fn visit_local(
+        &self,
+        rank: usize,
+        addr: SymAddr,
+        len: u64,
+        f: &mut dyn FnMut(&[u8]),
+    ) -> Result<()> {
+        let seg = self.sh.seg(rank, addr.0, len, "host read")?;
+        self.sh.ranks[rank].mem.visit(seg, addr.0, len, f);
+        Ok(())
+    }
+
     fn write_local(&mut self, rank: usize, addr: SymAddr, bytes: &[u8]) -> Result<()> {
         self.host_write(rank, addr, bytes)
     }

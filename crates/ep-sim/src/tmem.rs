@@ -101,6 +101,23 @@ impl TMem {
         });
     }
 
+    /// Hands `[addr, addr + len)` to `f` page piece by page piece, each under its page's lock
+    /// (an untouched page as zeros), without copying.
+    pub(crate) fn visit(&self, seg: usize, addr: u64, len: u64, f: &mut dyn FnMut(&[u8])) {
+        static ZEROS: [u8; 4096] = [0; 4096];
+        self.pieces(seg, addr, len, |(s, p, o, n), _| {
+            let g = lock(self.page(s, p));
+            match g.as_deref() {
+                Some(d) => f(&d[o..o + n]),
+                None => {
+                    for k in (0..n).step_by(ZEROS.len()) {
+                        f(&ZEROS[..ZEROS.len().min(n - k)]);
+                    }
+                }
+            }
+        });
+    }
+
     /// Reads a little-endian u64 (8-byte aligned words never straddle a page).
     pub(crate) fn read_u64(&self, seg: usize, addr: u64) -> u64 {
         let mut b = [0u8; 8];

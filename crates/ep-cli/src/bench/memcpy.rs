@@ -5,10 +5,10 @@ use std::time::{Duration, Instant};
 
 /// Bytes per copy: larger than the last-level cache of this class of machine (32 MiB per EPYC
 /// core complex), small enough to fault in quickly.
-const BYTES: usize = 64 << 20;
+const BYTES: usize = 128 << 20;
 
 /// The median rate in GB/s (10^9 bytes per second, bytes copied once) of back-to-back copies of
-/// a 64 MiB buffer on this thread, over about `budget` (at least 5 copies, after one warm-up
+/// a 128 MiB buffer on this thread, over about `budget` (at least 5 copies, after one warm-up
 /// copy that also faults the pages in).
 #[must_use]
 pub(crate) fn single_thread_gb_per_s(budget: Duration) -> f64 {

@@ -407,11 +407,8 @@ fn iteration_owned<T: Recorded>(
 /// The first row of each rank that differs from its source: `(row, source rank, token)`.
 type FirstBad = Vec<Option<(usize, usize, usize)>>;
 
-/// Rows read from the arena at a time (a chunk stays in the core's cache while it is checked).
-const SCAN_CHUNK_ROWS: usize = 32;
-
-/// Reads rows `[0, rows[d])` of every rank's `recv_x` from the arena, a chunk at a time, and
-/// checks each row against its source row — one rank per task on every core — digesting the
+/// Reads rows `[0, rows[d])` of every rank's `recv_x` in the arena (in place where the
+/// transport lends its memory, `Buffer::scan_recv_rows`) and checks each row against its source row — one rank per task on every core — digesting the
 /// rows as they pass when `digest` (BF16 rows, first iteration).
 fn scan_rows<T: Recorded>(
     buf: &Buffer<T>,
@@ -436,7 +433,6 @@ fn scan_rows<T: Recorded>(
             .map(|_| {
                 sc.spawn(|| {
                     let mut mine = Vec::new();
-                    let mut chunk = Vec::new();
                     loop {
                         let d = next.fetch_add(1, Ordering::Relaxed);
                         if d >= r {
@@ -446,20 +442,15 @@ fn scan_rows<T: Recorded>(
                         let mut stream =
                             digest.then(|| ep_core::digest::NormalRankStream::bf16(d, n, h));
                         let mut bad = None;
-                        for c0 in (0..n).step_by(SCAN_CHUNK_ROWS) {
-                            let m = SCAN_CHUNK_ROWS.min(n - c0);
-                            let len = buf.read_recv_records(d, c0..c0 + m, &mut chunk)?;
-                            for (i, rec) in chunk.chunks_exact(len.max(1)).enumerate() {
-                                let j = c0 + i;
-                                let (s, t) = sources[d][j];
-                                if bad.is_none() && !record_is_row(rec, &inputs[s].x, t) {
-                                    bad = Some((j, s, t));
-                                }
-                                if let Some(st) = &mut stream {
-                                    st.row(rec);
-                                }
+                        buf.scan_recv_rows(d, 0..n, |j, rec| {
+                            let (s, t) = sources[d][j];
+                            if bad.is_none() && !record_is_row(rec, &inputs[s].x, t) {
+                                bad = Some((j, s, t));
                             }
-                        }
+                            if let Some(st) = &mut stream {
+                                st.row(rec);
+                            }
+                        })?;
                         mine.push((d, bad, stream));
                     }
                     Ok(mine)
@@ -755,7 +746,15 @@ fn closed_form(n: u32, y: bf16) -> bf16 {
     if n == 0 {
         return bf16::ZERO;
     }
-    bf16::from_f32(0.0 + n as f32 * y.to_f32())
+    let f = 0.0 + n as f32 * y.to_f32();
+    let b = f.to_bits();
+    if b & 0x7f80_0000 == 0x7f80_0000 {
+        // Infinities and NaNs: the library's conversion (NaN payloads).
+        return bf16::from_f32(f);
+    }
+    // Round to nearest, ties to even, on the bits (what `bf16::from_f32` does for finite
+    // values; written out so the comparison loop vectorises).
+    bf16::from_bits(((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16)
 }
 
 fn combine_reference(
@@ -902,9 +901,19 @@ fn check_combine_rank(
         let n = reference.reached[s][t];
         let row = g.combined_x.row(t);
         let ok = match &input.x {
-            Activations::Bf16(x) => row.iter().zip(x.row(t)).fold(true, |ok, (a, &y)| {
-                ok & (a.to_bits() == closed_form(n, y).to_bits())
-            }),
+            Activations::Bf16(x) if n > 0 && !x.row(t).iter().any(|v| v.is_nan()) => {
+                // The closed form with the rounding written on the bits, branch-free (exact for
+                // every non-NaN input, infinities included: `closed_form` is the reference).
+                let nf = n as f32;
+                row.iter().zip(x.row(t)).fold(0u16, |acc, (a, &y)| {
+                    let b = (0.0 + nf * y.to_f32()).to_bits();
+                    acc | (a.to_bits() ^ ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16)
+                }) == 0
+            }
+            Activations::Bf16(x) => row
+                .iter()
+                .zip(x.row(t))
+                .all(|(a, &y)| a.to_bits() == closed_form(n, y).to_bits()),
             Activations::Fp8 { .. } => row_block(&input.x, t, 0..h)?
                 .iter()
                 .zip(row)
@@ -929,4 +938,35 @@ fn check_combine_rank(
     };
     Ok((!w_ok)
         .then(|| format!("iteration {it}: rank {s}: combined_topk_weights differ from the oracle")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bit-level rounding of `closed_form` equals the library's `bf16::from_f32` of the
+    /// same sum for every BF16 input and reach count (NaN payloads included).
+    #[test]
+    fn closed_form_rounds_like_the_library() {
+        for n in 0..=64u32 {
+            for bits in 0..=u16::MAX {
+                let y = bf16::from_bits(bits);
+                let want = if n == 0 {
+                    bf16::ZERO
+                } else {
+                    bf16::from_f32(0.0 + n as f32 * y.to_f32())
+                };
+                assert_eq!(
+                    closed_form(n, y).to_bits(),
+                    want.to_bits(),
+                    "n {n} y {bits:#06x}"
+                );
+                if n > 0 && !y.is_nan() {
+                    let b = (0.0 + n as f32 * y.to_f32()).to_bits();
+                    let fast = ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+                    assert_eq!(fast, want.to_bits(), "fast path: n {n} y {bits:#06x}");
+                }
+            }
+        }
+    }
 }

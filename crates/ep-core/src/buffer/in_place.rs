@@ -136,6 +136,56 @@ impl<T: Transport> Buffer<T> {
         Ok(drec)
     }
 
+    /// [`Buffer::visit_recv_rows`] without copying where the transport lends its memory
+    /// ([`Transport::visit_local`]; a record split between two of its pieces is joined in a
+    /// small buffer), and through `&self`, so that several host threads may scan different
+    /// ranks at once.
+    pub fn scan_recv_rows(
+        &self,
+        rank: usize,
+        rows: std::ops::Range<usize>,
+        mut f: impl FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        let st = self.in_place_rows(rank)?;
+        if rows.end > st.rows[rank] || rows.start > rows.end {
+            return Err(Error::ShapeMismatch {
+                what: "rows read from the arena",
+                expected: format!("rows within [0, {}) on rank {rank}", st.rows[rank]),
+                found: format!("[{}, {})", rows.start, rows.end),
+            });
+        }
+        let drec = st.fmt.dispatch_record() as usize;
+        let arena = self.normal_arena()?;
+        let at = arena.data.at(arena
+            .data_layout()
+            .dispatch_row(rows.start as u64, drec as u64));
+        let mut j = rows.start;
+        let mut carry: Vec<u8> = Vec::with_capacity(drec);
+        self.transport.visit_local(
+            rank,
+            at,
+            (rows.len() * drec) as u64,
+            &mut |mut piece: &[u8]| {
+                if !carry.is_empty() {
+                    let take = (drec - carry.len()).min(piece.len());
+                    carry.extend_from_slice(&piece[..take]);
+                    piece = &piece[take..];
+                    if carry.len() == drec {
+                        f(j, &carry);
+                        j += 1;
+                        carry.clear();
+                    }
+                }
+                let whole = piece.len() / drec * drec;
+                for rec in piece[..whole].chunks_exact(drec) {
+                    f(j, rec);
+                    j += 1;
+                }
+                carry.extend_from_slice(&piece[whole..]);
+            },
+        )
+    }
+
     /// Calls `f(j, record)` for each row `j` in `rows` of `rank`'s `recv_x` left in the arena:
     /// `record` starts with the row's x bytes (BF16 little-endian bits, or e4m3 bytes followed
     /// at `RowFormat::scales_offset` by the f32 scales), as docs/protocol.md §2.1 lays out a

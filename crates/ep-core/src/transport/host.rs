@@ -211,6 +211,29 @@ pub trait Transport {
     /// of different ranks may run on several host threads at once.
     fn read_local(&self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()>;
 
+    /// Hands `[addr, addr + len)` of `rank`'s own symmetric memory to `f` between phases, as
+    /// consecutive pieces in address order (their lengths sum to `len`), without copying where
+    /// the backend can lend its memory. The default copies 1 MiB at a time through
+    /// [`Transport::read_local`]. `f` must not call back into the transport (a lending backend
+    /// may hold a lock on the piece while `f` runs).
+    fn visit_local(
+        &self,
+        rank: usize,
+        addr: SymAddr,
+        len: u64,
+        f: &mut dyn FnMut(&[u8]),
+    ) -> Result<()> {
+        let mut buf = vec![0u8; len.min(1 << 20) as usize];
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(buf.len() as u64) as usize;
+            self.read_local(rank, SymAddr(addr.0 + done), &mut buf[..n])?;
+            f(&buf[..n]);
+            done += n as u64;
+        }
+        Ok(())
+    }
+
     /// Host write into `rank`'s own symmetric memory between phases (a `cudaMemcpy` to the
     /// device before the next kernel): defined bytes, visible to every agent of later phases.
     fn write_local(&mut self, rank: usize, addr: SymAddr, bytes: &[u8]) -> Result<()>;
