@@ -112,7 +112,7 @@ pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
     let view = outputs.view();
     let digests = view.digest().context("digesting the outputs")?;
     println!(
-        "output digest {} (sha256, canonical format v{})",
+        "output digest {} (blake3, canonical format v{})",
         digests.total,
         digest::FORMAT_VERSION
     );

@@ -1,4 +1,4 @@
-//! Canonical digests of dispatch and combine outputs: one SHA-256 per rank and one over the
+//! Canonical digests of dispatch and combine outputs: one BLAKE3 hash per rank and one over the
 //! run, equal for equal *semantics* (spec §2), whatever backend, machine or legal placement
 //! produced them — the simulator and a GPU run of the same inputs must give the same digest,
 //! run after run (DeepEP's tests compare `hash_tensor` across repeats the same way).
@@ -28,10 +28,14 @@
 //!
 //! Floats are hashed by their bit patterns (BF16 as `u16`, f32 as `u32`), never by value.
 //!
-//! # Byte format, version [`FORMAT_VERSION`] = 1
+//! # Byte format, version [`FORMAT_VERSION`] = 2
 //!
-//! All integers little-endian. A rank digest is SHA-256 of:
-//! 1. the ASCII tag `ep-rs/outputs/v1/`, the mode tag (`normal-intranode` or `low-latency`),
+//! Version 2 is version 1's byte stream under `v2` tags, hashed with BLAKE3 (256-bit output)
+//! instead of SHA-256: three times faster on the same core, which matters when a run digests
+//! gigabytes of received rows.
+//!
+//! All integers little-endian. A rank digest is BLAKE3 of:
+//! 1. the ASCII tag `ep-rs/outputs/v2/`, the mode tag (`normal-intranode` or `low-latency`),
 //!    a `0` byte, the rank as `u64`;
 //! 2. then fields in the order listed above. A field is its name (`u8` length + ASCII bytes),
 //!    then either `0xff` (absent: no top-k, no combine) or its number of dimensions (`u8`), each
@@ -44,7 +48,7 @@
 //!    `u64` row count and per sorted row: `src_info` (`i32`), data length (`u64`) and bytes,
 //!    scale count (`u64`) and one `u32` each.
 //!
-//! The run digest is SHA-256 of `ep-rs/outputs/v1/total/`, the mode tag, a `0` byte, the rank
+//! The run digest is BLAKE3 of `ep-rs/outputs/v2/total/`, the mode tag, a `0` byte, the rank
 //! count as `u64`, and the rank digests' 32 bytes in rank order.
 //!
 //! Any change to this format bumps [`FORMAT_VERSION`] and the tags; the golden digest in
@@ -53,8 +57,6 @@
 use std::fmt;
 
 use half::bf16;
-use sha2::Digest as _;
-use sha2::Sha256;
 
 use crate::error::{Error, Result};
 use crate::plan::combine::CombineOutput;
@@ -64,14 +66,14 @@ use crate::routing::Activations;
 use crate::tensor::Tensor2;
 
 /// Version of the canonical byte format above; recorded next to every digest.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Mode tag of normal-mode intranode outputs.
 const NORMAL: &str = "normal-intranode";
 /// Mode tag of low-latency outputs.
 const LOW_LATENCY: &str = "low-latency";
 
-/// A SHA-256 digest; prints as 64 lowercase hex digits.
+/// A 256-bit BLAKE3 digest; prints as 64 lowercase hex digits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Digest(pub [u8; 32]);
 
@@ -93,10 +95,10 @@ pub struct RunDigest {
     pub total: Digest,
 }
 
-/// Feeds the canonical byte format into SHA-256, through a buffer: elements are encoded into it
+/// Feeds the canonical byte format into BLAKE3, through a buffer: elements are encoded into it
 /// and hashed 64 KiB at a time (one `update` per element costs several times the hashing).
 struct Writer {
-    hash: Sha256,
+    hash: blake3::Hasher,
     buf: Vec<u8>,
 }
 
@@ -106,7 +108,7 @@ const WRITER_BUF: usize = 1 << 16;
 impl Writer {
     fn new(tag: &str, mode: &str, index: u64) -> Self {
         let mut w = Self {
-            hash: Sha256::new(),
+            hash: blake3::Hasher::new(),
             buf: Vec::with_capacity(WRITER_BUF),
         };
         w.bytes(tag.as_bytes());
@@ -194,7 +196,7 @@ impl Writer {
 
     fn finish(mut self) -> Digest {
         self.flush();
-        Digest(self.hash.finalize().into())
+        Digest(*self.hash.finalize().as_bytes())
     }
 }
 
@@ -227,7 +229,7 @@ pub fn normal_rank(
     if rank >= h.rank_prefix_matrix.cols() {
         return Err(Error::RankOutOfRange { rank, num_ranks: r });
     }
-    let mut w = Writer::new("ep-rs/outputs/v1/", NORMAL, rank as u64);
+    let mut w = Writer::new("ep-rs/outputs/v2/", NORMAL, rank as u64);
     match &dispatch.recv_x {
         Activations::Bf16(x) => {
             check_rows(rank, "recv_x", x.rows(), n)?;
@@ -260,7 +262,7 @@ impl NormalRankStream {
     /// digest covers no tail row) of `cols` columns.
     #[must_use]
     pub fn bf16(rank: usize, rows: usize, cols: usize) -> Self {
-        let mut w = Writer::new("ep-rs/outputs/v1/", NORMAL, rank as u64);
+        let mut w = Writer::new("ep-rs/outputs/v2/", NORMAL, rank as u64);
         w.header("recv_x", &[rows, cols]);
         Self {
             rank,
@@ -392,7 +394,7 @@ pub fn low_latency_rank(
     dispatch: Option<&LlDispatchOutput>,
     combined_x: Option<&Tensor2<bf16>>,
 ) -> Result<Digest> {
-    let mut w = Writer::new("ep-rs/outputs/v1/", LOW_LATENCY, rank as u64);
+    let mut w = Writer::new("ep-rs/outputs/v2/", LOW_LATENCY, rank as u64);
     let Some(out) = dispatch else {
         w.absent("masked");
         return Ok(w.finish());
@@ -487,7 +489,7 @@ fn per_rank(n: usize, f: impl Fn(usize) -> Result<Digest> + Sync) -> Result<Vec<
 }
 
 fn total(mode: &str, ranks: Vec<Digest>) -> RunDigest {
-    let mut w = Writer::new("ep-rs/outputs/v1/total/", mode, ranks.len() as u64);
+    let mut w = Writer::new("ep-rs/outputs/v2/total/", mode, ranks.len() as u64);
     for d in &ranks {
         w.bytes(&d.0);
     }

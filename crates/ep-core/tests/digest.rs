@@ -125,7 +125,7 @@ fn lld(run: &LlRun) -> RunDigest {
 
 #[test]
 fn format_version_is_documented() {
-    assert_eq!(FORMAT_VERSION, 1);
+    assert_eq!(FORMAT_VERSION, 2);
 }
 
 #[test]
@@ -411,5 +411,5 @@ fn golden_digests() {
     assert_eq!(lld(&run).total.to_string(), GOLDEN_LL);
 }
 
-const GOLDEN_NORMAL: &str = "13cf3e9a93f74278a0290220b80c655f9eab4c239c58473b51e1c5fbe1cb438f";
-const GOLDEN_LL: &str = "fb8064ec0ca2361b6da2c70a6c61c4924ff95f60654bacf2a23cd73d4506c11f";
+const GOLDEN_NORMAL: &str = "d6ec75f35dd60ecb99c26c11154b959210ec1d29f9c13ddfbd559c541667485d";
+const GOLDEN_LL: &str = "477848661bfb572c594a8c632ac84d88aaecc3055f4b61c785226af9b1e113d8";

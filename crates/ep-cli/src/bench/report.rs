@@ -122,7 +122,7 @@ pub struct PayloadReport {
 /// The canonical digests of the outputs.
 #[derive(Clone, Debug, Serialize)]
 pub struct DigestReport {
-    /// `sha256`.
+    /// `blake3`.
     pub algorithm: String,
     /// `ep_core::digest::FORMAT_VERSION`.
     pub format_version: u32,
@@ -333,7 +333,7 @@ impl Report {
                 memcpy_ratio: if memcpy > 0.0 { gb / memcpy } else { 0.0 },
             },
             digest: DigestReport {
-                algorithm: "sha256".into(),
+                algorithm: "blake3".into(),
                 format_version: ep_core::digest::FORMAT_VERSION,
                 total: result.digest.total.to_string(),
                 ranks: result
@@ -403,7 +403,7 @@ impl Report {
             println!("{tag} {n}");
         }
         println!(
-            "output digest {} (sha256, canonical format v{})",
+            "output digest {} (blake3, canonical format v{})",
             self.digest.total, self.digest.format_version
         );
         if self.verified {

@@ -107,7 +107,7 @@ pub struct RankManifest {
     pub rank: usize,
     /// Low-latency rank masked: no outputs.
     pub masked: bool,
-    /// Canonical digest of its outputs (hex SHA-256).
+    /// Canonical digest of its outputs (hex BLAKE3).
     pub digest: String,
     /// The `.npy` files written for it, relative to its directory.
     pub files: Vec<String>,
@@ -120,7 +120,7 @@ pub struct Manifest {
     pub ep_rs_version: String,
     /// [`ep_core::digest::FORMAT_VERSION`] of the digests.
     pub digest_format_version: u32,
-    /// Hash function of the digests (`sha256`).
+    /// Hash function of the digests (`blake3`).
     pub digest_algorithm: String,
     /// `normal` or `low-latency`.
     pub mode: String,
@@ -129,7 +129,7 @@ pub struct Manifest {
     /// Backend, seed, routing, inputs and options.
     #[serde(flatten)]
     pub run: RunInfo,
-    /// Canonical digest of the whole run (hex SHA-256).
+    /// Canonical digest of the whole run (hex BLAKE3).
     pub digest: String,
     /// Per rank.
     pub ranks: Vec<RankManifest>,
@@ -178,7 +178,7 @@ pub fn dump_outputs(
     let manifest = Manifest {
         ep_rs_version: env!("CARGO_PKG_VERSION").into(),
         digest_format_version: digest::FORMAT_VERSION,
-        digest_algorithm: "sha256".into(),
+        digest_algorithm: "blake3".into(),
         mode: outputs.mode().into(),
         num_ranks: outputs.num_ranks(),
         run: info.clone(),
