@@ -49,7 +49,7 @@ fn report_has_every_field_in_both_modes() {
         let total = digest(&r);
         assert_eq!(total.len(), 64);
         assert_eq!(r["digest"]["ranks"].as_array().unwrap().len(), 4);
-        assert_eq!(r["digest"]["format_version"], 1);
+        assert_eq!(r["digest"]["format_version"], 2);
         assert_eq!(r["verification"]["iterations"], 4, "one warm-up + 3");
         assert_eq!(r["verification"]["mismatches"], 0);
     }

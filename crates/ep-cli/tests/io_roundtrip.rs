@@ -298,7 +298,7 @@ fn dump_outputs_records_run_info_and_digests() {
     let text = std::fs::read_to_string(dir.join(io::MANIFEST)).unwrap();
     for key in [
         "\"ep_rs_version\"",
-        "\"digest_format_version\": 1",
+        "\"digest_format_version\": 2",
         "\"backend\": \"sim\"",
     ] {
         assert!(text.contains(key), "{key} in {text}");

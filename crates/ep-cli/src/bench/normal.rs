@@ -1,22 +1,29 @@
-//! Normal (intranode) mode: `Buffer::dispatch` then `Buffer::combine` with the identity expert
-//! (the expert output of each received row is the row itself, FP8 rows dequantised to BF16), as
-//! DeepEP's `test_intranode.py` (spec §6.2).
+//! Normal (intranode) mode: dispatch then combine with the identity expert (the expert output of
+//! each received row is the row itself, FP8 rows dequantised to BF16), as DeepEP's
+//! `test_intranode.py` (spec §6.2).
 //!
-//! Verification against `oracle::normal`, exact, without materialising a second copy of the
-//! received rows:
+//! BF16 rows stay where the dispatch stored them, in the arena (`Buffer::dispatch_in_place`,
+//! docs/protocol.md §2.6) — the GPU arrangement, where `recv_x` is a view — and the combine
+//! pulls them from there (`Buffer::combine_in_place`); the identity expert writes nothing. So a
+//! call moves the payload once and the run never holds a second copy of the received rows. FP8
+//! rows are copied out (`Buffer::dispatch`), dequantised, and combined from host tensors.
+//!
+//! Verification against `oracle::normal`, exact, every iteration:
 //! - the oracle runs once on the inputs narrowed to their first 128 columns (every index field of
 //!   the outputs is independent of the columns): every output except `recv_x` is compared with
 //!   it whole, and each `recv_x` row, all columns, with the input row the oracle placed there
 //!   (its source rank from `rank_prefix_matrix`, its token from `recv_src_idx`; the oracle's own
-//!   narrowed row is checked against the same input row);
-//! - the combine reference: the oracle's combine on the narrowed rows (first 128 columns and the
-//!   weights), extended to every column by the oracle's own definition — with the identity
-//!   expert every rank a token reached returns the token's row, so each element is `n_t`
-//!   f32 additions of the same value, rounded once — which must agree with the oracle on the
-//!   columns it computed; once, on all cores;
+//!   narrowed row is checked against the same input row) — in the arena, in place where the
+//!   transport lends its memory, one rank per task on every core (`scan_rows`);
+//! - the combine: with the identity expert every rank a token reached returns the token's own
+//!   row, so the oracle's sum is `n_t` exact f32 additions of one BF16 value, i.e. the closed
+//!   form `bf16(0 + n_t·y)` ([`CombineRef`]); it must reproduce the oracle's combine on the
+//!   narrowed rows bit for bit (checked once), and every iteration's `combined_x` is compared
+//!   with the closed form of that iteration's inputs, all columns, on every core; the weights
+//!   with the oracle's;
 //! - iterations alternate the sign of the activations (exact in BF16 and e4m3), so a row left in
-//!   the arena by the previous iteration never passes for this one's; dispatch rows are compared
-//!   with the current inputs, combined rows with the reference negated (zeros stay `+0`).
+//!   the arena by the previous iteration never passes for this one's;
+//! - the first iteration's outputs are digested as they are verified (`NormalRankStream`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
