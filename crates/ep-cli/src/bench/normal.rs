@@ -139,30 +139,18 @@ pub(crate) fn run<T: Recorded>(
         let timed = p.begin_iteration(it, &mut w.inputs, &mut negated);
         let rec0 = buf.transport().phase_records().len();
         tl.lap("inputs", t);
+        let cx = IterCtx {
+            w,
+            layouts: &layouts,
+            args: &args,
+            reference: &reference,
+            sources: &sources,
+            p,
+        };
         let step = if in_place {
-            iteration_in_place(
-                &mut buf,
-                w,
-                &layouts,
-                &args,
-                &reference,
-                &sources,
-                it,
-                &mut checks,
-                p,
-            )?
+            iteration_in_place(&mut buf, &cx, it, &mut checks)?
         } else {
-            iteration_owned(
-                &mut buf,
-                w,
-                &layouts,
-                &args,
-                &reference,
-                &sources,
-                it,
-                &mut checks,
-                p,
-            )?
+            iteration_owned(&mut buf, &cx, it, &mut checks)?
         };
         t = Instant::now();
         check_combine(&step.combined, &ref_combine, &w.inputs, it, &mut checks)?;
@@ -244,6 +232,39 @@ pub(crate) fn run<T: Recorded>(
     })
 }
 
+/// What every iteration of a run shares.
+#[derive(Clone, Copy)]
+struct IterCtx<'a> {
+    w: &'a Workload,
+    layouts: &'a [DispatchLayout],
+    args: &'a NormalDispatchArgs,
+    reference: &'a [IntranodeDispatch],
+    sources: &'a Sources,
+    p: &'a RunParams<'a>,
+}
+
+/// Runs one call, timed alone from `t`: its result, its time in microseconds and the number of
+/// phase records after it; `t` restarts after the call's lap (`"dispatch calls"` or
+/// `"combine calls"` by `what`).
+fn timed_call<T: Recorded, R>(
+    buf: &mut Buffer<T>,
+    t: &mut Instant,
+    tl: &super::Timeline,
+    what: &'static str,
+    it: usize,
+    call: impl FnOnce(&mut Buffer<T>) -> ep_core::Result<R>,
+) -> Result<(R, f64, usize), BenchError> {
+    let out = call(buf).map_err(|x| BenchError::call(what, it, x))?;
+    let us = t.elapsed().as_secs_f64() * 1e6;
+    let lap = if what.ends_with("dispatch") {
+        "dispatch calls"
+    } else {
+        "combine calls"
+    };
+    *t = tl.lap(lap, *t);
+    Ok((out, us, buf.transport().phase_records().len()))
+}
+
 /// What one iteration of dispatch and combine gave.
 struct Step {
     dispatch_us: f64,
@@ -257,35 +278,26 @@ struct Step {
 
 /// Dispatch in place, verification of the rows in the arena, combine in place of those rows
 /// (the identity expert writes nothing).
-#[allow(clippy::too_many_arguments, reason = "one iteration's whole context")]
 fn iteration_in_place<T: Recorded>(
     buf: &mut Buffer<T>,
-    w: &Workload,
-    layouts: &[DispatchLayout],
-    args: &NormalDispatchArgs,
-    reference: &[IntranodeDispatch],
-    sources: &Sources,
+    cx: &IterCtx<'_>,
     it: usize,
     checks: &mut Checks,
-    p: &RunParams<'_>,
 ) -> Result<Step, BenchError> {
+    let (w, p, reference) = (cx.w, cx.p, cx.reference);
     let tl = p.timeline;
-    let e = w.num_experts;
     let r = w.inputs.len();
     let mut t = Instant::now();
-    let got = buf
-        .dispatch_in_place(&w.inputs, layouts, e, args)
-        .map_err(|x| BenchError::call("normal dispatch", it, x))?;
-    let dispatch_us = t.elapsed().as_secs_f64() * 1e6;
-    t = tl.lap("dispatch calls", t);
-    let rec1 = buf.transport().phase_records().len();
+    let (got, dispatch_us, rec1) = timed_call(buf, &mut t, tl, "normal dispatch", it, |b| {
+        b.dispatch_in_place(&w.inputs, cx.layouts, w.num_experts, cx.args)
+    })?;
     check_meta(&got, reference, it, checks);
     let rows: Vec<usize> = got
         .iter()
         .zip(reference)
         .map(|(g, o)| o.handle.num_recv_tokens.min(g.num_rows))
         .collect();
-    let (bad, streams) = scan_rows(&*buf, &rows, sources, &w.inputs, it == 0)
+    let (bad, streams) = scan_rows(&*buf, &rows, cx.sources, &w.inputs, it == 0)
         .map_err(|x| BenchError::call("reading the received rows", it, x))?;
     for (d, b) in bad.into_iter().enumerate() {
         if let Some((j, s, tok)) = b {
@@ -297,12 +309,9 @@ fn iteration_in_place<T: Recorded>(
     t = tl.lap("dispatch verification", t);
     let handles: Vec<IntranodeHandle> = got.iter().map(|d| d.handle.clone()).collect();
     let no_bias: Vec<&[Tensor2<bf16>]> = vec![&[]; r];
-    let combined = buf
-        .combine_in_place(&handles, &no_bias)
-        .map_err(|x| BenchError::call("normal combine", it, x))?;
-    let combine_us = t.elapsed().as_secs_f64() * 1e6;
-    t = tl.lap("combine calls", t);
-    let rec2 = buf.transport().phase_records().len();
+    let (combined, combine_us, rec2) = timed_call(buf, &mut t, tl, "normal combine", it, |b| {
+        b.combine_in_place(&handles, &no_bias)
+    })?;
     let digest = if let Some(streams) = streams {
         // The rows were digested as they were verified: no second copy of every row.
         let ranks = streams
@@ -343,29 +352,20 @@ fn iteration_in_place<T: Recorded>(
 
 /// Dispatch with owned outputs, their verification, the identity expert's outputs (FP8 rows
 /// dequantised), combine from those host tensors.
-#[allow(clippy::too_many_arguments, reason = "one iteration's whole context")]
 fn iteration_owned<T: Recorded>(
     buf: &mut Buffer<T>,
-    w: &Workload,
-    layouts: &[DispatchLayout],
-    args: &NormalDispatchArgs,
-    reference: &[IntranodeDispatch],
-    sources: &Sources,
+    cx: &IterCtx<'_>,
     it: usize,
     checks: &mut Checks,
-    p: &RunParams<'_>,
 ) -> Result<Step, BenchError> {
+    let (w, p, reference) = (cx.w, cx.p, cx.reference);
     let tl = p.timeline;
-    let e = w.num_experts;
     let mut t = Instant::now();
-    let got = buf
-        .dispatch(&w.inputs, layouts, e, args)
-        .map_err(|x| BenchError::call("normal dispatch", it, x))?;
-    let dispatch_us = t.elapsed().as_secs_f64() * 1e6;
-    t = tl.lap("dispatch calls", t);
-    let rec1 = buf.transport().phase_records().len();
-    check_dispatch(&got, reference, sources, &w.inputs, it, checks);
-    t = tl.lap("verification", t);
+    let (got, dispatch_us, rec1) = timed_call(buf, &mut t, tl, "normal dispatch", it, |b| {
+        b.dispatch(&w.inputs, cx.layouts, w.num_experts, cx.args)
+    })?;
+    check_dispatch(&got, reference, cx.sources, &w.inputs, it, checks);
+    t = tl.lap("dispatch verification", t);
     let ys = expert_outputs(&got)?;
     let handles: Vec<IntranodeHandle> = got.iter().map(|d| d.handle.clone()).collect();
     let cargs: Vec<CombineArgs<'_>> = got
@@ -382,12 +382,9 @@ fn iteration_owned<T: Recorded>(
         })
         .collect();
     t = tl.lap("expert outputs", t);
-    let combined = buf
-        .combine(&handles, &cargs)
-        .map_err(|x| BenchError::call("normal combine", it, x))?;
-    let combine_us = t.elapsed().as_secs_f64() * 1e6;
-    t = tl.lap("combine calls", t);
-    let rec2 = buf.transport().phase_records().len();
+    let (combined, combine_us, rec2) = timed_call(buf, &mut t, tl, "normal combine", it, |b| {
+        b.combine(&handles, &cargs)
+    })?;
     let digest = if it == 0 {
         let view = Outputs::Normal {
             dispatch: &got,
@@ -415,8 +412,9 @@ fn iteration_owned<T: Recorded>(
 type FirstBad = Vec<Option<(usize, usize, usize)>>;
 
 /// Reads rows `[0, rows[d])` of every rank's `recv_x` in the arena (in place where the
-/// transport lends its memory, `Buffer::scan_recv_rows`) and checks each row against its source row — one rank per task on every core — digesting the
-/// rows as they pass when `digest` (BF16 rows, first iteration).
+/// transport lends its memory, `Buffer::scan_recv_rows`) and checks each row against its source
+/// row — one rank per task on every core — digesting the rows as they pass when `digest` (BF16
+/// rows, first iteration).
 fn scan_rows<T: Recorded>(
     buf: &Buffer<T>,
     rows: &[usize],

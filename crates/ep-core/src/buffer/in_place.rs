@@ -66,6 +66,19 @@ impl<T: Transport> Buffer<T> {
         Ok(st)
     }
 
+    /// The format of the in-place rows, when `rows` lies within those of `rank`.
+    fn checked_rows(&self, rank: usize, rows: &std::ops::Range<usize>) -> Result<RowFormat> {
+        let st = self.in_place_rows(rank)?;
+        if rows.end > st.rows[rank] || rows.start > rows.end {
+            return Err(Error::ShapeMismatch {
+                what: "rows read from the arena",
+                expected: format!("rows within [0, {}) on rank {rank}", st.rows[rank]),
+                found: format!("[{}, {})", rows.start, rows.end),
+            });
+        }
+        Ok(st.fmt)
+    }
+
     /// Reads rows `first .. first + out.num_tokens()` of `rank`'s `recv_x`, left in the arena
     /// by the last [`Buffer::dispatch_in_place`] (or overwritten since with
     /// [`Buffer::write_expert_x`]), into `out` (the dispatch's activation kind and hidden size).
@@ -117,15 +130,7 @@ impl<T: Transport> Buffer<T> {
         rows: std::ops::Range<usize>,
         out: &mut Vec<u8>,
     ) -> Result<usize> {
-        let st = self.in_place_rows(rank)?;
-        let fmt = st.fmt;
-        if rows.end > st.rows[rank] || rows.start > rows.end {
-            return Err(Error::ShapeMismatch {
-                what: "rows read from the arena",
-                expected: format!("rows within [0, {}) on rank {rank}", st.rows[rank]),
-                found: format!("[{}, {})", rows.start, rows.end),
-            });
-        }
+        let fmt = self.checked_rows(rank, &rows)?;
         let arena = self.normal_arena()?.clone();
         let drec = fmt.dispatch_record() as usize;
         out.resize(rows.len() * drec, 0);
@@ -146,15 +151,7 @@ impl<T: Transport> Buffer<T> {
         rows: std::ops::Range<usize>,
         mut f: impl FnMut(usize, &[u8]),
     ) -> Result<()> {
-        let st = self.in_place_rows(rank)?;
-        if rows.end > st.rows[rank] || rows.start > rows.end {
-            return Err(Error::ShapeMismatch {
-                what: "rows read from the arena",
-                expected: format!("rows within [0, {}) on rank {rank}", st.rows[rank]),
-                found: format!("[{}, {})", rows.start, rows.end),
-            });
-        }
-        let drec = st.fmt.dispatch_record() as usize;
+        let drec = self.checked_rows(rank, &rows)?.dispatch_record() as usize;
         let arena = self.normal_arena()?;
         let at = arena.data.at(arena
             .data_layout()
@@ -196,7 +193,7 @@ impl<T: Transport> Buffer<T> {
         rows: std::ops::Range<usize>,
         mut f: impl FnMut(usize, &[u8]),
     ) -> Result<()> {
-        let drec = self.in_place_rows(rank)?.fmt.dispatch_record() as usize;
+        let drec = self.checked_rows(rank, &rows)?.dispatch_record() as usize;
         let chunk = (READ_CHUNK_BYTES / drec).clamp(1, rows.len().max(1));
         let mut buf = std::mem::take(&mut self.scratch);
         let mut res = Ok(());
