@@ -19,11 +19,10 @@ use ep_core::Buffer;
 use ep_core::config::BufferConfig;
 use ep_core::oracle;
 use ep_core::plan::low_latency::{
-    self as ll, LlCanonical, LlDispatchOutput, LlHandle, LlParams, PartialPrecision,
+    self as ll, LlCanonical, LlDispatchOutput, LlHandle, LlParams, LlRecvX, PartialPrecision,
 };
 use ep_core::{Activations, RankInputs, Tensor2};
 use half::bf16;
-use half::vec::HalfBitsVecExt;
 
 use super::backend::Recorded;
 use super::error::BenchError;
@@ -38,6 +37,9 @@ const TOL_FP8: f64 = 9e-4;
 
 /// What one sign of the inputs must give.
 struct Reference {
+    /// The oracle's outputs, kept alive: their mostly untouched packed arrays, once freed,
+    /// would come back from the caching allocator to be zeroed in full.
+    _oracle: Vec<Option<LlDispatchOutput>>,
     canonical: Vec<Option<LlCanonical>>,
     /// ep-rs's order (BF16 partials on the expert rank).
     reduced: Vec<Option<Tensor2<bf16>>>,
@@ -57,16 +59,23 @@ pub(crate) fn run<T: Recorded>(
     let params = workload::ll_params(w.fp8, &w.summary, e);
     let n = params.num_max_dispatch_tokens_per_rank;
 
+    let tl = p.timeline;
+    let mut lap = Instant::now();
     p.progress.step("oracle: dispatch and combine");
-    let pos = reference(&w.inputs, &params)?;
+    // One set of expert outputs serves the references and every iteration: only the rows a
+    // dispatch filled are written (and cleared again), so the mostly empty packed arrays are
+    // never touched, let alone zeroed or copied, per iteration.
+    let mut y = ExpertOutputs::default();
+    let pos = reference(&w.inputs, &params, &mut y)?;
     let neg = if p.alternate {
         flip_signs(&mut w.inputs);
-        let neg = reference(&w.inputs, &params);
+        let neg = reference(&w.inputs, &params, &mut y);
         flip_signs(&mut w.inputs);
         Some(neg?)
     } else {
         None
     };
+    lap = tl.lap("oracle", lap);
     p.progress.done();
 
     let mut cfg = BufferConfig::new(r);
@@ -76,6 +85,7 @@ pub(crate) fn run<T: Recorded>(
     cfg.num_rdma_bytes = Buffer::<T>::low_latency_size_hint(n, h, r, e).div_ceil(128) * 128;
     let mut buf =
         Buffer::new(transport, cfg).map_err(|x| BenchError::setup("low-latency", p.backend, x))?;
+    lap = tl.lap("buffer", lap);
 
     let tol = if params.use_fp8 { TOL_FP8 } else { TOL_BF16 };
     let mut checks = Checks::default();
@@ -93,12 +103,14 @@ pub(crate) fn run<T: Recorded>(
             &pos
         };
         let rec0 = buf.transport().phase_records().len();
+        lap = tl.lap("other", lap);
         let t0 = Instant::now();
         let got = buf
             .low_latency_dispatch(&w.inputs, &params)
             .map_err(|x| BenchError::call("low-latency dispatch", it, x))?;
         let dt = t0.elapsed();
         let rec1 = buf.transport().phase_records().len();
+        lap = tl.lap("dispatch", lap);
         for (d, (g, c)) in got.outputs.iter().zip(&want.canonical).enumerate() {
             let same = match (g, c) {
                 (Some(g), Some(c)) => match ll::canonicalize(g) {
@@ -114,18 +126,17 @@ pub(crate) fn run<T: Recorded>(
                 ));
             }
         }
+        lap = tl.lap("dispatch check", lap);
 
-        let y = got
-            .outputs
-            .iter()
-            .map(|o| o.as_ref().map(identity_expert).transpose())
-            .collect::<Result<Vec<_>, _>>()?;
+        y.identity(&got.outputs)?;
+        lap = tl.lap("expert outputs", lap);
         let t1 = Instant::now();
         let combined = buf
-            .low_latency_combine(&got.routes, &y, &w.inputs, false)
+            .low_latency_combine(&got.routes, &y.y, &w.inputs, false)
             .map_err(|x| BenchError::call("low-latency combine", it, x))?;
         let ct = t1.elapsed();
         let rec2 = buf.transport().phase_records().len();
+        lap = tl.lap("combine", lap);
         for (s, ((g, a), b)) in combined
             .iter()
             .zip(&want.reduced)
@@ -167,6 +178,7 @@ pub(crate) fn run<T: Recorded>(
             worst = (worst.0.max(d1), worst.1.max(d2));
         }
         checks.iterations += 1;
+        lap = tl.lap("combine check", lap);
         if it == 0 {
             let view = Outputs::LowLatency {
                 dispatch: &got.outputs,
@@ -177,7 +189,9 @@ pub(crate) fn run<T: Recorded>(
                 crate::io::dump_outputs(dir, &view, p.info)?;
             }
         }
-        drop((got, y, combined));
+        lap = tl.lap("digest", lap);
+        drop((got, combined));
+        lap = tl.lap("free outputs", lap);
         if timed {
             disp.push(dt.as_secs_f64() * 1e6);
             comb.push(ct.as_secs_f64() * 1e6);
@@ -188,6 +202,7 @@ pub(crate) fn run<T: Recorded>(
     if negated {
         flip_signs(&mut w.inputs);
     }
+    tl.lap("other", lap);
     checks.notes.push(format!(
         "combine: worst calc_diff to DeepEP's order {:.2e} (< {TOL_BF16:e}), DeepEP's check \
          calc_diff(x * sum(w), combined) {:.2e} (< {tol:e})",
@@ -266,7 +281,11 @@ pub(crate) fn run<T: Recorded>(
 }
 
 /// The oracle's dispatch (canonical form) and both combine orders for `inputs`.
-fn reference(inputs: &[RankInputs], params: &LlParams) -> Result<Reference, BenchError> {
+fn reference(
+    inputs: &[RankInputs],
+    params: &LlParams,
+    y: &mut ExpertOutputs,
+) -> Result<Reference, BenchError> {
     let out = oracle::low_latency::dispatch(inputs, params)
         .map_err(|x| BenchError::reference("oracle low-latency dispatch", x))?;
     let canonical = out
@@ -278,53 +297,144 @@ fn reference(inputs: &[RankInputs], params: &LlParams) -> Result<Reference, Benc
         .iter()
         .map(|o| o.as_ref().map(|o| o.handle.clone()))
         .collect();
-    let y = out
-        .iter()
-        .map(|o| o.as_ref().map(identity_expert).transpose())
-        .collect::<Result<Vec<_>, _>>()?;
+    y.identity(&out)?;
     let reduced =
-        ll::combine_reduced_on_expert_rank(inputs, &handles, &y, params, PartialPrecision::Bf16)
+        ll::combine_reduced_on_expert_rank(inputs, &handles, &y.y, params, PartialPrecision::Bf16)
             .map_err(|x| BenchError::reference("low-latency combine (ep-rs order)", x))?;
-    let deepep = ll::combine(inputs, &handles, &y, params)
+    let deepep = ll::combine(inputs, &handles, &y.y, params)
         .map_err(|x| BenchError::reference("low-latency combine (DeepEP order)", x))?;
     Ok(Reference {
+        _oracle: out,
         canonical,
         reduced,
         deepep,
     })
 }
 
-/// The identity expert over a receiver's packed rows: `[L][R·N, H]` BF16, valid rows
-/// dequantised, the rest zero. Allocated zeroed and written only where rows are valid, so the
-/// mostly empty packed layout costs what is received.
-fn identity_expert(out: &LlDispatchOutput) -> Result<Vec<Tensor2<bf16>>, BenchError> {
+/// Expert outputs `[L][R·N, H]` BF16 per rank, kept from one dispatch to the next: the packed
+/// layout is mostly empty, so the arrays come from zeroed memory once and afterwards only the
+/// rows a dispatch filled are written, and cleared when a later dispatch fills fewer.
+#[derive(Default)]
+struct ExpertOutputs {
+    /// What combine reads.
+    y: Vec<Option<Vec<Tensor2<bf16>>>>,
+    /// `written[d][l]`: rows `0..written` of `y[d][l]` may be nonzero, the rest are zero.
+    written: Vec<Vec<usize>>,
+}
+
+impl ExpertOutputs {
+    /// The identity expert over every receiver's packed rows: valid rows dequantised to BF16
+    /// (as [`ep_core::plan::low_latency::LlRecvX::row_f32`], then rounded), the rest zero
+    /// (`None` for masked receivers). Receivers are spread over the host's cores.
+    fn identity(&mut self, outs: &[Option<LlDispatchOutput>]) -> Result<(), BenchError> {
+        self.y.resize_with(outs.len(), || None);
+        self.written.resize_with(outs.len(), Vec::new);
+        let lut: Vec<f32> = (0..=255u8)
+            .map(ep_core::numerics::fp8::e4m3_decode)
+            .collect();
+        let mut work: Vec<_> = outs
+            .iter()
+            .zip(&mut self.y)
+            .zip(&mut self.written)
+            .map(|((o, y), w)| (o, y, w))
+            .collect();
+        let threads = std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .min(work.len())
+            .max(1);
+        let chunk = work.len().div_ceil(threads).max(1);
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = work
+                .chunks_mut(chunk)
+                .map(|part| {
+                    let lut = &lut;
+                    sc.spawn(move || {
+                        part.iter_mut()
+                            .try_for_each(|(o, y, w)| identity_one(o.as_ref(), y, w, lut))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .try_for_each(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+        })
+    }
+}
+
+/// [`ExpertOutputs::identity`] for one receiver; `lut` decodes e4m3 codes.
+fn identity_one(
+    out: Option<&LlDispatchOutput>,
+    y: &mut Option<Vec<Tensor2<bf16>>>,
+    written: &mut Vec<usize>,
+    lut: &[f32],
+) -> Result<(), BenchError> {
+    let Some(out) = out else {
+        *y = None;
+        written.clear();
+        return Ok(());
+    };
     let h = out.handle.hidden;
     let rows = out.handle.src_info.cols();
-    out.recv_count
-        .iter()
-        .enumerate()
-        .map(|(l, &count)| {
-            let zero: Vec<bf16> = vec![0u16; rows * h].reinterpret_into();
-            let mut t = Tensor2::new(rows, h, zero)
-                .map_err(|x| BenchError::reference("expert outputs", x))?;
-            for row in 0..usize::try_from(count).unwrap_or(0).min(rows) {
-                let x = out.recv_x.row_f32(l, row).ok_or_else(|| {
-                    BenchError::reference(
-                        "expert outputs",
-                        ep_core::Error::LlInvalidLayout {
-                            local_expert: l,
-                            source_rank: usize::MAX,
-                            detail: format!("row {row} is malformed"),
-                        },
-                    )
-                })?;
-                for (o, v) in t.row_mut(row).iter_mut().zip(x) {
-                    *o = bf16::from_f32(v);
+    let l_count = out.recv_count.len();
+    let fits = y
+        .as_ref()
+        .is_some_and(|t| t.len() == l_count && t.iter().all(|t| t.shape() == (rows, h)));
+    if !fits {
+        *y = Some(
+            (0..l_count)
+                .map(|_| ll::packed_zeros_bf16(rows, h))
+                .collect(),
+        );
+        written.clear();
+    }
+    written.resize(l_count, 0);
+    let Some(y) = y.as_mut() else {
+        return Ok(());
+    };
+    let malformed = |l: usize, row: usize| {
+        BenchError::reference(
+            "expert outputs",
+            ep_core::Error::LlInvalidLayout {
+                local_expert: l,
+                source_rank: usize::MAX,
+                detail: format!("row {row} is malformed"),
+            },
+        )
+    };
+    let block = ep_core::numerics::fp8::FP8_BLOCK;
+    for (l, (t, written)) in y.iter_mut().zip(written.iter_mut()).enumerate() {
+        let count = usize::try_from(out.recv_count[l]).unwrap_or(0).min(rows);
+        for row in 0..count {
+            match &out.recv_x {
+                // Same arithmetic as `row_f32` (`e4m3_decode(b) * scale_inv`), decoded by table.
+                LlRecvX::Fp8 { data, scales }
+                    if data.get(l).is_some_and(|d| d.shape() == (rows, h))
+                        && scales
+                            .get(l)
+                            .is_some_and(|s| s.shape() == (rows, h.div_ceil(block))) =>
+                {
+                    let (q, sc) = (data[l].row(row), scales[l].row(row));
+                    for (c, (o, &b)) in t.row_mut(row).iter_mut().zip(q).enumerate() {
+                        *o = bf16::from_f32(lut[usize::from(b)] * sc[c / block]);
+                    }
+                }
+                _ => {
+                    let x = out
+                        .recv_x
+                        .row_f32(l, row)
+                        .ok_or_else(|| malformed(l, row))?;
+                    for (o, v) in t.row_mut(row).iter_mut().zip(x) {
+                        *o = bf16::from_f32(v);
+                    }
                 }
             }
-            Ok(t)
-        })
-        .collect()
+        }
+        for row in count..*written {
+            t.row_mut(row).fill(bf16::ZERO);
+        }
+        *written = count;
+    }
+    Ok(())
 }
 
 /// DeepEP's `calc_diff` (spec §6.1): `1 - 2 Σxy / Σ(x² + y²)` over `x + 1`, `y + 1` in f64.

@@ -14,7 +14,9 @@
 use half::bf16;
 
 use crate::error::{Error, Result};
-use crate::plan::low_latency::{LlDispatchOutput, LlHandle, LlParams, LlRecvX};
+use crate::plan::low_latency::{
+    LlDispatchOutput, LlHandle, LlParams, LlRecvX, packed_zeros_bf16, packed_zeros_u8,
+};
 use crate::routing::{Activations, RankInputs};
 use crate::tensor::Tensor2;
 
@@ -336,12 +338,11 @@ fn dispatch_unchecked(
         sized(p.use_fp8 && !p.use_ue8m0, h / 128),
         sized(p.use_fp8 && p.use_ue8m0, h / 512),
     );
+    // The packed arrays are mostly empty: zeroed memory, touched only where rows land.
     let mut x_bf16: Vec<_> = (0..l_count)
-        .map(|_| Tensor2::filled(bf.0, bf.1, bf16::ZERO))
+        .map(|_| packed_zeros_bf16(bf.0, bf.1))
         .collect();
-    let mut x_fp8: Vec<_> = (0..l_count)
-        .map(|_| Tensor2::filled(fp.0, fp.1, 0u8))
-        .collect();
+    let mut x_fp8: Vec<_> = (0..l_count).map(|_| packed_zeros_u8(fp.0, fp.1)).collect();
     let mut s_f32: Vec<_> = (0..l_count)
         .map(|_| Tensor2::filled(fp_f32.0, fp_f32.1, 0f32))
         .collect();

@@ -252,6 +252,51 @@ impl LlRecvX {
     }
 }
 
+/// Smallest allocation the system allocator serves from fresh mapped pages (glibc's
+/// `M_MMAP_THRESHOLD` as the `ep` binary sets it, 32 MiB, with room for glibc's header): such
+/// zeroed memory is not touched until written.
+const FRESH_ALLOC_BYTES: usize = (32 << 20) + (64 << 10);
+
+/// A zeroed `[rows, cols]` array for the mostly empty packed layout: the allocation is at least
+/// [`FRESH_ALLOC_BYTES`] (the capacity past `rows · cols` is never used), so that the system
+/// allocator maps fresh zero pages and only the rows written are ever touched. Keep such
+/// arrays alive and reuse them: a freed block may be recycled by a caching allocator, which
+/// must then zero all of it.
+#[must_use]
+pub fn packed_zeros_u8(rows: usize, cols: usize) -> Tensor2<u8> {
+    let n = rows * cols;
+    let mut v = vec![0u8; fresh_len(n, 1)];
+    v.truncate(n);
+    packed(rows, cols, v)
+}
+
+/// [`packed_zeros_u8`] for BF16 (`+0`).
+#[must_use]
+pub fn packed_zeros_bf16(rows: usize, cols: usize) -> Tensor2<bf16> {
+    use half::vec::HalfBitsVecExt;
+    let n = rows * cols;
+    let mut v = vec![0u16; fresh_len(n, 2)];
+    v.truncate(n);
+    packed(rows, cols, v.reinterpret_into())
+}
+
+/// Elements to allocate for `n` of `size` bytes: small arrays as they are, large ones rounded up
+/// to a fresh mapping.
+fn fresh_len(n: usize, size: usize) -> usize {
+    if n * size < (1 << 20) {
+        n
+    } else {
+        n.max(FRESH_ALLOC_BYTES.div_ceil(size))
+    }
+}
+
+fn packed<T>(rows: usize, cols: usize, v: Vec<T>) -> Tensor2<T> {
+    match Tensor2::new(rows, cols, v) {
+        Ok(t) => t,
+        Err(_) => unreachable!("the length is rows * cols"),
+    }
+}
+
 /// DeepEP's memory order of one local expert's scales: the logical `[R·N, S]` array stored
 /// column-major (`[S, R·N]` row-major, "for TMA", spec §2.4).
 pub fn scales_column_major<T: Clone>(scales: &Tensor2<T>) -> Vec<T> {
