@@ -219,17 +219,47 @@ impl<T: Transport> Buffer<T> {
 
     /// Low-latency dispatch receive half, the hook (docs/protocol.md §3.4).
     pub fn low_latency_dispatch_recv(&mut self, hook: LlDispatchHook) -> Result<LlDispatched> {
+        self.low_latency_dispatch_recv_reusing(hook, None)
+    }
+
+    /// [`Buffer::low_latency_dispatch_recv`] that may reuse the packed arrays of earlier outputs
+    /// `reuse` (of this or another low-latency dispatch) instead of allocating new ones: the
+    /// rows they counted as valid are zeroed and the new rows written, so the results are the
+    /// same as without `reuse`, provided its arrays hold zeros past each expert's count, as
+    /// dispatch returned them (read them freely; write only rows below the counts). Outputs of
+    /// another format or shape are dropped.
+    pub fn low_latency_dispatch_recv_reusing(
+        &mut self,
+        hook: LlDispatchHook,
+        reuse: Option<LlDispatched>,
+    ) -> Result<LlDispatched> {
         self.check_poison()?;
         self.take_hook(hook.op.call)?;
         let arena = self.ll_arena()?;
         let r = self.num_ranks();
         let LlDispatchHook { mut op, rows, topk } = hook;
         self.apply_mask(&mut op);
+        let mut spare: Vec<Mutex<Option<LlDispatchOutput>>> =
+            (0..r).map(|_| Mutex::new(None)).collect();
+        if let Some(old) = reuse {
+            for (m, o) in spare.iter_mut().zip(old.outputs) {
+                *m.get_mut()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = o;
+            }
+        }
         let out = loop {
             let out: Vec<Mutex<Option<ll::LlRecvOut>>> = (0..r).map(|_| Mutex::new(None)).collect();
             let expired = Expired::new(r);
-            let phase =
-                ll::dispatch_recv_phase(&arena, &op, rows, &topk, self.mutation, &out, &expired);
+            let phase = ll::dispatch_recv_phase(
+                &arena,
+                &op,
+                rows,
+                &topk,
+                self.mutation,
+                &out,
+                &spare,
+                &expired,
+            );
             let res = self.transport.run_phase(phase);
             if !self.ll_settle(&mut op, res, &expired)? {
                 break out;
@@ -256,8 +286,19 @@ impl<T: Transport> Buffer<T> {
         inputs: &[RankInputs],
         params: &LlParams,
     ) -> Result<LlDispatched> {
+        self.low_latency_dispatch_reusing(inputs, params, None)
+    }
+
+    /// [`Buffer::low_latency_dispatch`] reusing the packed arrays of earlier outputs, as
+    /// [`Buffer::low_latency_dispatch_recv_reusing`].
+    pub fn low_latency_dispatch_reusing(
+        &mut self,
+        inputs: &[RankInputs],
+        params: &LlParams,
+        reuse: Option<LlDispatched>,
+    ) -> Result<LlDispatched> {
         let hook = self.low_latency_dispatch_send(inputs, params)?;
-        self.low_latency_dispatch_recv(hook)
+        self.low_latency_dispatch_recv_reusing(hook, reuse)
     }
 
     /// Low-latency combine send half (docs/protocol.md §3.5): each expert rank reduces a token's

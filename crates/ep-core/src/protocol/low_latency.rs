@@ -21,7 +21,9 @@ use super::normal::put_slot;
 use super::signal::{ll_count, ll_encode, ll_epoch, ll_threshold};
 use crate::error::{Error, Result};
 use crate::numerics::fp8;
-use crate::plan::low_latency::{LlDispatchOutput, LlHandle, LlRecvX, pack_layout_range};
+use crate::plan::low_latency::{
+    LlDispatchOutput, LlHandle, LlRecvX, pack_layout_range, packed_zeros_bf16, packed_zeros_u8,
+};
 use crate::routing::ExpertIdx;
 use crate::tensor::Tensor2;
 use crate::transport::{
@@ -343,7 +345,9 @@ fn put_run(
 /// What a dispatch hook produced on one rank.
 pub(crate) type LlRecvOut = (LlDispatchOutput, LlRoutes);
 
-/// Dispatch receive half, the hook (docs/protocol.md §3.4).
+/// Dispatch receive half, the hook (docs/protocol.md §3.4). `spare[d]`: earlier outputs of
+/// receiver `d` whose arrays it may reuse (see [`reuse_recv_x`]).
+#[allow(clippy::too_many_arguments, reason = "one phase's whole context")]
 pub(crate) fn dispatch_recv_phase<'a>(
     arena: &'a LlArena,
     op: &'a LlOp,
@@ -351,12 +355,18 @@ pub(crate) fn dispatch_recv_phase<'a>(
     topk: &'a [(Tensor2<ExpertIdx>, Tensor2<f32>)],
     mutation: ProtocolMutation,
     out: &'a [Mutex<Option<LlRecvOut>>],
+    spare: &'a [Mutex<Option<LlDispatchOutput>>],
     expired: &'a Expired,
 ) -> Phase<'a> {
     let mut phase = Phase::new(PhaseKind::LowLatencyDispatchRecv, op.call);
     for d in (0..arena.num_ranks).filter(|&d| op.live(d)) {
         phase = phase.agent(d, 0, "ll-receiver", move |ctx: &mut dyn AgentCtx| {
-            let res = dispatch_recv(ctx, arena, op, rows, mutation, expired)?;
+            let spare = spare.get(d).and_then(|m| {
+                m.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take()
+            });
+            let res = dispatch_recv(ctx, arena, op, rows, mutation, spare, expired)?;
             let (idx, w) = &topk[d];
             let routes = LlRoutes {
                 topk_idx: idx.clone(),
@@ -370,12 +380,78 @@ pub(crate) fn dispatch_recv_phase<'a>(
     phase
 }
 
+/// Takes the packed arrays of earlier outputs `old` for new outputs of the same format and
+/// shape: the rows `old` counted as valid are zeroed again, the others are zero already (the
+/// contract of `Buffer::low_latency_dispatch_recv_reusing`). `None` if they do not fit.
+fn reuse_recv_x(
+    old: LlDispatchOutput,
+    rows: LlRows,
+    l_count: usize,
+    n_rows: usize,
+    h: usize,
+    scale_cols: usize,
+) -> Option<LlRecvX> {
+    fn clear<T: Copy>(t: &mut Tensor2<T>, count: usize, zero: T) {
+        let end = (count * t.cols()).min(t.data().len());
+        t.data_mut()[..end].fill(zero);
+    }
+    let fits = |s: (usize, usize), cols: usize| s == (n_rows, cols);
+    let counts: Vec<usize> = old
+        .recv_count
+        .iter()
+        .map(|&c| usize::try_from(c).unwrap_or(0).min(n_rows))
+        .collect();
+    if counts.len() != l_count {
+        return None;
+    }
+    let mut x = old.recv_x;
+    match (&mut x, rows.use_fp8, rows.use_ue8m0) {
+        (LlRecvX::Bf16(x), false, _) => {
+            if x.len() != l_count || x.iter().any(|t| !fits(t.shape(), h)) {
+                return None;
+            }
+            for (t, &c) in x.iter_mut().zip(&counts) {
+                clear(t, c, bf16::ZERO);
+            }
+        }
+        (LlRecvX::Fp8 { data, scales }, true, false) => {
+            if data.len() != l_count
+                || scales.len() != l_count
+                || data.iter().any(|t| !fits(t.shape(), h))
+                || scales.iter().any(|t| !fits(t.shape(), scale_cols))
+            {
+                return None;
+            }
+            for ((t, sc), &c) in data.iter_mut().zip(scales.iter_mut()).zip(&counts) {
+                clear(t, c, 0);
+                clear(sc, c, 0.0);
+            }
+        }
+        (LlRecvX::Fp8Ue8m0 { data, scales }, true, true) => {
+            if data.len() != l_count
+                || scales.len() != l_count
+                || data.iter().any(|t| !fits(t.shape(), h))
+                || scales.iter().any(|t| !fits(t.shape(), scale_cols))
+            {
+                return None;
+            }
+            for ((t, sc), &c) in data.iter_mut().zip(scales.iter_mut()).zip(&counts) {
+                clear(t, c, 0);
+                clear(sc, c, 0);
+            }
+        }
+        _ => return None,
+    }
+    Some(x)
+}
+
 fn dispatch_recv(
     ctx: &mut dyn AgentCtx,
     arena: &LlArena,
     op: &LlOp,
     rows: LlRows,
     mutation: ProtocolMutation,
+    spare: Option<LlDispatchOutput>,
     expired: &Expired,
 ) -> Result<LlRecvOut> {
     let d = ctx.me().rank;
@@ -389,15 +465,27 @@ fn dispatch_recv(
     let hdr = lay.header() as usize;
     let s_count = h / fp8::FP8_BLOCK;
     let packs = s_count.div_ceil(fp8::UE8M0_PER_PACK);
-    let mut recv_x = match (rows.use_fp8, rows.use_ue8m0) {
-        (false, _) => LlRecvX::Bf16((0..l_count).map(|_| Tensor2::zeros(n_rows, h)).collect()),
-        (true, false) => LlRecvX::Fp8 {
-            data: vec![Tensor2::filled(n_rows, h, 0u8); l_count],
-            scales: vec![Tensor2::filled(n_rows, s_count, 0f32); l_count],
+    // The packed layout is mostly empty: earlier outputs handed back are reused (only their
+    // valid rows are cleared), otherwise the arrays come from zeroed memory, touched only
+    // where rows land.
+    let scale_cols = if rows.use_ue8m0 { packs } else { s_count };
+    let reused = spare.and_then(|o| reuse_recv_x(o, rows, l_count, n_rows, h, scale_cols));
+    let mut recv_x = match (reused, rows.use_fp8, rows.use_ue8m0) {
+        (Some(x), _, _) => x,
+        (None, false, _) => {
+            LlRecvX::Bf16((0..l_count).map(|_| packed_zeros_bf16(n_rows, h)).collect())
+        }
+        (None, true, false) => LlRecvX::Fp8 {
+            data: (0..l_count).map(|_| packed_zeros_u8(n_rows, h)).collect(),
+            scales: (0..l_count)
+                .map(|_| Tensor2::filled(n_rows, s_count, 0f32))
+                .collect(),
         },
-        (true, true) => LlRecvX::Fp8Ue8m0 {
-            data: vec![Tensor2::filled(n_rows, h, 0u8); l_count],
-            scales: vec![Tensor2::filled(n_rows, packs, 0i32); l_count],
+        (None, true, true) => LlRecvX::Fp8Ue8m0 {
+            data: (0..l_count).map(|_| packed_zeros_u8(n_rows, h)).collect(),
+            scales: (0..l_count)
+                .map(|_| Tensor2::filled(n_rows, packs, 0i32))
+                .collect(),
         },
     };
     let mut src_info = Tensor2::filled(l_count, n_rows, -1i32);
