@@ -113,15 +113,18 @@ pub(crate) fn run<T: Recorded>(
         let dt = t0.elapsed();
         let rec1 = buf.transport().phase_records().len();
         lap = tl.lap("dispatch", lap);
-        for (d, (g, c)) in got.outputs.iter().zip(&want.canonical).enumerate() {
-            let same = match (g, c) {
+        let dispatch_diffs = per_rank(r, |d| {
+            let (g, c) = (&got.outputs[d], &want.canonical[d]);
+            match (g, c) {
                 (Some(g), Some(c)) => match ll::canonicalize(g) {
                     Ok(gc) => gc.first_difference(c).map(|x| format!(": {x}")),
                     Err(x) => Some(format!(": {x}")),
                 },
                 (None, None) => None,
                 _ => Some(": masked on one side only".into()),
-            };
+            }
+        });
+        for (d, same) in dispatch_diffs.into_iter().enumerate() {
             if let Some(why) = same {
                 checks.fail(format!(
                     "iteration {it}: rank {d}: dispatch differs from the oracle{why}"
@@ -139,45 +142,54 @@ pub(crate) fn run<T: Recorded>(
         let ct = t1.elapsed();
         let rec2 = buf.transport().phase_records().len();
         lap = tl.lap("combine", lap);
-        for (s, ((g, a), b)) in combined
-            .iter()
-            .zip(&want.reduced)
-            .zip(&want.deepep)
-            .enumerate()
-        {
+        let inputs = &w.inputs;
+        let combine_checks = per_rank(r, |s| {
+            let (g, a, b) = (&combined[s], &want.reduced[s], &want.deepep[s]);
             let (Some(g), Some(a), Some(b)) = (g, a, b) else {
-                if g.is_some() || a.is_some() {
-                    checks.fail(format!("iteration {it}: rank {s}: masked on one side only"));
-                }
-                continue;
+                let one_sided = g.is_some() || a.is_some();
+                return (
+                    one_sided.then(|| "masked on one side only".to_string()),
+                    vec![],
+                    None,
+                );
             };
+            let mut fails = Vec::new();
             let exact = g.shape() == a.shape()
                 && g.data()
                     .iter()
                     .zip(a.data())
                     .all(|(x, y)| x.to_bits() == y.to_bits());
             if !exact {
-                checks.fail(format!(
-                    "iteration {it}: rank {s}: combined_x differs from the plan \
-                     (combine_reduced_on_expert_rank, BF16 partials)"
-                ));
+                fails.push(
+                    "combined_x differs from the plan (combine_reduced_on_expert_rank, BF16 \
+                     partials)"
+                        .to_string(),
+                );
             }
             let d1 = calc_diff(
                 g.data().iter().map(|v| v.to_f64()),
                 b.data().iter().map(|v| v.to_f64()),
             );
             if d1.is_nan() || d1 >= TOL_BF16 {
-                checks.fail(format!(
-                    "iteration {it}: rank {s}: calc_diff to DeepEP's combine order {d1:.3e} >= {TOL_BF16:e}"
+                fails.push(format!(
+                    "calc_diff to DeepEP's combine order {d1:.3e} >= {TOL_BF16:e}"
                 ));
             }
-            let d2 = deepep_check(&w.inputs[s], g, &params, r, e);
+            let d2 = deepep_check(&inputs[s], g, &params, r, e);
             if d2.is_nan() || d2 >= tol {
-                checks.fail(format!(
-                    "iteration {it}: rank {s}: calc_diff(x * sum(weights), combined) {d2:.3e} >= {tol:e}"
+                fails.push(format!(
+                    "calc_diff(x * sum(weights), combined) {d2:.3e} >= {tol:e}"
                 ));
             }
-            worst = (worst.0.max(d1), worst.1.max(d2));
+            (None, fails, Some((d1, d2)))
+        });
+        for (s, (masked, fails, diffs)) in combine_checks.into_iter().enumerate() {
+            for why in masked.into_iter().chain(fails) {
+                checks.fail(format!("iteration {it}: rank {s}: {why}"));
+            }
+            if let Some((d1, d2)) = diffs {
+                worst = (worst.0.max(d1), worst.1.max(d2));
+            }
         }
         checks.iterations += 1;
         lap = tl.lap("combine check", lap);
@@ -467,17 +479,54 @@ fn deepep_check(
         return f64::NAN;
     }
     let l = (e / r.max(1)).max(1);
-    let mut want = Vec::with_capacity(x.rows() * x.cols());
-    for t in 0..x.rows() {
-        let sw: f64 = inp
-            .topk_idx
-            .row(t)
-            .iter()
-            .zip(inp.topk_weights.row(t))
-            .filter(|&(&i, _)| i >= 0 && !params.is_masked(i as usize / l))
-            .map(|(_, &w)| f64::from(w))
-            .sum();
-        want.extend(x.row(t).iter().map(|v| v.to_f64() * sw));
+    let sums: Vec<f64> = (0..x.rows())
+        .map(|t| {
+            inp.topk_idx
+                .row(t)
+                .iter()
+                .zip(inp.topk_weights.row(t))
+                .filter(|&(&i, _)| i >= 0 && !params.is_masked(i as usize / l))
+                .map(|(_, &w)| f64::from(w))
+                .sum()
+        })
+        .collect();
+    let h = x.cols().max(1);
+    let want = x
+        .data()
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v.to_f64() * sums[i / h]);
+    calc_diff(want, got.data().iter().map(|v| v.to_f64()))
+}
+
+/// `f(rank)` for every rank `0..n`, spread over the host's cores; results in rank order.
+fn per_rank<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(n)
+        .max(1);
+    if threads == 1 {
+        return (0..n).map(f).collect();
     }
-    calc_diff(want.into_iter(), got.data().iter().map(|v| v.to_f64()))
+    let f = &f;
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..threads)
+            .map(|i| {
+                sc.spawn(move || {
+                    (i..n)
+                        .step_by(threads)
+                        .map(|d| (d, f(d)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            let part = h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+            for (d, v) in part {
+                out[d] = Some(v);
+            }
+        }
+    });
+    out.into_iter().flatten().collect()
 }

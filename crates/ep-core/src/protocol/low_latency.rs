@@ -22,7 +22,8 @@ use super::signal::{ll_count, ll_encode, ll_epoch, ll_threshold};
 use crate::error::{Error, Result};
 use crate::numerics::fp8;
 use crate::plan::low_latency::{
-    LlDispatchOutput, LlHandle, LlRecvX, pack_layout_range, packed_zeros_bf16, packed_zeros_u8,
+    LlDispatchOutput, LlHandle, LlRecvX, fma_row, pack_layout_range, packed_zeros_bf16,
+    packed_zeros_u8,
 };
 use crate::routing::ExpertIdx;
 use crate::tensor::Tensor2;
@@ -701,9 +702,7 @@ fn combine_send(
                             found: "missing rows".into(),
                         })?,
                 };
-                for (a, v) in acc.iter_mut().zip(yr) {
-                    *a = v.to_f32().mul_add(w, *a);
-                }
+                fma_row(&mut acc, yr, w);
             }
             for (o, &a) in out.iter_mut().zip(&acc) {
                 *o = bf16::from_f32(a);
