@@ -204,6 +204,55 @@ fn in_place_leg(
     }
     let handles: Vec<_> = got.iter().map(|o| o.handle.clone()).collect();
     let bias: Vec<&[_]> = bs.iter().map(Vec::as_slice).collect();
+    // Expert outputs written into the combine rows (any dispatch format), with the dispatched
+    // weights: equal to the plan's combine of the same outputs.
+    for (d, y) in ys.iter().enumerate() {
+        buf.write_combine_rows(d, 0, y, want[d].recv_topk_weights.as_ref())
+            .map_err(|e| TestCaseError::fail(format!("write_combine_rows: {e}")))?;
+    }
+    let with_w = want[0].recv_topk_weights.is_some();
+    let cargs: Vec<CombineArgs<'_>> = (0..r)
+        .map(|d| CombineArgs {
+            x: &ys[d],
+            topk_weights: want[d].recv_topk_weights.as_ref(),
+            bias: &bs[d],
+        })
+        .collect();
+    let got_rows = buf
+        .combine_from_rows(&handles, &bias, with_w)
+        .map_err(|e| TestCaseError::fail(format!("combine_from_rows: {e}")))?;
+    prop_assert_eq!(got_rows, intranode_combine(&handles, &cargs).unwrap());
+
+    // An expert run over the rows in place (a phase) writes the combine rows: doubling each
+    // row (FP8 dequantised first) combines like the plan on the doubled rows.
+    buf.apply_expert(&|_, _, x, y| {
+        for i in 0..x.num_tokens() {
+            double_row(x, i, y.row_mut(i));
+        }
+        Ok(())
+    })
+    .map_err(|e| TestCaseError::fail(format!("apply_expert: {e}")))?;
+    let doubled: Vec<_> = want
+        .iter()
+        .map(|w| {
+            let mut y = ep_rs::core::Tensor2::zeros(w.recv_x.num_tokens(), w.recv_x.hidden());
+            for i in 0..y.rows() {
+                double_row(&w.recv_x, i, y.row_mut(i));
+            }
+            y
+        })
+        .collect();
+    let cargs: Vec<CombineArgs<'_>> = (0..r)
+        .map(|d| CombineArgs {
+            x: &doubled[d],
+            topk_weights: want[d].recv_topk_weights.as_ref(),
+            bias: &bs[d],
+        })
+        .collect();
+    let got_rows = buf
+        .combine_from_rows(&handles, &bias, with_w)
+        .map_err(|e| TestCaseError::fail(format!("combine_from_rows after the expert: {e}")))?;
+    prop_assert_eq!(got_rows, intranode_combine(&handles, &cargs).unwrap());
     let Activations::Bf16(_) = &inputs[0].x else {
         let err = buf.combine_in_place(&handles, &bias);
         prop_assert!(matches!(err, Err(ep_rs::core::Error::Unsupported(_))));
@@ -235,6 +284,24 @@ fn in_place_leg(
         prop_assert_eq!(got_c, want_c);
     }
     Ok(())
+}
+
+/// Row `i` of `x` times two, rounded to BF16 (FP8 rows dequantised first).
+fn double_row(x: &Activations, i: usize, out: &mut [half::bf16]) {
+    match x {
+        Activations::Bf16(t) => {
+            for (o, v) in out.iter_mut().zip(t.row(i)) {
+                *o = half::bf16::from_f32(2.0 * v.to_f32());
+            }
+        }
+        Activations::Fp8 { data, scales } => {
+            ep_rs::core::numerics::fp8::dequantize_row_bf16(data.row(i), scales.row(i), out)
+                .unwrap();
+            for o in out.iter_mut() {
+                *o = half::bf16::from_f32(2.0 * o.to_f32());
+            }
+        }
+    }
 }
 
 /// Every element of `x` set to a value no dispatch writes (NaN bits / 0xff bytes).

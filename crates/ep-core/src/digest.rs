@@ -253,6 +253,9 @@ pub struct NormalRankStream {
     rank: usize,
     rows: usize,
     cols: usize,
+    /// FP8 rows: the scales per row (kept, in order, for the field after the data), `None` for
+    /// BF16.
+    scales: Option<(usize, Vec<u8>)>,
     fed: usize,
     w: Writer,
 }
@@ -268,22 +271,47 @@ impl NormalRankStream {
             rank,
             rows,
             cols,
+            scales: None,
             fed: 0,
             w,
         }
     }
 
-    /// Feeds the next row: its `2·cols` bytes of little-endian BF16 bits (extra bytes are
-    /// ignored, so a whole dispatch record may be given).
-    pub fn row(&mut self, bytes: &[u8]) {
-        self.w.bytes(&bytes[..2 * self.cols]);
+    /// Starts the digest of `rank` whose FP8 `recv_x` has `rows` rows of `cols` e4m3 bytes and
+    /// `num_scales` f32 scales each.
+    #[must_use]
+    pub fn fp8(rank: usize, rows: usize, cols: usize, num_scales: usize) -> Self {
+        let mut w = Writer::new("ep-rs/outputs/v2/", NORMAL, rank as u64);
+        w.header("recv_x_fp8", &[rows, cols]);
+        Self {
+            rank,
+            rows,
+            cols,
+            scales: Some((num_scales, Vec::with_capacity(rows * num_scales * 4))),
+            fed: 0,
+            w,
+        }
+    }
+
+    /// Feeds the next row as its dispatch record (docs/protocol.md §2.1): BF16 — its `2·cols`
+    /// bytes of little-endian bits (the rest is ignored); FP8 — its `cols` e4m3 bytes, and the
+    /// little-endian f32 scales at the record's scales offset (`a16(cols)`).
+    pub fn row(&mut self, record: &[u8]) {
+        match &mut self.scales {
+            None => self.w.bytes(&record[..2 * self.cols]),
+            Some((s, kept)) => {
+                self.w.bytes(&record[..self.cols]);
+                let so = crate::protocol::layout::align16(self.cols as u64) as usize;
+                kept.extend_from_slice(&record[so..so + 4 * *s]);
+            }
+        }
         self.fed += 1;
     }
 
     /// The digest, with everything of the dispatch but `recv_x` and the combine; an error when
     /// the rows fed are not `rows` or `rows` is not the dispatch's `num_recv_tokens`.
     pub fn finish(
-        self,
+        mut self,
         dispatch: &InPlaceDispatch,
         combine: Option<&CombineOutput>,
     ) -> Result<Digest> {
@@ -294,6 +322,10 @@ impl NormalRankStream {
                 expected: format!("{n} rows (received count on rank {})", self.rank),
                 found: format!("{} rows announced, {} fed", self.rows, self.fed),
             });
+        }
+        if let Some((s, kept)) = self.scales.take() {
+            self.w.header("recv_x_scales", &[n, s]);
+            self.w.bytes(&kept);
         }
         normal_rest(self.w, self.rank, dispatch, combine)
     }

@@ -352,3 +352,29 @@ fn shape_errors_are_typed() {
         Err(ep_core::Error::ShapeMismatch { .. })
     ));
 }
+
+/// The table-driven BF16 dequantiser gives the bits of `bf16::from_f32(dequantize_row(..))` for
+/// every code under many scales, and refuses mismatched shapes.
+#[test]
+fn dequantize_row_bf16_matches_the_f32_path() {
+    use ep_core::numerics::fp8::{dequantize_row, dequantize_row_bf16};
+    let q: Vec<u8> = (0..=255u8).chain(0..=255u8).chain(0..100).collect();
+    for scales in [
+        vec![1.0f32, 0.5, 3.0e-3, 7.25, 1.0e30],
+        vec![-2.0, 1.0e-40, 0.0, f32::INFINITY, 448.0],
+    ] {
+        let mut out = vec![half::bf16::ZERO; q.len()];
+        dequantize_row_bf16(&q, &scales, &mut out).unwrap();
+        let want = dequantize_row(&q, &scales).unwrap();
+        for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+            assert_eq!(
+                a.to_bits(),
+                half::bf16::from_f32(*b).to_bits(),
+                "element {i}"
+            );
+        }
+    }
+    let mut short = vec![half::bf16::ZERO; 10];
+    assert!(dequantize_row_bf16(&q, &[1.0; 5], &mut short).is_err());
+    assert!(dequantize_row_bf16(&q, &[1.0; 4], &mut vec![half::bf16::ZERO; q.len()]).is_err());
+}

@@ -126,13 +126,11 @@ pub(crate) fn run<T: Recorded>(
         Buffer::new(transport, cfg).map_err(|x| BenchError::setup("normal", p.backend, x))?;
     t = tl.lap("buffer", t);
 
-    // BF16 rows stay in the arena and are combined in place (docs/protocol.md §2.6), as on the
-    // GPU; FP8 rows are copied out, dequantised by the identity expert and combined from host
-    // tensors (§2.5).
-    let in_place = !fp8_in;
+    // Rows stay in the arena (docs/protocol.md §2.6), as on the GPU: BF16 rows are combined in
+    // place, FP8 rows dequantised into the combine rows first.
     let mut disp = Vec::new();
     let mut comb = Vec::new();
-    let mut last = (0, 0, 0);
+    let mut last = (0, 0, 0, 0);
     let mut digest = None;
     let mut negated = false;
     for it in 0..p.warmup + p.iters {
@@ -147,11 +145,7 @@ pub(crate) fn run<T: Recorded>(
             sources: &sources,
             p,
         };
-        let step = if in_place {
-            iteration_in_place(&mut buf, &cx, it, &mut checks)?
-        } else {
-            iteration_owned(&mut buf, &cx, it, &mut checks)?
-        };
+        let step = iteration_in_place(&mut buf, &cx, it, &mut checks)?;
         t = Instant::now();
         check_combine(&step.combined, &ref_combine, &w.inputs, it, &mut checks)?;
         checks.iterations += 1;
@@ -168,7 +162,7 @@ pub(crate) fn run<T: Recorded>(
             disp.push(step.dispatch_us);
             comb.push(step.combine_us);
         }
-        last = (rec0, step.records.0, step.records.1);
+        last = (rec0, step.records.0, step.records.1, step.records.2);
         p.progress.done();
     }
     if negated {
@@ -223,8 +217,8 @@ pub(crate) fn run<T: Recorded>(
                 payload_bytes: total_rows * 2 * h as u64,
                 payload_what: "expert output rows pulled back by their token's rank (BF16), \
                                local rows included",
-                recorded_bytes: recs[last.1..last.2].iter().map(|x| x.bytes()).sum(),
-                predictions: predictions(&recs[last.1..last.2], &fabric),
+                recorded_bytes: recs[last.2..last.3].iter().map(|x| x.bytes()).sum(),
+                predictions: predictions(&recs[last.2..last.3], &fabric),
             },
         ],
         checks,
@@ -269,8 +263,9 @@ fn timed_call<T: Recorded, R>(
 struct Step {
     dispatch_us: f64,
     combine_us: f64,
-    /// Phase records after the dispatch and after the combine.
-    records: (usize, usize),
+    /// Phase records after the dispatch, before the combine (after the expert's phase, if
+    /// any) and after the combine.
+    records: (usize, usize, usize),
     combined: Vec<CombineOutput>,
     /// The outputs' digest (first iteration only).
     digest: Option<RunDigest>,
@@ -307,10 +302,24 @@ fn iteration_in_place<T: Recorded>(
         }
     }
     t = tl.lap("dispatch verification", t);
+    // The combine's phase records start here (after the expert's phase, when there is one).
+    let mut combine_from = rec1;
     let handles: Vec<IntranodeHandle> = got.iter().map(|d| d.handle.clone()).collect();
     let no_bias: Vec<&[Tensor2<bf16>]> = vec![&[]; r];
+    let fp8 = matches!(w.inputs[0].x, Activations::Fp8 { .. });
+    if fp8 {
+        // The identity expert of FP8 rows: dequantised to BF16 into the combine rows.
+        fp8_expert(buf).map_err(|x| BenchError::call("the FP8 identity expert", it, x))?;
+        t = tl.lap("expert outputs", t);
+        combine_from = buf.transport().phase_records().len();
+    }
+    let with_w = got[0].recv_topk_weights.is_some();
     let (combined, combine_us, rec2) = timed_call(buf, &mut t, tl, "normal combine", it, |b| {
-        b.combine_in_place(&handles, &no_bias)
+        if fp8 {
+            b.combine_from_rows(&handles, &no_bias, with_w)
+        } else {
+            b.combine_in_place(&handles, &no_bias)
+        }
     })?;
     let digest = if let Some(streams) = streams {
         // The rows were digested as they were verified: no second copy of every row.
@@ -324,8 +333,7 @@ fn iteration_in_place<T: Recorded>(
         if let Some(dir) = p.dump {
             let mut owned = Vec::with_capacity(r);
             for (d, g) in got.into_iter().enumerate() {
-                let mut x =
-                    Activations::Bf16(Tensor2::filled(g.num_rows, w.summary.hidden, bf16::ZERO));
+                let mut x = recv_like(&w.inputs[0].x, g.num_rows);
                 buf.read_recv_x(d, 0, &mut x)
                     .map_err(|x| BenchError::call("reading the received rows", it, x))?;
                 owned.push(g.with_recv_x(x));
@@ -344,67 +352,33 @@ fn iteration_in_place<T: Recorded>(
     Ok(Step {
         dispatch_us,
         combine_us,
-        records: (rec1, rec2),
+        records: (rec1, combine_from, rec2),
         combined,
         digest,
     })
 }
 
-/// Dispatch with owned outputs, their verification, the identity expert's outputs (FP8 rows
-/// dequantised), combine from those host tensors.
-fn iteration_owned<T: Recorded>(
-    buf: &mut Buffer<T>,
-    cx: &IterCtx<'_>,
-    it: usize,
-    checks: &mut Checks,
-) -> Result<Step, BenchError> {
-    let (w, p, reference) = (cx.w, cx.p, cx.reference);
-    let tl = p.timeline;
-    let mut t = Instant::now();
-    let (got, dispatch_us, rec1) = timed_call(buf, &mut t, tl, "normal dispatch", it, |b| {
-        b.dispatch(&w.inputs, cx.layouts, w.num_experts, cx.args)
-    })?;
-    check_dispatch(&got, reference, cx.sources, &w.inputs, it, checks);
-    t = tl.lap("dispatch verification", t);
-    let ys = expert_outputs(&got)?;
-    let handles: Vec<IntranodeHandle> = got.iter().map(|d| d.handle.clone()).collect();
-    let cargs: Vec<CombineArgs<'_>> = got
-        .iter()
-        .enumerate()
-        .map(|(d, o)| CombineArgs {
-            x: match (&o.recv_x, &ys) {
-                (Activations::Bf16(x), _) => x,
-                (_, Some(ys)) => &ys[d],
-                (_, None) => unreachable!("FP8 rows always get expert outputs"),
-            },
-            topk_weights: o.recv_topk_weights.as_ref(),
-            bias: &[],
-        })
-        .collect();
-    t = tl.lap("expert outputs", t);
-    let (combined, combine_us, rec2) = timed_call(buf, &mut t, tl, "normal combine", it, |b| {
-        b.combine(&handles, &cargs)
-    })?;
-    let digest = if it == 0 {
-        let view = Outputs::Normal {
-            dispatch: &got,
-            combine: &combined,
+/// Zeroed activations of `rows` rows shaped like `like` (its kind, hidden size, scales).
+fn recv_like(like: &Activations, rows: usize) -> Activations {
+    match like {
+        Activations::Bf16(x) => Activations::Bf16(Tensor2::zeros(rows, x.cols())),
+        Activations::Fp8 { data, scales } => Activations::Fp8 {
+            data: Tensor2::filled(rows, data.cols(), 0u8),
+            scales: Tensor2::filled(rows, scales.cols(), 0.0f32),
+        },
+    }
+}
+
+/// The identity expert of FP8 rows left in the arena, run in the buffer over every rank's rows
+/// (`Buffer::apply_expert`, on every core): each row dequantised to BF16
+/// (`fp8::dequantize_row_bf16`, DeepEP's `per_token_cast_back`) into the rank's combine rows.
+fn fp8_expert<T: Recorded>(buf: &mut Buffer<T>) -> Result<(), ep_core::Error> {
+    buf.apply_expert(&|_, _, x, y| {
+        let Activations::Fp8 { data, scales } = x else {
+            return Err(ep_core::Error::Unsupported("FP8 rows expected".into()));
         };
-        let digest = view.digest().map_err(crate::io::IoError::outputs)?;
-        if let Some(dir) = p.dump {
-            crate::io::dump_outputs(dir, &view, p.info)?;
-        }
-        tl.lap("digest and dump", t);
-        Some(digest)
-    } else {
-        None
-    };
-    Ok(Step {
-        dispatch_us,
-        combine_us,
-        records: (rec1, rec2),
-        combined,
-        digest,
+        (0..data.rows())
+            .try_for_each(|j| fp8::dequantize_row_bf16(data.row(j), scales.row(j), y.row_mut(j)))
     })
 }
 
@@ -444,8 +418,14 @@ fn scan_rows<T: Recorded>(
                             break;
                         }
                         let n = rows[d];
-                        let mut stream =
-                            digest.then(|| ep_core::digest::NormalRankStream::bf16(d, n, h));
+                        let mut stream = digest.then(|| match &inputs[0].x {
+                            Activations::Fp8 { scales, .. } => {
+                                ep_core::digest::NormalRankStream::fp8(d, n, h, scales.cols())
+                            }
+                            Activations::Bf16(_) => {
+                                ep_core::digest::NormalRankStream::bf16(d, n, h)
+                            }
+                        });
                         let mut bad = None;
                         buf.scan_recv_rows(d, 0..n, |j, rec| {
                             let (s, t) = sources[d][j];
@@ -579,45 +559,6 @@ fn same_f32(a: &Tensor2<f32>, b: &Tensor2<f32>, rows: usize) -> bool {
             .all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-/// Compares one iteration's dispatch (owned outputs) with the oracle (module docs).
-fn check_dispatch(
-    got: &[IntranodeDispatch],
-    reference: &[IntranodeDispatch],
-    sources: &Sources,
-    inputs: &[RankInputs],
-    it: usize,
-    checks: &mut Checks,
-) {
-    let meta: Vec<InPlaceDispatch> = got.iter().map(meta_of).collect();
-    check_meta(&meta, reference, it, checks);
-    for (d, (g, o)) in got.iter().zip(reference).enumerate() {
-        let n = o.handle.num_recv_tokens;
-        let rows_ok = g.recv_x.num_tokens() >= n && g.recv_x.hidden() == inputs[0].x.hidden();
-        if !rows_ok {
-            checks.fail(format!("iteration {it}: rank {d}: recv_x shape differs"));
-        } else if let Some(j) = (0..n).find(|&j| {
-            let (s, t) = sources[d][j];
-            row_bits(&g.recv_x, j) != row_bits(&inputs[s].x, t)
-        }) {
-            let (s, t) = sources[d][j];
-            checks.fail(format!(
-                "iteration {it}: rank {d}: recv_x row {j} differs from token {t} of rank {s}"
-            ));
-        }
-    }
-}
-
-/// Everything of a dispatch but `recv_x`.
-fn meta_of(g: &IntranodeDispatch) -> InPlaceDispatch {
-    InPlaceDispatch {
-        num_rows: g.recv_x.num_tokens(),
-        recv_topk_idx: g.recv_topk_idx.clone(),
-        recv_topk_weights: g.recv_topk_weights.clone(),
-        num_recv_tokens_per_expert_list: g.num_recv_tokens_per_expert_list.clone(),
-        handle: g.handle.clone(),
-    }
-}
-
 /// Compares everything of one iteration's dispatch but `recv_x` with the oracle.
 fn check_meta(
     got: &[InPlaceDispatch],
@@ -689,48 +630,6 @@ fn check_meta(
     }
 }
 
-/// The identity expert's outputs for FP8 rows (dequantised to BF16); `None` for BF16 rows,
-/// which are their own expert output.
-fn expert_outputs(got: &[IntranodeDispatch]) -> Result<Option<Vec<Tensor2<bf16>>>, BenchError> {
-    if !got
-        .iter()
-        .any(|o| matches!(o.recv_x, Activations::Fp8 { .. }))
-    {
-        return Ok(None);
-    }
-    got.iter()
-        .map(|o| dequantized(&o.recv_x, 0..o.recv_x.hidden(), o.recv_x.num_tokens()))
-        .collect::<Result<Vec<_>, _>>()
-        .map(Some)
-}
-
-/// Columns `cols` of the first `rows` rows of `x` as BF16 (FP8: dequantised per row, `cols`
-/// aligned to 128).
-fn dequantized(
-    x: &Activations,
-    cols: std::ops::Range<usize>,
-    rows: usize,
-) -> Result<Tensor2<bf16>, BenchError> {
-    let w = cols.len();
-    let mut data = Vec::with_capacity(rows * w);
-    match x {
-        Activations::Bf16(x) => {
-            for j in 0..rows {
-                data.extend_from_slice(&x.row(j)[cols.clone()]);
-            }
-        }
-        Activations::Fp8 { data: q, scales } => {
-            let (b0, b1) = (cols.start / 128, cols.end.div_ceil(128));
-            for j in 0..rows {
-                let f = fp8::dequantize_row(&q.row(j)[cols.clone()], &scales.row(j)[b0..b1])
-                    .map_err(|e| BenchError::reference("dequantising FP8 rows", e))?;
-                data.extend(f.iter().map(|&v| bf16::from_f32(v)));
-            }
-        }
-    }
-    Tensor2::new(rows, w, data).map_err(|e| BenchError::reference("expert outputs", e))
-}
-
 /// The combine reference of the identity expert (module docs): with the identity expert every
 /// rank a token reached returns the token's own row `y = y(x[t])`, so the oracle's definition
 /// `bf16(0 + 0 + Σ_{d ascending} f32(y_d[j_d(t)]))` is `n_t` f32 additions of the same BF16
@@ -751,15 +650,7 @@ fn closed_form(n: u32, y: bf16) -> bf16 {
     if n == 0 {
         return bf16::ZERO;
     }
-    let f = 0.0 + n as f32 * y.to_f32();
-    let b = f.to_bits();
-    if b & 0x7f80_0000 == 0x7f80_0000 {
-        // Infinities and NaNs: the library's conversion (NaN payloads).
-        return bf16::from_f32(f);
-    }
-    // Round to nearest, ties to even, on the bits (what `bf16::from_f32` does for finite
-    // values; written out so the comparison loop vectorises).
-    bf16::from_bits(((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16)
+    ep_core::numerics::bf16::round(0.0 + n as f32 * y.to_f32())
 }
 
 fn combine_reference(
@@ -902,34 +793,26 @@ fn check_combine_rank(
             (t_s, h)
         )));
     }
+    let mut ybuf = vec![bf16::ZERO; h];
     for t in 0..t_s {
         let n = reference.reached[s][t];
         let row = g.combined_x.row(t);
-        let ok = match &input.x {
-            Activations::Bf16(x) if n > 0 && !x.row(t).iter().any(|v| v.is_nan()) => {
-                // The closed form with the rounding written on the bits, branch-free (exact for
-                // every non-NaN input, infinities included: `closed_form` is the reference).
-                let nf = n as f32;
-                row.iter().zip(x.row(t)).fold(0u16, |acc, (a, &y)| {
-                    let b = (0.0 + nf * y.to_f32()).to_bits();
-                    acc | (a.to_bits() ^ ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16)
-                }) == 0
+        // The token's expert output: its row, FP8 dequantised as the identity expert does.
+        let y: &[bf16] = match &input.x {
+            Activations::Bf16(x) => x.row(t),
+            Activations::Fp8 { data, scales } => {
+                fp8::dequantize_row_bf16(data.row(t), scales.row(t), &mut ybuf)
+                    .map_err(|e| BenchError::reference("dequantising FP8 rows", e))?;
+                &ybuf
             }
-            Activations::Bf16(x) => row
-                .iter()
-                .zip(x.row(t))
-                .all(|(a, &y)| a.to_bits() == closed_form(n, y).to_bits()),
-            Activations::Fp8 { .. } => row_block(&input.x, t, 0..h)?
-                .iter()
-                .zip(row)
-                .all(|(&y, a)| a.to_bits() == closed_form(n, y).to_bits()),
         };
+        // A fold, not a search: the loop vectorises (the rounding is branch-free).
+        let ok = row.iter().zip(y).fold(0u16, |acc, (a, &y)| {
+            acc | (a.to_bits() ^ closed_form(n, y).to_bits())
+        }) == 0;
         if !ok {
             let c = (0..h)
-                .find(|&c| {
-                    row_block(&input.x, t, c..c + 1)
-                        .is_ok_and(|y| row[c].to_bits() != closed_form(n, y[0]).to_bits())
-                })
+                .find(|&c| row[c].to_bits() != closed_form(n, y[c]).to_bits())
                 .unwrap_or(0);
             return Ok(Some(format!(
                 "iteration {it}: rank {s}: combined_x[{t}][{c}] differs from the oracle"
@@ -966,11 +849,6 @@ mod tests {
                     want.to_bits(),
                     "n {n} y {bits:#06x}"
                 );
-                if n > 0 && !y.is_nan() {
-                    let b = (0.0 + n as f32 * y.to_f32()).to_bits();
-                    let fast = ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16;
-                    assert_eq!(fast, want.to_bits(), "fast path: n {n} y {bits:#06x}");
-                }
             }
         }
     }

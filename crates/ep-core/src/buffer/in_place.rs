@@ -11,9 +11,9 @@ use crate::error::{Error, Result};
 use crate::plan::combine::CombineOutput;
 use crate::plan::intranode::{InPlaceDispatch, IntranodeHandle};
 use crate::plan::layout::DispatchLayout;
-use crate::protocol::bytes::put_bf16_row;
+use crate::protocol::bytes::{put_bf16_row, put_f32s};
 use crate::protocol::layout::RowFormat;
-use crate::protocol::normal::{self, parse_x};
+use crate::protocol::normal::{self, Expert, parse_x};
 use crate::routing::{Activations, RankInputs};
 use crate::tensor::Tensor2;
 use crate::transport::Transport;
@@ -264,8 +264,160 @@ impl<T: Transport> Buffer<T> {
         handles: &[IntranodeHandle],
         bias: &[&[Tensor2<bf16>]],
     ) -> Result<Vec<CombineOutput>> {
-        let st = self.in_place_rows(0)?.clone();
+        let st = self.check_in_place_combine(handles, bias)?;
         Self::check_bf16_rows(st.fmt)?;
+        let k = if st.with_topk { st.fmt.num_topk } else { 0 };
+        let job = normal::CombineJob {
+            handles,
+            source: normal::CombineSource::DispatchRows { fmt: st.fmt, bias },
+            hidden: st.fmt.hidden,
+            num_topk: k,
+        };
+        self.run_combine(&job, st.with_topk)
+    }
+
+    /// The combine-row format that goes with the last in-place dispatch: BF16 rows of its
+    /// hidden size and room for its `K` weights (docs/protocol.md §2.1, §2.6).
+    fn combine_rows_format(st: &InPlaceRows) -> RowFormat {
+        RowFormat {
+            hidden: st.fmt.hidden,
+            elem_bytes: 2,
+            num_scales: 0,
+            num_topk: st.fmt.num_topk,
+        }
+    }
+
+    /// Writes expert outputs `y` (BF16 `[n, H]`, the dispatch's hidden size) and, optionally,
+    /// their weights (`[n, K]`, the dispatch's `K`) as rows `first .. first + n` of `rank`'s
+    /// combine rows (docs/protocol.md §2.1): the expert GEMM writing its output into the
+    /// buffer, which [`Buffer::combine_from_rows`] then combines. Works for FP8 dispatches too
+    /// (the combine rows are BF16 whatever the dispatch format).
+    pub fn write_combine_rows(
+        &mut self,
+        rank: usize,
+        first: usize,
+        y: &Tensor2<bf16>,
+        weights: Option<&Tensor2<f32>>,
+    ) -> Result<()> {
+        let st = self.in_place_rows(rank)?;
+        let fmt = Self::combine_rows_format(st);
+        let n = y.rows();
+        let k_ok = weights.is_none_or(|w| w.shape() == (n, fmt.num_topk) && st.with_topk);
+        if y.cols() != fmt.hidden || first + n > st.rows[rank] || !k_ok {
+            return Err(Error::ShapeMismatch {
+                what: "write_combine_rows rows and weights",
+                expected: format!(
+                    "rows within [0, {}) of {} columns on rank {rank}, weights of {} columns \
+                     (only when top-k was dispatched)",
+                    st.rows[rank], fmt.hidden, fmt.num_topk
+                ),
+                found: format!(
+                    "[{first}, {}) of {} columns, weights {:?}",
+                    first + n,
+                    y.cols(),
+                    weights.map(Tensor2::shape)
+                ),
+            });
+        }
+        let arena = self.normal_arena()?.clone();
+        let data = arena.data_layout();
+        let yrec = fmt.combine_record() as usize;
+        Self::check_capacity(&arena, st.rows[rank], yrec as u64, false)?;
+        let wo = crate::protocol::layout::align16(2 * fmt.hidden as u64) as usize;
+        let chunk = (READ_CHUNK_BYTES / yrec).clamp(1, n.max(1));
+        let mut buf = std::mem::take(&mut self.scratch);
+        let mut res = Ok(());
+        for c0 in (0..n).step_by(chunk) {
+            let m = chunk.min(n - c0);
+            buf.clear();
+            buf.resize(m * yrec, 0);
+            for (i, rec) in buf.chunks_exact_mut(yrec).enumerate() {
+                put_bf16_row(rec, y.row(c0 + i));
+                if let Some(w) = weights {
+                    put_f32s(&mut rec[wo..], w.row(c0 + i));
+                }
+            }
+            let at = arena
+                .data
+                .at(data.combine_row((first + c0) as u64, yrec as u64));
+            res = self.transport.write_local(rank, at, &buf);
+            if res.is_err() {
+                break;
+            }
+        }
+        self.scratch = buf;
+        res
+    }
+
+    /// Runs `expert` over every row the last in-place dispatch left on every rank — as a phase,
+    /// one agent per rank, a chunk of rows at a time (`expert(rank, first_row, rows, outputs)`,
+    /// rows as dispatched, BF16 or FP8 with scales; one BF16 output row per row) — and stores
+    /// the outputs, with the rows' dispatched weights, in the combine rows for
+    /// [`Buffer::combine_from_rows`] (docs/protocol.md §2.6). The expert GEMM reading `recv_x`
+    /// in place and writing into the buffer; on the simulator it runs on every core. An error
+    /// of `expert` fails the phase (and poisons the buffer, as any failed phase does).
+    pub fn apply_expert(&mut self, expert: &Expert) -> Result<()> {
+        let st = self.in_place_rows(0)?.clone();
+        let arena = self.normal_arena()?.clone();
+        let out = Self::combine_rows_format(&st);
+        let max = st.rows.iter().copied().max().unwrap_or(0);
+        Self::check_capacity(&arena, max, out.combine_record(), false)?;
+        let like = match st.fmt.elem_bytes {
+            2 => Activations::Bf16(Tensor2::zeros(0, st.fmt.hidden)),
+            _ => Activations::Fp8 {
+                data: Tensor2::filled(0, st.fmt.hidden, 0u8),
+                scales: Tensor2::filled(0, st.fmt.num_scales, 0.0f32),
+            },
+        };
+        let call = self.next_call();
+        let phase = normal::expert_phase(
+            &arena,
+            st.fmt,
+            out,
+            &st.rows,
+            st.with_topk,
+            &like,
+            expert,
+            call,
+        );
+        self.run(phase)?;
+        Ok(())
+    }
+
+    /// Normal combine of the expert outputs the host wrote into the combine rows with
+    /// [`Buffer::write_combine_rows`] (every row of every rank, after the last in-place
+    /// dispatch), their weights read when `with_weights`; `bias` as in
+    /// [`Buffer::combine_in_place`]. Equals [`Buffer::combine`] of the same outputs.
+    pub fn combine_from_rows(
+        &mut self,
+        handles: &[IntranodeHandle],
+        bias: &[&[Tensor2<bf16>]],
+        with_weights: bool,
+    ) -> Result<Vec<CombineOutput>> {
+        let st = self.check_in_place_combine(handles, bias)?;
+        if with_weights && !st.with_topk {
+            return Err(Error::Unsupported(
+                "combine_from_rows with weights after a dispatch without top-k".into(),
+            ));
+        }
+        let fmt = Self::combine_rows_format(&st);
+        let job = normal::CombineJob {
+            handles,
+            source: normal::CombineSource::CombineRows { fmt, bias },
+            hidden: fmt.hidden,
+            num_topk: if with_weights { fmt.num_topk } else { 0 },
+        };
+        self.run_combine(&job, with_weights)
+    }
+
+    /// The checks both in-place combines share: rank counts, handles that match the last
+    /// in-place dispatch's rows, 0–2 biases of `[T_s, H]`; returns that dispatch's state.
+    fn check_in_place_combine(
+        &self,
+        handles: &[IntranodeHandle],
+        bias: &[&[Tensor2<bf16>]],
+    ) -> Result<InPlaceRows> {
+        let st = self.in_place_rows(0)?.clone();
         let r = self.num_ranks();
         for len in [handles.len(), bias.len()] {
             if len != r {
@@ -280,7 +432,7 @@ impl<T: Transport> Buffer<T> {
                 return Err(crate::plan::intranode::handle_mismatch(
                     s,
                     format!(
-                        "combine_in_place: the handle has {} rows, the last in-place dispatch \
+                        "in-place combine: the handle has {} rows, the last in-place dispatch \
                          (call {}) left {}",
                         h.recv_src_idx.len(),
                         st.call,
@@ -309,13 +461,6 @@ impl<T: Transport> Buffer<T> {
             }
         }
         Self::check_combine_handles(handles, &st.rows)?;
-        let k = if st.with_topk { st.fmt.num_topk } else { 0 };
-        let job = normal::CombineJob {
-            handles,
-            source: normal::CombineSource::DispatchRows { fmt: st.fmt, bias },
-            hidden: st.fmt.hidden,
-            num_topk: k,
-        };
-        self.run_combine(&job, st.with_topk)
+        Ok(st)
     }
 }

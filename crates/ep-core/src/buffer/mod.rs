@@ -50,6 +50,7 @@ use crate::protocol::normal::NormalArena;
 use crate::transport::{AllocRequest, Init, Transport};
 
 pub use crate::plan::intranode::InPlaceDispatch;
+pub use crate::protocol::normal::Expert;
 pub use low_latency::{LlCombineHook, LlDispatchHook, LlDispatched};
 
 /// Options of a normal dispatch (spec §1.8).

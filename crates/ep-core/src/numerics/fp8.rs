@@ -300,6 +300,32 @@ pub fn dequantize_row(q: &[u8], scale_inv: &[f32]) -> Result<Vec<f32>> {
         .collect())
 }
 
+/// [`dequantize_row`] rounded to BF16 into `out` (`bf16::from_f32` of each element, the same
+/// bits), through a 256-entry table of [`e4m3_decode`] and without allocating: the identity
+/// expert of DeepEP's FP8 tests (`per_token_cast_back`) at memory speed.
+pub fn dequantize_row_bf16(q: &[u8], scale_inv: &[f32], out: &mut [bf16]) -> Result<()> {
+    static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| std::array::from_fn(|b| e4m3_decode(b as u8)));
+    let blocks = q.len().div_ceil(FP8_BLOCK);
+    if scale_inv.len() != blocks || out.len() != q.len() {
+        return Err(Error::ShapeMismatch {
+            what: "FP8 row, its scales and the BF16 output",
+            expected: format!("{blocks} scales and {} outputs", q.len()),
+            found: format!("{} scales and {} outputs", scale_inv.len(), out.len()),
+        });
+    }
+    for ((qb, ob), &s) in q
+        .chunks(FP8_BLOCK)
+        .zip(out.chunks_mut(FP8_BLOCK))
+        .zip(scale_inv)
+    {
+        for (o, &b) in ob.iter_mut().zip(qb) {
+            *o = super::bf16::round(table[usize::from(b)] * s);
+        }
+    }
+    Ok(())
+}
+
 /// Dequantises `q [T, H]` with `scale_inv [T, ceil(H/128)]` into f32 `[T, H]`.
 pub fn dequantize(q: &Tensor2<u8>, scale_inv: &Tensor2<f32>) -> Result<Tensor2<f32>> {
     if scale_inv.rows() != q.rows() {

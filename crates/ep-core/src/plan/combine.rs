@@ -57,7 +57,7 @@ pub fn accumulate(acc: &mut [f32], contribution: &[bf16]) {
 /// Rounds a row's accumulator to BF16 (round to nearest even).
 pub fn round_row(acc: &[f32], out: &mut [bf16]) {
     for (o, &a) in out.iter_mut().zip(acc) {
-        *o = bf16::from_f32(a);
+        *o = crate::numerics::bf16::round(a);
     }
 }
 

@@ -747,6 +747,82 @@ pub(crate) fn cached_phase<'a>(
     phase
 }
 
+/// An expert applied to received rows: `(rank, first row, rows as dispatched, outputs)` with
+/// one BF16 output row per input row (`Buffer::apply_expert`).
+pub type Expert = dyn Fn(usize, usize, &Activations, &mut Tensor2<bf16>) -> Result<()> + Sync;
+
+type ExpertFn<'a> = &'a Expert;
+
+/// The expert phase (docs/protocol.md §2.6): on each rank one agent loads its received rows
+/// `[0, rows[s])` a chunk at a time from its dispatch rows, hands them to `expert`, and stores
+/// the outputs — with the rows' dispatched weights when `with_topk` — as records of format
+/// `out` in its own combine rows. Local loads and stores only.
+#[allow(clippy::too_many_arguments, reason = "one phase's whole context")]
+pub(crate) fn expert_phase<'a>(
+    arena: &'a NormalArena,
+    fmt: RowFormat,
+    out: RowFormat,
+    rows: &'a [usize],
+    with_topk: bool,
+    like: &'a Activations,
+    expert: ExpertFn<'a>,
+    call: u64,
+) -> Phase<'a> {
+    let mut phase = Phase::new(PhaseKind::Custom("expert".into()), call);
+    for (s, &n) in rows.iter().enumerate() {
+        phase = phase.agent(s, 0, "expert", move |ctx: &mut dyn AgentCtx| {
+            let data = arena.data_layout();
+            let (drec, yrec) = (
+                fmt.dispatch_record() as usize,
+                out.combine_record() as usize,
+            );
+            let (h, k) = (fmt.hidden, fmt.num_topk);
+            let w_in = fmt.meta_offset() as usize + 8 + 8 * k;
+            let w_out = crate::protocol::layout::align16(2 * h as u64) as usize;
+            let chunk = (ROW_CHUNK_BYTES / drec).clamp(1, n.max(1));
+            let mut recs = vec![0u8; chunk * drec];
+            let mut ys = vec![0u8; chunk * yrec];
+            for c0 in (0..n).step_by(chunk) {
+                let m = chunk.min(n - c0);
+                ctx.load(
+                    s,
+                    arena.at(data.dispatch_row(c0 as u64, drec as u64)),
+                    &mut recs[..m * drec],
+                )?;
+                let mut x = recv_outputs(m, fmt, like, false, false)
+                    .recv_x
+                    .ok_or_else(|| Error::AgentFailed {
+                        rank: s,
+                        agent: "expert".into(),
+                        detail: "no row buffer".into(),
+                    })?;
+                for (i, rec) in recs[..m * drec].chunks_exact(drec).enumerate() {
+                    parse_x(rec, i, fmt, &mut x);
+                }
+                let mut y = Tensor2::zeros(m, h);
+                expert(s, c0, &x, &mut y)?;
+                for (i, (yr, rec)) in ys[..m * yrec]
+                    .chunks_exact_mut(yrec)
+                    .zip(recs.chunks_exact(drec))
+                    .enumerate()
+                {
+                    put_bf16_row(yr, y.row(i));
+                    if with_topk {
+                        yr[w_out..w_out + 4 * k].copy_from_slice(&rec[w_in..w_in + 4 * k]);
+                    }
+                }
+                ctx.store(
+                    s,
+                    arena.at(data.combine_row(c0 as u64, yrec as u64)),
+                    &ys[..m * yrec],
+                )?;
+            }
+            Ok(())
+        });
+    }
+    phase
+}
+
 /// Where the expert outputs of a combine are.
 pub(crate) enum CombineSource<'a> {
     /// Host tensors: each rank's publish agent stores them in its combine rows (§2.5).
@@ -757,6 +833,12 @@ pub(crate) enum CombineSource<'a> {
         fmt: RowFormat,
         bias: &'a [&'a [Tensor2<bf16>]],
     },
+    /// Written into the combine rows by the host before the phase (§2.6): records of format
+    /// `fmt` (`fmt.num_topk` = the dispatch's `K`, whether or not the weights are read).
+    CombineRows {
+        fmt: RowFormat,
+        bias: &'a [&'a [Tensor2<bf16>]],
+    },
 }
 
 impl CombineSource<'_> {
@@ -764,7 +846,7 @@ impl CombineSource<'_> {
     fn bias(&self, s: usize) -> &[Tensor2<bf16>] {
         match self {
             Self::Host(args) => args[s].bias,
-            Self::DispatchRows { bias, .. } => bias[s],
+            Self::DispatchRows { bias, .. } | Self::CombineRows { bias, .. } => bias[s],
         }
     }
 }
@@ -790,6 +872,11 @@ fn expert_row(job: &CombineJob<'_>, data: NormalData, j: u64) -> (u64, u64, usiz
             };
             let yrec = fmt.combine_record();
             let wo = crate::protocol::layout::align16(2 * job.hidden as u64) as usize;
+            (data.combine_row(j, yrec), yrec, wo)
+        }
+        CombineSource::CombineRows { fmt, .. } => {
+            let yrec = fmt.combine_record();
+            let wo = crate::protocol::layout::align16(2 * fmt.hidden as u64) as usize;
             (data.combine_row(j, yrec), yrec, wo)
         }
         CombineSource::DispatchRows { fmt, .. } => {
