@@ -549,3 +549,84 @@ fn threads_mode_poison_reset_and_shrink() {
     assert!(buf.masked_ranks()[X]);
     ll_round(&mut buf, &mut rng).unwrap();
 }
+
+// ---- rows left in place -----------------------------------------------------------------------
+
+/// The in-place calls (docs/protocol.md §2.6) under a dead rank: the dispatch, the expert phase
+/// and the combine each fail naming the rank and poison the buffer (host reads of the rows too);
+/// after repair and reset the rows are gone (a typed error says to dispatch again) and a fresh
+/// in-place dispatch and combine equal the plan.
+#[test]
+fn in_place_calls_poison_and_reset() {
+    for step in 0..3 {
+        let mut rng = ChaCha8Rng::seed_from_u64(40 + step);
+        let mut buf = buffer(true, false, 40 + step);
+        let inputs = inputs_of(&mut rng, false);
+        let topk: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
+        let layouts = buf.get_dispatch_layout(&topk, R * L).unwrap();
+        let args = NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).unwrap());
+        let dead = vec![Fault::DeadRank {
+            rank: X,
+            at: Trigger::AfterOps(0),
+        }];
+        let no_bias: Vec<&[Tensor2<bf16>]> = vec![&[]; R];
+        if step == 0 {
+            buf.transport_mut().set_faults(dead.clone());
+        }
+        let got = buf.dispatch_in_place(&inputs, &layouts, R * L, &args);
+        let e = match (step, got) {
+            (0, Err(e)) => e,
+            (0, Ok(_)) => panic!("the dispatch survived a dead rank"),
+            (_, got) => {
+                let handles: Vec<_> = got.unwrap().iter().map(|d| d.handle.clone()).collect();
+                buf.transport_mut().set_faults(dead.clone());
+                if step == 1 {
+                    buf.apply_expert(&|_, _, _, _| Ok(())).unwrap_err()
+                } else {
+                    buf.combine_in_place(&handles, &no_bias).unwrap_err()
+                }
+            }
+        };
+        check_names_the_rank(Kind::Dead, &e);
+        assert!(buf.poisoned().is_some(), "step {step}");
+        let mut x = ep_rs::core::Activations::Bf16(Tensor2::zeros(1, H));
+        assert!(matches!(
+            buf.read_recv_x(0, 0, &mut x),
+            Err(Error::BufferPoisoned { .. })
+        ));
+        buf.transport_mut().clear_faults();
+        buf.reset().unwrap();
+        assert!(matches!(
+            buf.read_recv_x(0, 0, &mut x),
+            Err(Error::Unsupported(_))
+        ));
+        let got = buf
+            .dispatch_in_place(&inputs, &layouts, R * L, &args)
+            .unwrap();
+        let opts = DispatchOptions {
+            num_channels: 2,
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            with_topk: true,
+        };
+        let want = intranode_dispatch_all(&inputs, &layouts, R * L, &opts).unwrap();
+        let handles: Vec<_> = got.iter().map(|d| d.handle.clone()).collect();
+        let combined = buf.combine_in_place(&handles, &no_bias).unwrap();
+        let cargs: Vec<_> = want
+            .iter()
+            .map(|w| CombineArgs {
+                x: match &w.recv_x {
+                    ep_rs::core::Activations::Bf16(x) => x,
+                    _ => unreachable!("BF16 inputs"),
+                },
+                topk_weights: w.recv_topk_weights.as_ref(),
+                bias: &[],
+            })
+            .collect();
+        assert_eq!(
+            combined,
+            intranode_combine(&handles, &cargs).unwrap(),
+            "step {step}"
+        );
+    }
+}
