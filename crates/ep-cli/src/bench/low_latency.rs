@@ -62,19 +62,33 @@ pub(crate) fn run<T: Recorded>(
     let tl = p.timeline;
     let mut lap = Instant::now();
     p.progress.step("oracle: dispatch and combine");
-    // One set of expert outputs serves the references and every iteration: only the rows a
-    // dispatch filled are written (and cleared again), so the mostly empty packed arrays are
-    // never touched, let alone zeroed or copied, per iteration.
+    // Expert outputs are kept from one use to the next: only the rows a dispatch filled are
+    // written (and cleared again), so the mostly empty packed arrays are never touched, let
+    // alone zeroed or copied, per iteration. The two signs' references are computed side by
+    // side (one on another thread, with its own expert outputs); the first's serve the
+    // iterations.
     let mut y = ExpertOutputs::default();
-    let pos = reference(&w.inputs, &params, &mut y)?;
-    let neg = if p.alternate {
-        flip_signs(&mut w.inputs);
-        let neg = reference(&w.inputs, &params, &mut y);
-        flip_signs(&mut w.inputs);
-        Some(neg?)
-    } else {
-        None
+    let mut y_neg = ExpertOutputs::default();
+    let (pos, neg) = {
+        let negated: Option<Vec<RankInputs>> = p.alternate.then(|| {
+            let mut x = w.inputs.clone();
+            flip_signs(&mut x);
+            x
+        });
+        let inputs = &w.inputs;
+        let (params, y_neg) = (&params, &mut y_neg);
+        std::thread::scope(|sc| {
+            let neg = negated
+                .as_ref()
+                .map(|x| sc.spawn(move || reference(x, params, y_neg)));
+            let pos = reference(inputs, params, &mut y);
+            let neg = neg
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .transpose();
+            (pos, neg)
+        })
     };
+    let (pos, neg) = (pos?, neg?);
     lap = tl.lap("oracle", lap);
     p.progress.done();
 
@@ -344,9 +358,7 @@ impl ExpertOutputs {
     fn identity(&mut self, outs: &[Option<LlDispatchOutput>]) -> Result<(), BenchError> {
         self.y.resize_with(outs.len(), || None);
         self.written.resize_with(outs.len(), Vec::new);
-        let lut: Vec<f32> = (0..=255u8)
-            .map(ep_core::numerics::fp8::e4m3_decode)
-            .collect();
+        let lut: [f32; 256] = std::array::from_fn(|b| ep_core::numerics::fp8::e4m3_decode(b as u8));
         let mut work: Vec<_> = outs
             .iter()
             .zip(&mut self.y)
@@ -376,12 +388,27 @@ impl ExpertOutputs {
     }
 }
 
+/// `bf16::from_f32` without branches (so that rows vectorise): round to nearest even, NaN kept
+/// quiet with its high mantissa bits, bit for bit as `half` does it.
+#[inline(always)]
+fn bf16_round(v: f32) -> bf16 {
+    let x = v.to_bits();
+    let nan = (x & 0x7FFF_FFFF) > 0x7F80_0000;
+    let up = u32::from((x & 0x8000 != 0) & (x & 0x17FFF != 0));
+    let bits = if nan {
+        (x >> 16) | 0x40
+    } else {
+        (x >> 16) + up
+    };
+    bf16::from_bits(bits as u16)
+}
+
 /// [`ExpertOutputs::identity`] for one receiver; `lut` decodes e4m3 codes.
 fn identity_one(
     out: Option<&LlDispatchOutput>,
     y: &mut Option<Vec<Tensor2<bf16>>>,
     written: &mut Vec<usize>,
-    lut: &[f32],
+    lut: &[f32; 256],
 ) -> Result<(), BenchError> {
     let Some(out) = out else {
         *y = None;
@@ -429,8 +456,11 @@ fn identity_one(
                             .is_some_and(|s| s.shape() == (rows, h.div_ceil(block))) =>
                 {
                     let (q, sc) = (data[l].row(row), scales[l].row(row));
-                    for (c, (o, &b)) in t.row_mut(row).iter_mut().zip(q).enumerate() {
-                        *o = bf16::from_f32(lut[usize::from(b)] * sc[c / block]);
+                    let out = t.row_mut(row);
+                    for ((o, q), &sc) in out.chunks_mut(block).zip(q.chunks(block)).zip(sc) {
+                        for (o, &b) in o.iter_mut().zip(q) {
+                            *o = bf16_round(lut[usize::from(b)] * sc);
+                        }
                     }
                 }
                 _ => {
@@ -529,4 +559,45 @@ fn per_rank<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
         }
     });
     out.into_iter().flatten().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_round_is_half_from_f32() {
+        let edge = [
+            0u32,
+            0x8000_0000,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7F7F_FFFF,
+            0xFF7F_FFFF,
+            0x7F80_0001,
+            0x7FC0_0000,
+            0xFFFF_FFFF,
+            0x3F80_8000,
+            0x3F81_8000,
+            0x3F80_8001,
+            0x0000_8000,
+            0x0001_8000,
+        ];
+        let stride = (0..=u32::MAX).step_by(65_521);
+        for x in edge.into_iter().chain(stride) {
+            let (a, b) = (
+                bf16_round(f32::from_bits(x)),
+                bf16::from_f32(f32::from_bits(x)),
+            );
+            assert_eq!(a.to_bits(), b.to_bits(), "{x:#010x}");
+            for lo in [0x7FFFu32, 0x8000, 0x8001, 0xFFFF, 0x1_7FFF] {
+                let y = (x & !0xFFFF) | (lo & 0xFFFF) | (x & lo & 0x1_0000);
+                let (a, b) = (
+                    bf16_round(f32::from_bits(y)),
+                    bf16::from_f32(f32::from_bits(y)),
+                );
+                assert_eq!(a.to_bits(), b.to_bits(), "{y:#010x}");
+            }
+        }
+    }
 }
