@@ -358,7 +358,6 @@ impl ExpertOutputs {
     fn identity(&mut self, outs: &[Option<LlDispatchOutput>]) -> Result<(), BenchError> {
         self.y.resize_with(outs.len(), || None);
         self.written.resize_with(outs.len(), Vec::new);
-        let lut: [f32; 256] = std::array::from_fn(|b| ep_core::numerics::fp8::e4m3_decode(b as u8));
         let mut work: Vec<_> = outs
             .iter()
             .zip(&mut self.y)
@@ -374,10 +373,9 @@ impl ExpertOutputs {
             let handles: Vec<_> = work
                 .chunks_mut(chunk)
                 .map(|part| {
-                    let lut = &lut;
                     sc.spawn(move || {
                         part.iter_mut()
-                            .try_for_each(|(o, y, w)| identity_one(o.as_ref(), y, w, lut))
+                            .try_for_each(|(o, y, w)| identity_one(o.as_ref(), y, w))
                     })
                 })
                 .collect();
@@ -393,22 +391,32 @@ impl ExpertOutputs {
 #[inline(always)]
 fn bf16_round(v: f32) -> bf16 {
     let x = v.to_bits();
-    let nan = (x & 0x7FFF_FFFF) > 0x7F80_0000;
+    let nan = 0u32.wrapping_sub(u32::from((x & 0x7FFF_FFFF) > 0x7F80_0000));
     let up = u32::from((x & 0x8000 != 0) & (x & 0x17FFF != 0));
-    let bits = if nan {
-        (x >> 16) | 0x40
-    } else {
-        (x >> 16) + up
-    };
+    let bits = (((x >> 16) | 0x40) & nan) | (((x >> 16) + up) & !nan);
     bf16::from_bits(bits as u16)
 }
 
-/// [`ExpertOutputs::identity`] for one receiver; `lut` decodes e4m3 codes.
+/// `ep_core::numerics::fp8::e4m3_decode` without table or branches (so that rows vectorise),
+/// bit for bit: normal codes are the f32 with the code's exponent rebiased (7 → 127) and its 3
+/// mantissa bits on top, subnormal ones `m · 2^-9`, `0x7f`/`0xff` NaN.
+#[inline(always)]
+fn e4m3_value(code: u8) -> f32 {
+    let c = u32::from(code);
+    let mag = c & 0x7f;
+    let normal = (mag << 20) + (120 << 23);
+    let sub = ((mag & 7) as f32 * (1.0 / 512.0)).to_bits();
+    let is_sub = 0u32.wrapping_sub(u32::from(mag < 8));
+    let bits = ((sub & is_sub) | (normal & !is_sub)) | ((c & 0x80) << 24);
+    let is_nan = 0u32.wrapping_sub(u32::from(mag == 0x7f));
+    f32::from_bits((f32::NAN.to_bits() & is_nan) | (bits & !is_nan))
+}
+
+/// [`ExpertOutputs::identity`] for one receiver.
 fn identity_one(
     out: Option<&LlDispatchOutput>,
     y: &mut Option<Vec<Tensor2<bf16>>>,
     written: &mut Vec<usize>,
-    lut: &[f32; 256],
 ) -> Result<(), BenchError> {
     let Some(out) = out else {
         *y = None;
@@ -448,7 +456,7 @@ fn identity_one(
         let count = usize::try_from(out.recv_count[l]).unwrap_or(0).min(rows);
         for row in 0..count {
             match &out.recv_x {
-                // Same arithmetic as `row_f32` (`e4m3_decode(b) * scale_inv`), decoded by table.
+                // Same arithmetic as `row_f32` (`e4m3_decode(b) * scale_inv`), decoded without table.
                 LlRecvX::Fp8 { data, scales }
                     if data.get(l).is_some_and(|d| d.shape() == (rows, h))
                         && scales
@@ -459,7 +467,7 @@ fn identity_one(
                     let out = t.row_mut(row);
                     for ((o, q), &sc) in out.chunks_mut(block).zip(q.chunks(block)).zip(sc) {
                         for (o, &b) in o.iter_mut().zip(q) {
-                            *o = bf16_round(lut[usize::from(b)] * sc);
+                            *o = bf16_round(e4m3_value(b) * sc);
                         }
                     }
                 }
@@ -564,6 +572,14 @@ fn per_rank<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn e4m3_value_is_e4m3_decode() {
+        for c in 0..=255u8 {
+            let (a, b) = (e4m3_value(c), ep_core::numerics::fp8::e4m3_decode(c));
+            assert_eq!(a.to_bits(), b.to_bits(), "code {c:#04x}");
+        }
+    }
 
     #[test]
     fn bf16_round_is_half_from_f32() {
