@@ -386,6 +386,34 @@ impl ExpertOutputs {
     }
 }
 
+/// One FP8 row (`FP8_BLOCK` channels per scale) dequantised and rounded to BF16 into `out`; with
+/// AVX2 where the CPU has it (the same operations, wider).
+fn dequantize_row(q: &[u8], scales: &[f32], out: &mut [bf16]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above), the only requirement.
+        unsafe { dequantize_row_avx2(q, scales, out) };
+        return;
+    }
+    dequantize_row_portable(q, scales, out);
+}
+
+#[inline(always)]
+fn dequantize_row_portable(q: &[u8], scales: &[f32], out: &mut [bf16]) {
+    let block = ep_core::numerics::fp8::FP8_BLOCK;
+    for ((o, q), &sc) in out.chunks_mut(block).zip(q.chunks(block)).zip(scales) {
+        for (o, &b) in o.iter_mut().zip(q) {
+            *o = bf16_round(e4m3_value(b) * sc);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn dequantize_row_avx2(q: &[u8], scales: &[f32], out: &mut [bf16]) {
+    dequantize_row_portable(q, scales, out);
+}
+
 /// `bf16::from_f32` without branches (so that rows vectorise): round to nearest even, NaN kept
 /// quiet with its high mantissa bits, bit for bit as `half` does it.
 #[inline(always)]
@@ -463,13 +491,7 @@ fn identity_one(
                             .get(l)
                             .is_some_and(|s| s.shape() == (rows, h.div_ceil(block))) =>
                 {
-                    let (q, sc) = (data[l].row(row), scales[l].row(row));
-                    let out = t.row_mut(row);
-                    for ((o, q), &sc) in out.chunks_mut(block).zip(q.chunks(block)).zip(sc) {
-                        for (o, &b) in o.iter_mut().zip(q) {
-                            *o = bf16_round(e4m3_value(b) * sc);
-                        }
-                    }
+                    dequantize_row(data[l].row(row), scales[l].row(row), t.row_mut(row));
                 }
                 _ => {
                     let x = out
