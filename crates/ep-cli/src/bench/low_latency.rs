@@ -180,16 +180,12 @@ pub(crate) fn run<T: Recorded>(
                         .to_string(),
                 );
             }
-            let d1 = calc_diff(
-                g.data().iter().map(|v| v.to_f64()),
-                b.data().iter().map(|v| v.to_f64()),
-            );
+            let (d1, d2) = combine_diffs(&inputs[s], g, b, &params, r, e);
             if d1.is_nan() || d1 >= TOL_BF16 {
                 fails.push(format!(
                     "calc_diff to DeepEP's combine order {d1:.3e} >= {TOL_BF16:e}"
                 ));
             }
-            let d2 = deepep_check(&inputs[s], g, &params, r, e);
             if d2.is_nan() || d2 >= tol {
                 fails.push(format!(
                     "calc_diff(x * sum(weights), combined) {d2:.3e} >= {tol:e}"
@@ -520,43 +516,59 @@ fn calc_diff(x: impl Iterator<Item = f64>, y: impl Iterator<Item = f64>) -> f64 
         xy += a * b;
         sq += a * a + b * b;
     }
+    finish_diff(xy, sq)
+}
+
+/// `calc_diff` from its two sums.
+fn finish_diff(xy: f64, sq: f64) -> f64 {
     if sq == 0.0 { 0.0 } else { 1.0 - 2.0 * xy / sq }
 }
 
-/// DeepEP's combine check for rank `s`: `calc_diff(x * Σ_k w[t][k] [idx >= 0, expert's rank
-/// unmasked], combined)` with `x` the BF16 input.
-fn deepep_check(
+/// Rank `s`'s two tolerance checks of its combined output `got` in one pass (the same sums,
+/// term by term in the same order, as two separate [`calc_diff`]s):
+/// - `calc_diff(got, deepep)`: to DeepEP's reduction order;
+/// - DeepEP's own check, `calc_diff(x * Σ_k w[t][k] [idx >= 0, expert's rank unmasked], got)`
+///   with `x` the BF16 input (NaN if `x` is not BF16 or of another shape).
+fn combine_diffs(
     inp: &RankInputs,
     got: &Tensor2<bf16>,
+    deepep: &Tensor2<bf16>,
     params: &LlParams,
     r: usize,
     e: usize,
-) -> f64 {
+) -> (f64, f64) {
+    let f64s = |t: &Tensor2<bf16>| t.data().iter().map(|v| v.to_f64()).collect::<Vec<_>>();
     let Activations::Bf16(x) = &inp.x else {
-        return f64::NAN;
+        return (
+            calc_diff(f64s(got).into_iter(), f64s(deepep).into_iter()),
+            f64::NAN,
+        );
     };
-    if got.shape() != x.shape() {
-        return f64::NAN;
+    if got.shape() != deepep.shape() || got.shape() != x.shape() {
+        let d1 = calc_diff(f64s(got).into_iter(), f64s(deepep).into_iter());
+        return (d1, f64::NAN);
     }
     let l = (e / r.max(1)).max(1);
-    let sums: Vec<f64> = (0..x.rows())
-        .map(|t| {
-            inp.topk_idx
-                .row(t)
-                .iter()
-                .zip(inp.topk_weights.row(t))
-                .filter(|&(&i, _)| i >= 0 && !params.is_masked(i as usize / l))
-                .map(|(_, &w)| f64::from(w))
-                .sum()
-        })
-        .collect();
-    let h = x.cols().max(1);
-    let want = x
-        .data()
-        .iter()
-        .enumerate()
-        .map(|(i, v)| v.to_f64() * sums[i / h]);
-    calc_diff(want, got.data().iter().map(|v| v.to_f64()))
+    let (mut xy1, mut sq1, mut xy2, mut sq2) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    for t in 0..x.rows() {
+        let sw: f64 = inp
+            .topk_idx
+            .row(t)
+            .iter()
+            .zip(inp.topk_weights.row(t))
+            .filter(|&(&i, _)| i >= 0 && !params.is_masked(i as usize / l))
+            .map(|(_, &w)| f64::from(w))
+            .sum();
+        for ((gv, dv), xv) in got.row(t).iter().zip(deepep.row(t)).zip(x.row(t)) {
+            let (p, q) = (gv.to_f64() + 1.0, dv.to_f64() + 1.0);
+            xy1 += p * q;
+            sq1 += p * p + q * q;
+            let w = xv.to_f64() * sw + 1.0;
+            xy2 += w * p;
+            sq2 += w * w + p * p;
+        }
+    }
+    (finish_diff(xy1, sq1), finish_diff(xy2, sq2))
 }
 
 /// `f(rank)` for every rank `0..n`, spread over the host's cores; results in rank order.
