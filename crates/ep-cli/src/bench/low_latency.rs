@@ -382,60 +382,6 @@ impl ExpertOutputs {
     }
 }
 
-/// One FP8 row (`FP8_BLOCK` channels per scale) dequantised and rounded to BF16 into `out`; with
-/// AVX2 where the CPU has it (the same operations, wider).
-fn dequantize_row(q: &[u8], scales: &[f32], out: &mut [bf16]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked just above), the only requirement.
-        unsafe { dequantize_row_avx2(q, scales, out) };
-        return;
-    }
-    dequantize_row_portable(q, scales, out);
-}
-
-#[inline(always)]
-fn dequantize_row_portable(q: &[u8], scales: &[f32], out: &mut [bf16]) {
-    let block = ep_core::numerics::fp8::FP8_BLOCK;
-    for ((o, q), &sc) in out.chunks_mut(block).zip(q.chunks(block)).zip(scales) {
-        for (o, &b) in o.iter_mut().zip(q) {
-            *o = bf16_round(e4m3_value(b) * sc);
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn dequantize_row_avx2(q: &[u8], scales: &[f32], out: &mut [bf16]) {
-    dequantize_row_portable(q, scales, out);
-}
-
-/// `bf16::from_f32` without branches (so that rows vectorise): round to nearest even, NaN kept
-/// quiet with its high mantissa bits, bit for bit as `half` does it.
-#[inline(always)]
-fn bf16_round(v: f32) -> bf16 {
-    let x = v.to_bits();
-    let nan = 0u32.wrapping_sub(u32::from((x & 0x7FFF_FFFF) > 0x7F80_0000));
-    let up = u32::from((x & 0x8000 != 0) & (x & 0x17FFF != 0));
-    let bits = (((x >> 16) | 0x40) & nan) | (((x >> 16) + up) & !nan);
-    bf16::from_bits(bits as u16)
-}
-
-/// `ep_core::numerics::fp8::e4m3_decode` without table or branches (so that rows vectorise),
-/// bit for bit: normal codes are the f32 with the code's exponent rebiased (7 → 127) and its 3
-/// mantissa bits on top, subnormal ones `m · 2^-9`, `0x7f`/`0xff` NaN.
-#[inline(always)]
-fn e4m3_value(code: u8) -> f32 {
-    let c = u32::from(code);
-    let mag = c & 0x7f;
-    let normal = (mag << 20) + (120 << 23);
-    let sub = ((mag & 7) as f32 * (1.0 / 512.0)).to_bits();
-    let is_sub = 0u32.wrapping_sub(u32::from(mag < 8));
-    let bits = ((sub & is_sub) | (normal & !is_sub)) | ((c & 0x80) << 24);
-    let is_nan = 0u32.wrapping_sub(u32::from(mag == 0x7f));
-    f32::from_bits((f32::NAN.to_bits() & is_nan) | (bits & !is_nan))
-}
-
 /// [`ExpertOutputs::identity`] for one receiver.
 fn identity_one(
     out: Option<&LlDispatchOutput>,
@@ -487,7 +433,12 @@ fn identity_one(
                             .get(l)
                             .is_some_and(|s| s.shape() == (rows, h.div_ceil(block))) =>
                 {
-                    dequantize_row(data[l].row(row), scales[l].row(row), t.row_mut(row));
+                    ep_core::numerics::fp8::dequantize_row_bf16(
+                        data[l].row(row),
+                        scales[l].row(row),
+                        t.row_mut(row),
+                    )
+                    .map_err(|e| BenchError::reference("dequantising FP8 rows", e))?;
                 }
                 _ => {
                     let x = out
@@ -601,53 +552,4 @@ fn per_rank<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
         }
     });
     out.into_iter().flatten().collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn e4m3_value_is_e4m3_decode() {
-        for c in 0..=255u8 {
-            let (a, b) = (e4m3_value(c), ep_core::numerics::fp8::e4m3_decode(c));
-            assert_eq!(a.to_bits(), b.to_bits(), "code {c:#04x}");
-        }
-    }
-
-    #[test]
-    fn bf16_round_is_half_from_f32() {
-        let edge = [
-            0u32,
-            0x8000_0000,
-            0x7F80_0000,
-            0xFF80_0000,
-            0x7F7F_FFFF,
-            0xFF7F_FFFF,
-            0x7F80_0001,
-            0x7FC0_0000,
-            0xFFFF_FFFF,
-            0x3F80_8000,
-            0x3F81_8000,
-            0x3F80_8001,
-            0x0000_8000,
-            0x0001_8000,
-        ];
-        let stride = (0..=u32::MAX).step_by(65_521);
-        for x in edge.into_iter().chain(stride) {
-            let (a, b) = (
-                bf16_round(f32::from_bits(x)),
-                bf16::from_f32(f32::from_bits(x)),
-            );
-            assert_eq!(a.to_bits(), b.to_bits(), "{x:#010x}");
-            for lo in [0x7FFFu32, 0x8000, 0x8001, 0xFFFF, 0x1_7FFF] {
-                let y = (x & !0xFFFF) | (lo & 0xFFFF) | (x & lo & 0x1_0000);
-                let (a, b) = (
-                    bf16_round(f32::from_bits(y)),
-                    bf16::from_f32(f32::from_bits(y)),
-                );
-                assert_eq!(a.to_bits(), b.to_bits(), "{y:#010x}");
-            }
-        }
-    }
 }

@@ -40,7 +40,6 @@ use ep_core::plan::layout::DispatchLayout;
 use ep_core::routing::Activations;
 use ep_core::{RankInputs, Tensor2};
 use half::bf16;
-use half::slice::HalfFloatSliceExt;
 
 use super::backend::Recorded;
 use super::error::BenchError;
@@ -459,15 +458,29 @@ fn scan_rows<T: Recorded>(
 /// Whether dispatch record `rec` (docs/protocol.md §2.1) carries row `t` of `x`: its x bytes
 /// (and FP8 scales) bit for bit.
 fn record_is_row(rec: &[u8], x: &Activations, t: usize) -> bool {
-    let (scales, bytes) = row_bits(x, t);
-    if rec.get(..bytes.len()) != Some(bytes) {
-        return false;
+    match x {
+        Activations::Bf16(x) => {
+            let row = x.row(t);
+            // A fold, not a search: the loop vectorises.
+            rec.len() >= 2 * row.len()
+                && rec[..2 * row.len()]
+                    .chunks_exact(2)
+                    .zip(row)
+                    .fold(true, |ok, (b, v)| {
+                        ok & (u16::from_le_bytes([b[0], b[1]]) == v.to_bits())
+                    })
+        }
+        Activations::Fp8 { data, scales } => {
+            let (q, sc) = (data.row(t), scales.row(t));
+            let so = ep_core::protocol::layout::align16(q.len() as u64) as usize;
+            rec.get(..q.len()) == Some(q)
+                && rec.get(so..so + 4 * sc.len()).is_some_and(|b| {
+                    b.chunks_exact(4)
+                        .zip(sc)
+                        .all(|(b, v)| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) == v.to_bits())
+                })
+        }
     }
-    if scales.is_empty() {
-        return true;
-    }
-    let so = ep_core::protocol::layout::align16(bytes.len() as u64) as usize;
-    rec.get(so..so + scales.len()) == Some(&scales[..])
 }
 
 /// The inputs with their activations cut to the first [`NARROW`] columns (FP8: one scale
@@ -495,22 +508,33 @@ fn narrow_inputs(i: &RankInputs) -> RankInputs {
     }
 }
 
-/// Row `t` of `x` as bytes (BF16 little-endian bits, or e4m3 bytes then the scales' bits).
-fn row_bits(x: &Activations, t: usize) -> (Vec<u8>, &[u8]) {
-    match x {
-        Activations::Bf16(x) => (Vec::new(), bytes_of_bf16(x.row(t))),
-        Activations::Fp8 { data, scales } => (
-            scales.row(t).iter().flat_map(|v| v.to_le_bytes()).collect(),
-            data.row(t),
-        ),
+/// Whether row `i` of `a` and row `j` of `b` hold the same bits (data and FP8 scales).
+fn same_row(a: &Activations, i: usize, b: &Activations, j: usize) -> bool {
+    match (a, b) {
+        (Activations::Bf16(a), Activations::Bf16(b)) => a
+            .row(i)
+            .iter()
+            .zip(b.row(j))
+            .all(|(x, y)| x.to_bits() == y.to_bits()),
+        (
+            Activations::Fp8 {
+                data: da,
+                scales: sa,
+            },
+            Activations::Fp8 {
+                data: db,
+                scales: sb,
+            },
+        ) => {
+            da.row(i) == db.row(j)
+                && sa
+                    .row(i)
+                    .iter()
+                    .zip(sb.row(j))
+                    .all(|(x, y)| x.to_bits() == y.to_bits())
+        }
+        _ => false,
     }
-}
-
-fn bytes_of_bf16(v: &[bf16]) -> &[u8] {
-    let bits: &[u16] = v.reinterpret_cast();
-    // SAFETY: `u16` has no padding and every byte pattern is a valid `u8`; the slice covers
-    // exactly `2 * bits.len()` initialised bytes with `u8`'s alignment (1).
-    unsafe { std::slice::from_raw_parts(bits.as_ptr().cast::<u8>(), 2 * bits.len()) }
 }
 
 /// `(source rank, token)` of every received row, from the oracle's handle; checks that the
@@ -535,7 +559,7 @@ fn sources_of(
                 let end = h.rank_prefix_matrix.get(s, d) as usize;
                 for j in begin..end {
                     let t = h.recv_src_idx[j] as usize;
-                    if row_bits(&o.recv_x, j) != row_bits(&src.x, t) {
+                    if !same_row(&o.recv_x, j, &src.x, t) {
                         checks.fail(format!(
                             "oracle: rank {d} row {j} is not token {t} of rank {s} as its handle says"
                         ));

@@ -845,31 +845,12 @@ pub fn map_rows(
     Ok(y)
 }
 
-/// `acc[i] = fma(f32(y[i]), w, acc[i])` over the row (combine's accumulation, spec §2.5). A
-/// fused multiply-add is exactly rounded however it is computed: on x86-64 CPUs with FMA and AVX2
-/// the instruction is used inline, eight lanes wide, instead of one library call per element.
+/// `acc[i] = fma(f32(y[i]), w, acc[i])` over the row (combine's accumulation, spec §2.5),
+/// exactly rounded (`f32::mul_add`).
 pub(crate) fn fma_row(acc: &mut [f32], y: &[bf16], w: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has FMA and AVX2 (checked just above), the only requirements of
-        // `fma_row_x86`.
-        unsafe { fma_row_x86(acc, y, w) };
-        return;
-    }
-    fma_row_portable(acc, y, w);
-}
-
-#[inline(always)]
-fn fma_row_portable(acc: &mut [f32], y: &[bf16], w: f32) {
     for (a, v) in acc.iter_mut().zip(y) {
         *a = v.to_f32().mul_add(w, *a);
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn fma_row_x86(acc: &mut [f32], y: &[bf16], w: f32) {
-    fma_row_portable(acc, y, w);
 }
 
 /// Where each `(token, top-k entry)` of a combining rank reads its expert output.

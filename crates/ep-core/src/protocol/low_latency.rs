@@ -705,7 +705,7 @@ fn combine_send(
                 fma_row(&mut acc, yr, w);
             }
             for (o, &a) in out.iter_mut().zip(&acc) {
-                *o = to_bf16(a);
+                *o = crate::numerics::bf16::round(a);
             }
             put_bf16_row(&mut buf[i * row_bytes..], &out);
         }
@@ -724,21 +724,6 @@ fn combine_send(
         )?;
     }
     ctx.quiet()
-}
-
-/// `bf16::from_f32` without branches, so that whole rows vectorise: round to nearest even, NaN
-/// kept quiet with its high mantissa bits, bit for bit as `half` converts.
-#[inline(always)]
-fn to_bf16(v: f32) -> bf16 {
-    let x = v.to_bits();
-    let nan = (x & 0x7FFF_FFFF) > 0x7F80_0000;
-    let up = u32::from((x & 0x8000 != 0) & (x & 0x17FFF != 0));
-    let bits = if nan {
-        (x >> 16) | 0x40
-    } else {
-        (x >> 16) + up
-    };
-    bf16::from_bits(bits as u16)
 }
 
 /// Combine receive half, the hook (docs/protocol.md §3.6).
@@ -836,7 +821,7 @@ fn combine_recv(
             }
         }
         for (o, &a) in out.row_mut(t).iter_mut().zip(&acc) {
-            *o = to_bf16(a);
+            *o = crate::numerics::bf16::round(a);
         }
     }
     Ok(out)
@@ -869,69 +854,4 @@ pub(crate) fn scribble_phase<'a>(arena: &'a LlArena, call: u64, value: u64) -> P
         });
     }
     phase
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn to_bf16_is_half_from_f32() {
-        let edge = [
-            0u32,
-            0x8000_0000,
-            0x7F80_0000,
-            0xFF80_0000,
-            0x7F7F_FFFF,
-            0xFF7F_FFFF,
-            0x7F80_0001,
-            0x7FC0_0000,
-            0xFFFF_FFFF,
-            0x3F80_8000,
-            0x3F81_8000,
-            0x3F80_8001,
-            0x0000_8000,
-            0x0001_8000,
-        ];
-        for x in edge.into_iter().chain((0..=u32::MAX).step_by(65_521)) {
-            for lo in [
-                None,
-                Some(0x7FFFu32),
-                Some(0x8000),
-                Some(0x8001),
-                Some(0xFFFF),
-            ] {
-                let y = lo.map_or(x, |lo| (x & !0xFFFF) | lo);
-                let (a, b) = (
-                    to_bf16(f32::from_bits(y)),
-                    bf16::from_f32(f32::from_bits(y)),
-                );
-                assert_eq!(a.to_bits(), b.to_bits(), "{y:#010x}");
-            }
-        }
-    }
-
-    #[test]
-    fn dests_cover_every_live_rank_once() {
-        let op = LlOp {
-            call: 1,
-            half: 0,
-            layout: LlLayout {
-                num_ranks: 5,
-                num_local_experts: 1,
-                hidden: 128,
-                num_max_tokens: 4,
-            },
-            masked: vec![false, true, false, false, false],
-            num_qps: 1,
-            num_experts: 5,
-            shrink: false,
-        };
-        let mut all: Vec<usize> = (0..SEND_AGENTS)
-            .flat_map(|a| op.dests(2, a, SEND_AGENTS))
-            .collect();
-        all.sort_unstable();
-        assert_eq!(all, vec![0, 2, 3, 4]);
-        let _ = put_u32;
-    }
 }
