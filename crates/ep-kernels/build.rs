@@ -203,6 +203,8 @@ uint64_t ep_shim_normal_dispatch_row(uint64_t r, uint64_t row, uint64_t drec) { 
 uint64_t ep_shim_normal_combine_row(uint64_t r, uint64_t b, uint64_t row, uint64_t yrec) { return ep_normal_combine_row(r, b, row, yrec); }
 uint64_t ep_shim_row_dispatch_record(uint64_t h, uint64_t e, uint64_t s, uint64_t k) { return ep_row_dispatch_record(h, e, s, k); }
 uint64_t ep_shim_row_meta_offset(uint64_t h, uint64_t e, uint64_t s) { return ep_row_meta_offset(h, e, s); }
+uint64_t ep_shim_row_topk_idx_offset(uint64_t h, uint64_t e, uint64_t s) { return ep_row_topk_idx_offset(h, e, s); }
+uint64_t ep_shim_row_topk_weights_offset(uint64_t h, uint64_t e, uint64_t s, uint64_t k) { return ep_row_topk_weights_offset(h, e, s, k); }
 uint64_t ep_shim_row_combine_record(uint64_t h, uint64_t k) { return ep_row_combine_record(h, k); }
 uint32_t ep_shim_normal_final_row(uint32_t a, uint32_t b, uint32_t c) { return ep_normal_final_row(a, b, c); }
 uint64_t ep_shim_ll_signal_bytes(uint64_t r) { return ep_ll_signal_bytes(r); }

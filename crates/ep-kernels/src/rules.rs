@@ -45,6 +45,8 @@ mod ffi {
         pub(super) fn ep_shim_normal_combine_row(r: u64, b: u64, row: u64, yrec: u64) -> u64;
         pub(super) fn ep_shim_row_dispatch_record(h: u64, e: u64, s: u64, k: u64) -> u64;
         pub(super) fn ep_shim_row_meta_offset(h: u64, e: u64, s: u64) -> u64;
+        pub(super) fn ep_shim_row_topk_idx_offset(h: u64, e: u64, s: u64) -> u64;
+        pub(super) fn ep_shim_row_topk_weights_offset(h: u64, e: u64, s: u64, k: u64) -> u64;
         pub(super) fn ep_shim_row_combine_record(h: u64, k: u64) -> u64;
         pub(super) fn ep_shim_normal_final_row(a: u32, b: u32, c: u32) -> u32;
         pub(super) fn ep_shim_ll_signal_bytes(r: u64) -> u64;
@@ -131,6 +133,10 @@ rule!(/// `ep_row_dispatch_record`.
     row_dispatch_record => ep_shim_row_dispatch_record(hidden: u64, elem: u64, scales: u64, k: u64) -> u64);
 rule!(/// `ep_row_meta_offset`.
     row_meta_offset => ep_shim_row_meta_offset(hidden: u64, elem: u64, scales: u64) -> u64);
+rule!(/// `ep_row_topk_idx_offset`.
+    row_topk_idx_offset => ep_shim_row_topk_idx_offset(hidden: u64, elem: u64, scales: u64) -> u64);
+rule!(/// `ep_row_topk_weights_offset`.
+    row_topk_weights_offset => ep_shim_row_topk_weights_offset(hidden: u64, elem: u64, scales: u64, k: u64) -> u64);
 rule!(/// `ep_row_combine_record`.
     row_combine_record => ep_shim_row_combine_record(hidden: u64, k: u64) -> u64);
 rule!(/// `ep_normal_final_row`.

@@ -58,6 +58,8 @@ proptest! {
         let (hu, eu, su, ku) = (h as u64, elem as u64, scales as u64, k as u64);
         prop_assert_eq!(c::row_dispatch_record(hu, eu, su, ku), f.dispatch_record());
         prop_assert_eq!(c::row_meta_offset(hu, eu, su), f.meta_offset());
+        prop_assert_eq!(c::row_topk_idx_offset(hu, eu, su), f.topk_idx_offset());
+        prop_assert_eq!(c::row_topk_weights_offset(hu, eu, su, ku), f.topk_weights_offset());
         prop_assert_eq!(c::row_combine_record(hu, ku), f.combine_record());
         prop_assert_eq!(c::normal_dispatch_row(ru, row, f.dispatch_record()), d.dispatch_row(row, f.dispatch_record()));
         prop_assert_eq!(c::normal_combine_row(ru, data, row, f.combine_record()), d.combine_row(row, f.combine_record()));

@@ -235,6 +235,17 @@ impl RowFormat {
     pub fn meta_offset(self) -> u64 {
         self.scales_offset() + align16(4 * self.num_scales as u64)
     }
+    /// Offset of the `topk_idx` field (`i64 ×K`) in a dispatch record: `meta_offset + 8`.
+    #[must_use]
+    pub fn topk_idx_offset(self) -> u64 {
+        self.meta_offset() + 8
+    }
+    /// Offset of the `topk_weights` field (`f32 ×K`) in a dispatch record:
+    /// `meta_offset + 8 + 8K`.
+    #[must_use]
+    pub fn topk_weights_offset(self) -> u64 {
+        self.topk_idx_offset() + 8 * self.num_topk as u64
+    }
     /// Dispatch record bytes `drec = a16(H·elt) + a16(4S) + a16(8 + 12K)`.
     #[must_use]
     pub fn dispatch_record(self) -> u64 {

@@ -219,6 +219,10 @@ fn put_meta(
     put_i32(rec, mo, t as i32);
     put_i32(rec, mo + 4, 0);
     let k = fmt.num_topk;
+    let (ti, wo) = (
+        fmt.topk_idx_offset() as usize,
+        fmt.topk_weights_offset() as usize,
+    );
     if let Some((idx, w)) = topk {
         let lo = (d * num_local) as ExpertIdx;
         let hi = lo + num_local as ExpertIdx;
@@ -229,8 +233,8 @@ fn put_meta(
             } else {
                 (-1, 0.0)
             };
-            put_i64(rec, mo + 8 + 8 * j, li);
-            put_f32(rec, mo + 8 + 8 * k + 4 * j, wi);
+            put_i64(rec, ti + 8 * j, li);
+            put_f32(rec, wo + 4 * j, wi);
         }
     }
 }
@@ -241,7 +245,7 @@ fn tail_record(fmt: RowFormat) -> Vec<u8> {
     let mo = fmt.meta_offset() as usize;
     put_i32(&mut rec, mo, -1);
     for j in 0..fmt.num_topk {
-        put_i64(&mut rec, mo + 8 + 8 * j, -1);
+        put_i64(&mut rec, fmt.topk_idx_offset() as usize + 8 * j, -1);
     }
     rec
 }
@@ -285,13 +289,19 @@ pub(crate) fn parse_x(rec: &[u8], j: usize, fmt: RowFormat, x: &mut Activations)
     }
 }
 
-/// Parses the meta part `meta` of a record (`src_idx`, top-k) into row `j` of `out`.
-fn parse_meta(meta: &[u8], j: usize, k: usize, out: &mut RecvResult) {
+/// Parses the meta part `meta` of a record (`src_idx`, top-k; it starts at
+/// `fmt.meta_offset()`) into row `j` of `out`.
+fn parse_meta(meta: &[u8], j: usize, fmt: RowFormat, out: &mut RecvResult) {
+    let mo = fmt.meta_offset() as usize;
+    let (ti, wo) = (
+        fmt.topk_idx_offset() as usize - mo,
+        fmt.topk_weights_offset() as usize - mo,
+    );
     out.src_idx[j] = get_i32(meta, 0);
     if let (Some(idx), Some(w)) = (&mut out.topk_idx, &mut out.topk_weights) {
-        for kk in 0..k {
-            idx.set(j, kk, get_i64(meta, 8 + 8 * kk));
-            w.set(j, kk, get_f32(meta, 8 + 8 * k + 4 * kk));
+        for kk in 0..fmt.num_topk {
+            idx.set(j, kk, get_i64(meta, ti + 8 * kk));
+            w.set(j, kk, get_f32(meta, wo + 4 * kk));
         }
     }
 }
@@ -305,7 +315,7 @@ fn parse_rows(buf: &[u8], first: usize, fmt: RowFormat, out: &mut RecvResult) {
         if let Some(x) = &mut out.recv_x {
             parse_x(rec, j, fmt, x);
         }
-        parse_meta(&rec[mo..], j, fmt.num_topk, out);
+        parse_meta(&rec[mo..], j, fmt, out);
     }
 }
 
@@ -351,7 +361,7 @@ fn receive(
         for j in 0..rows {
             let at = data.dispatch_row(j as u64, drec) + mo;
             ctx.load(d, arena.at(at), &mut meta)?;
-            parse_meta(&meta, j, fmt.num_topk, &mut out);
+            parse_meta(&meta, j, fmt, &mut out);
         }
         return Ok(out);
     }
@@ -777,7 +787,7 @@ pub(crate) fn expert_phase<'a>(
                 out.combine_record() as usize,
             );
             let (h, k) = (fmt.hidden, fmt.num_topk);
-            let w_in = fmt.meta_offset() as usize + 8 + 8 * k;
+            let w_in = fmt.topk_weights_offset() as usize;
             let w_out = crate::protocol::layout::align16(2 * h as u64) as usize;
             let chunk = (ROW_CHUNK_BYTES / drec).clamp(1, n.max(1));
             let mut recs = vec![0u8; chunk * drec];
@@ -881,7 +891,7 @@ fn expert_row(job: &CombineJob<'_>, data: NormalData, j: u64) -> (u64, u64, usiz
         }
         CombineSource::DispatchRows { fmt, .. } => {
             let drec = fmt.dispatch_record();
-            let wo = fmt.meta_offset() as usize + 8 + 8 * fmt.num_topk;
+            let wo = fmt.topk_weights_offset() as usize;
             (data.dispatch_row(j, drec), drec, wo)
         }
     }
