@@ -397,6 +397,27 @@ fn reuse_recv_x(
         t.data_mut()[..end].fill(zero);
     }
     let fits = |s: (usize, usize), cols: usize| s == (n_rows, cols);
+    // FP8 data and scales (f32 or packed UE8M0) of every local expert, valid rows zeroed;
+    // `None` if they do not fit.
+    fn clear_fp8<S: Copy>(
+        (data, scales): (&mut [Tensor2<u8>], &mut [Tensor2<S>]),
+        counts: &[usize],
+        zero: S,
+        (l_count, n_rows, h, scale_cols): (usize, usize, usize, usize),
+    ) -> Option<()> {
+        let ok = data.len() == l_count
+            && scales.len() == l_count
+            && data.iter().all(|t| t.shape() == (n_rows, h))
+            && scales.iter().all(|t| t.shape() == (n_rows, scale_cols));
+        if ok {
+            for ((t, sc), &c) in data.iter_mut().zip(scales.iter_mut()).zip(counts) {
+                clear(t, c, 0);
+                clear(sc, c, zero);
+            }
+        }
+        ok.then_some(())
+    }
+    let dims = (l_count, n_rows, h, scale_cols);
     let counts: Vec<usize> = old
         .recv_count
         .iter()
@@ -416,30 +437,10 @@ fn reuse_recv_x(
             }
         }
         (LlRecvX::Fp8 { data, scales }, true, false) => {
-            if data.len() != l_count
-                || scales.len() != l_count
-                || data.iter().any(|t| !fits(t.shape(), h))
-                || scales.iter().any(|t| !fits(t.shape(), scale_cols))
-            {
-                return None;
-            }
-            for ((t, sc), &c) in data.iter_mut().zip(scales.iter_mut()).zip(&counts) {
-                clear(t, c, 0);
-                clear(sc, c, 0.0);
-            }
+            clear_fp8((data, scales), &counts, 0.0, dims)?;
         }
         (LlRecvX::Fp8Ue8m0 { data, scales }, true, true) => {
-            if data.len() != l_count
-                || scales.len() != l_count
-                || data.iter().any(|t| !fits(t.shape(), h))
-                || scales.iter().any(|t| !fits(t.shape(), scale_cols))
-            {
-                return None;
-            }
-            for ((t, sc), &c) in data.iter_mut().zip(scales.iter_mut()).zip(&counts) {
-                clear(t, c, 0);
-                clear(sc, c, 0);
-            }
+            clear_fp8((data, scales), &counts, 0, dims)?;
         }
         _ => return None,
     }
