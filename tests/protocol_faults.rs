@@ -13,7 +13,7 @@ use std::time::Duration;
 use ep_rs::core::buffer::NormalDispatchArgs;
 use ep_rs::core::config::{BufferConfig, Config};
 use ep_rs::core::plan::combine::CombineArgs;
-use ep_rs::core::plan::intranode::{DispatchOptions, intranode_combine, intranode_dispatch_all};
+use ep_rs::core::plan::intranode::{intranode_combine, intranode_dispatch_all};
 use ep_rs::core::plan::low_latency::{
     LlParams, PartialPrecision, combine_reduced_on_expert_rank, dispatch,
 };
@@ -94,13 +94,7 @@ fn normal_dispatch<T: Transport>(
 ) -> Result<NormalDone, Error> {
     let topk: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
     let layouts = buf.get_dispatch_layout(&topk, R * L).unwrap();
-    let args = NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).unwrap());
-    let opts = DispatchOptions {
-        num_channels: 2,
-        expert_alignment: 1,
-        num_worst_tokens: 0,
-        with_topk: true,
-    };
+    let (args, opts) = two_channel_dispatch();
     let got = buf.dispatch(inputs, &layouts, R * L, &args)?;
     assert_eq!(
         got,
@@ -603,12 +597,7 @@ fn in_place_calls_poison_and_reset() {
         let got = buf
             .dispatch_in_place(&inputs, &layouts, R * L, &args)
             .unwrap();
-        let opts = DispatchOptions {
-            num_channels: 2,
-            expert_alignment: 1,
-            num_worst_tokens: 0,
-            with_topk: true,
-        };
+        let opts = two_channel_dispatch().1;
         let want = intranode_dispatch_all(&inputs, &layouts, R * L, &opts).unwrap();
         let handles: Vec<_> = got.iter().map(|d| d.handle.clone()).collect();
         let combined = buf.combine_in_place(&handles, &no_bias).unwrap();

@@ -5,10 +5,8 @@
 
 mod protocol_support;
 
-use ep_rs::core::buffer::NormalDispatchArgs;
-use ep_rs::core::config::Config;
 use ep_rs::core::plan::combine::CombineArgs;
-use ep_rs::core::plan::intranode::{DispatchOptions, intranode_combine, intranode_dispatch_all};
+use ep_rs::core::plan::intranode::{intranode_combine, intranode_dispatch_all};
 use ep_rs::core::plan::low_latency::{
     LlParams, PartialPrecision, combine_reduced_on_expert_rank, dispatch,
 };
@@ -44,13 +42,7 @@ fn normal_scenario(m: ProtocolMutation, seed: u64) -> Outcome {
     let sim = sim(fabric(r, 4096, 2, 1), seed, policy(seed as u8));
     let mut buf = normal_buffer(sim, r, 6 * r, h, 2, k);
     buf.set_mutation_for_test(m);
-    let args = NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).unwrap());
-    let opts = DispatchOptions {
-        num_channels: 2,
-        expert_alignment: 1,
-        num_worst_tokens: 0,
-        with_topk: true,
-    };
+    let (args, opts) = two_channel_dispatch();
     for call in 0..3u64 {
         let inputs = gen_inputs(&g, seed * 7 + call, false);
         let layouts = buf

@@ -244,13 +244,7 @@ fn threads_mode_equals_plan() {
         let inputs = gen_inputs(&g, rng.random(), false);
         let topk: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
         let layouts = buf.get_dispatch_layout(&topk, g.num_experts).unwrap();
-        let args = NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).unwrap());
-        let opts = DispatchOptions {
-            num_channels: 2,
-            expert_alignment: 1,
-            num_worst_tokens: 0,
-            with_topk: true,
-        };
+        let (args, opts) = two_channel_dispatch();
         let got = buf
             .dispatch(&inputs, &layouts, g.num_experts, &args)
             .unwrap();
@@ -289,13 +283,7 @@ fn threads_mode_scans_rows_in_place_across_pages() {
     let inputs = gen_inputs(&g, 5, false);
     let topk: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
     let layouts = buf.get_dispatch_layout(&topk, g.num_experts).unwrap();
-    let args = NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).unwrap());
-    let opts = DispatchOptions {
-        num_channels: 2,
-        expert_alignment: 1,
-        num_worst_tokens: 0,
-        with_topk: true,
-    };
+    let (args, opts) = two_channel_dispatch();
     let want = intranode_dispatch_all(&inputs, &layouts, g.num_experts, &opts).unwrap();
     let got = buf
         .dispatch_in_place(&inputs, &layouts, g.num_experts, &args)

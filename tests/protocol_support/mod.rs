@@ -176,3 +176,22 @@ pub(crate) fn calc_diff(x: &Tensor2<bf16>, y: &Tensor2<bf16>) -> f64 {
     }
     if sq == 0.0 { 0.0 } else { 1.0 - 2.0 * xy / sq }
 }
+
+/// Normal dispatch on 4 SMs (2 channels), alignment 1, no worst-token sizing, with top-k: the
+/// `Buffer` arguments and the plan's options that match them.
+#[allow(dead_code, reason = "not every test binary uses every helper")]
+pub(crate) fn two_channel_dispatch() -> (
+    ep_rs::core::buffer::NormalDispatchArgs,
+    ep_rs::core::plan::intranode::DispatchOptions,
+) {
+    let args = ep_rs::core::buffer::NormalDispatchArgs::new(
+        ep_rs::core::config::Config::new(4, 1, 2, 1, 2).expect("a valid config"),
+    );
+    let opts = ep_rs::core::plan::intranode::DispatchOptions {
+        num_channels: 2,
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        with_topk: true,
+    };
+    (args, opts)
+}
