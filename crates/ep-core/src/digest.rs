@@ -247,7 +247,7 @@ pub fn normal_rank(
 }
 
 /// The digest of one rank's normal-mode outputs fed row by row: for BF16 rows that stay in a
-/// buffer's arena ([`crate::Buffer::visit_recv_rows`]); equal to [`normal_rank`] of the same
+/// buffer's arena ([`crate::Buffer::scan_recv_rows`]); equal to [`normal_rank`] of the same
 /// outputs.
 pub struct NormalRankStream {
     rank: usize,

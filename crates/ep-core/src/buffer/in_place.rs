@@ -29,8 +29,8 @@ pub(super) struct InPlaceRows {
     pub(super) rows: Vec<usize>,
 }
 
-/// Records moved per host read.
-const READ_CHUNK_BYTES: usize = 1 << 20;
+/// Record bytes moved per host write.
+const WRITE_CHUNK_BYTES: usize = 1 << 20;
 
 impl<T: Transport> Buffer<T> {
     /// [`Buffer::dispatch`] with the received rows left in the arena (docs/protocol.md §2.6):
@@ -82,7 +82,7 @@ impl<T: Transport> Buffer<T> {
     /// Reads rows `first .. first + out.num_tokens()` of `rank`'s `recv_x`, left in the arena
     /// by the last [`Buffer::dispatch_in_place`] (or overwritten since with
     /// [`Buffer::write_expert_x`]), into `out` (the dispatch's activation kind and hidden size).
-    pub fn read_recv_x(&mut self, rank: usize, first: usize, out: &mut Activations) -> Result<()> {
+    pub fn read_recv_x(&self, rank: usize, first: usize, out: &mut Activations) -> Result<()> {
         let st = self.in_place_rows(rank)?;
         let fmt = st.fmt;
         let n = out.num_tokens();
@@ -116,32 +116,15 @@ impl<T: Transport> Buffer<T> {
                 ),
             });
         }
-        self.visit_recv_rows(rank, first..first + n, |j, rec| {
+        self.scan_recv_rows(rank, first..first + n, |j, rec| {
             parse_x(rec, j - first, fmt, out);
         })
     }
 
-    /// Reads the dispatch records of rows `rows` of `rank`'s `recv_x` left in the arena into
-    /// `out` (resized to fit; one host read) and returns the record length: record `i` of `out`
-    /// is row `rows.start + i`, laid out as [`Buffer::visit_recv_rows`] describes.
-    pub fn read_recv_records(
-        &self,
-        rank: usize,
-        rows: std::ops::Range<usize>,
-        out: &mut Vec<u8>,
-    ) -> Result<usize> {
-        let fmt = self.checked_rows(rank, &rows)?;
-        let arena = self.normal_arena()?.clone();
-        let drec = fmt.dispatch_record() as usize;
-        out.resize(rows.len() * drec, 0);
-        let at = arena.data.at(arena
-            .data_layout()
-            .dispatch_row(rows.start as u64, drec as u64));
-        self.transport.read_local(rank, at, out)?;
-        Ok(drec)
-    }
-
-    /// [`Buffer::visit_recv_rows`] without copying where the transport lends its memory
+    /// Calls `f(j, record)` for each row `j` in `rows` of `rank`'s `recv_x` left in the arena,
+    /// in order: `record` starts with the row's x bytes (BF16 little-endian bits, or e4m3 bytes
+    /// followed at `RowFormat::scales_offset` by the f32 scales), as docs/protocol.md §2.1 lays
+    /// out a dispatch record. Without copying where the transport lends its memory
     /// ([`Transport::visit_local`]; a record split between two of its pieces is joined in a
     /// small buffer), and through `&self`, so that several host threads may scan different
     /// ranks at once.
@@ -181,36 +164,6 @@ impl<T: Transport> Buffer<T> {
                 carry.extend_from_slice(&piece[whole..]);
             },
         )
-    }
-
-    /// Calls `f(j, record)` for each row `j` in `rows` of `rank`'s `recv_x` left in the arena:
-    /// `record` starts with the row's x bytes (BF16 little-endian bits, or e4m3 bytes followed
-    /// at `RowFormat::scales_offset` by the f32 scales), as docs/protocol.md §2.1 lays out a
-    /// dispatch record; no copy of the rows is kept (records move about 1 MiB at a time).
-    pub fn visit_recv_rows(
-        &mut self,
-        rank: usize,
-        rows: std::ops::Range<usize>,
-        mut f: impl FnMut(usize, &[u8]),
-    ) -> Result<()> {
-        let drec = self.checked_rows(rank, &rows)?.dispatch_record() as usize;
-        let chunk = (READ_CHUNK_BYTES / drec).clamp(1, rows.len().max(1));
-        let mut buf = std::mem::take(&mut self.scratch);
-        let mut res = Ok(());
-        for c0 in rows.clone().step_by(chunk) {
-            let m = chunk.min(rows.end - c0);
-            res = self
-                .read_recv_records(rank, c0..c0 + m, &mut buf)
-                .map(|_| ());
-            if res.is_err() {
-                break;
-            }
-            for (i, rec) in buf.chunks_exact(drec).enumerate() {
-                f(c0 + i, rec);
-            }
-        }
-        self.scratch = buf;
-        res
     }
 
     /// Overwrites rows `first .. first + y.rows()` of `rank`'s `recv_x` in the arena with
@@ -324,8 +277,8 @@ impl<T: Transport> Buffer<T> {
         let yrec = fmt.combine_record() as usize;
         Self::check_capacity(&arena, st.rows[rank], yrec as u64, false)?;
         let wo = crate::protocol::layout::align16(2 * fmt.hidden as u64) as usize;
-        let chunk = (READ_CHUNK_BYTES / yrec).clamp(1, n.max(1));
-        let mut buf = std::mem::take(&mut self.scratch);
+        let chunk = (WRITE_CHUNK_BYTES / yrec).clamp(1, n.max(1));
+        let mut buf = Vec::with_capacity(chunk * yrec);
         let mut res = Ok(());
         for c0 in (0..n).step_by(chunk) {
             let m = chunk.min(n - c0);
@@ -345,7 +298,6 @@ impl<T: Transport> Buffer<T> {
                 break;
             }
         }
-        self.scratch = buf;
         res
     }
 

@@ -107,8 +107,6 @@ pub struct Buffer<T: Transport> {
     poison: Option<fault::Poison>,
     /// What the last in-place dispatch left in the arena (docs/protocol.md §2.6).
     in_place: Option<in_place::InPlaceRows>,
-    /// Reused by host reads of arena rows.
-    scratch: Vec<u8>,
 }
 
 impl<T: Transport> std::fmt::Debug for Buffer<T> {
@@ -214,7 +212,6 @@ impl<T: Transport> Buffer<T> {
             mutation: ProtocolMutation::None,
             poison: None,
             in_place: None,
-            scratch: Vec::new(),
         })
     }
 
