@@ -237,23 +237,17 @@ struct IterCtx<'a> {
 }
 
 /// Runs one call, timed alone from `t`: its result, its time in microseconds and the number of
-/// phase records after it; `t` restarts after the call's lap (`"dispatch calls"` or
-/// `"combine calls"` by `what`).
+/// phase records after it; `t` restarts after the call's `lap` of the timeline.
 fn timed_call<T: Recorded, R>(
     buf: &mut Buffer<T>,
     t: &mut Instant,
     tl: &super::Timeline,
-    what: &'static str,
+    (what, lap): (&'static str, &'static str),
     it: usize,
     call: impl FnOnce(&mut Buffer<T>) -> ep_core::Result<R>,
 ) -> Result<(R, f64, usize), BenchError> {
     let out = call(buf).map_err(|x| BenchError::call(what, it, x))?;
     let us = t.elapsed().as_secs_f64() * 1e6;
-    let lap = if what.ends_with("dispatch") {
-        "dispatch calls"
-    } else {
-        "combine calls"
-    };
     *t = tl.lap(lap, *t);
     Ok((out, us, buf.transport().phase_records().len()))
 }
@@ -282,9 +276,14 @@ fn iteration_in_place<T: Recorded>(
     let tl = p.timeline;
     let r = w.inputs.len();
     let mut t = Instant::now();
-    let (got, dispatch_us, rec1) = timed_call(buf, &mut t, tl, "normal dispatch", it, |b| {
-        b.dispatch_in_place(&w.inputs, cx.layouts, w.num_experts, cx.args)
-    })?;
+    let (got, dispatch_us, rec1) = timed_call(
+        buf,
+        &mut t,
+        tl,
+        ("normal dispatch", "dispatch calls"),
+        it,
+        |b| b.dispatch_in_place(&w.inputs, cx.layouts, w.num_experts, cx.args),
+    )?;
     check_meta(&got, reference, it, checks);
     let rows: Vec<usize> = got
         .iter()
@@ -313,13 +312,20 @@ fn iteration_in_place<T: Recorded>(
         combine_from = buf.transport().phase_records().len();
     }
     let with_w = got[0].recv_topk_weights.is_some();
-    let (combined, combine_us, rec2) = timed_call(buf, &mut t, tl, "normal combine", it, |b| {
-        if fp8 {
-            b.combine_from_rows(&handles, &no_bias, with_w)
-        } else {
-            b.combine_in_place(&handles, &no_bias)
-        }
-    })?;
+    let (combined, combine_us, rec2) = timed_call(
+        buf,
+        &mut t,
+        tl,
+        ("normal combine", "combine calls"),
+        it,
+        |b| {
+            if fp8 {
+                b.combine_from_rows(&handles, &no_bias, with_w)
+            } else {
+                b.combine_in_place(&handles, &no_bias)
+            }
+        },
+    )?;
     let digest = if let Some(streams) = streams {
         // The rows were digested as they were verified: no second copy of every row.
         let ranks = streams
