@@ -179,6 +179,8 @@ pub struct NormalGroup {
     timeout: Duration,
     poison: Option<String>,
     last: Option<LastDispatch>,
+    /// Test hook: a rank whose kernels are not launched (a rank that never arrives).
+    absent: Option<usize>,
 }
 
 fn launch_cfg(blocks: u32) -> LaunchConfig {
@@ -257,6 +259,7 @@ impl NormalGroup {
             timeout: Duration::from_secs(10),
             poison: None,
             last: None,
+            absent: None,
         })
     }
 
@@ -376,8 +379,14 @@ impl NormalGroup {
         }
     }
 
-    /// Waits for every rank's stream and reports any device error.
+    /// Waits for every rank's stream and reports any device error ([`Error::Poisoned`] once a
+    /// timeout poisoned the group).
     pub fn sync(&mut self) -> Result<()> {
+        if let Some(cause) = &self.poison {
+            return Err(Error::Poisoned {
+                cause: cause.clone(),
+            });
+        }
         for r in &self.ranks {
             r.stream
                 .synchronize()
@@ -425,6 +434,26 @@ impl NormalGroup {
         a
     }
 
+    /// Test hook: `Some(r)` stops launching rank `r`'s kernels, as if that rank never arrived
+    /// (its peers' waits must then time out, naming it).
+    #[doc(hidden)]
+    pub fn set_absent_rank_for_test(&mut self, rank: Option<usize>) {
+        self.absent = rank;
+    }
+
+    /// Test support: fills every rank's `normal.data` with `byte` (poisons received rows, count
+    /// records and tables before a call, so a row the kernels failed to write shows).
+    #[doc(hidden)]
+    pub fn fill_arenas_for_test(&mut self, byte: u8) -> Result<()> {
+        for r in &self.ranks {
+            r.data.memset_async(&r.stream, byte, 0, r.data.len())?;
+            r.stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        }
+        Ok(())
+    }
+
     fn launch(
         &self,
         rank: usize,
@@ -432,6 +461,9 @@ impl NormalGroup {
         blocks: u32,
         args: &NormalArgs,
     ) -> Result<()> {
+        if self.absent == Some(rank) {
+            return Ok(());
+        }
         let mut b = self.ranks[rank].stream.launch_builder(f);
         b.arg(args);
         // SAFETY: the kernel takes one `ep_normal_args` by value (generated from the same table
