@@ -45,8 +45,8 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
-        Command::Bench(args) => match ep_cli::bench::run(&args) {
-            Ok(outcome) => Ok(outcome.exit_code()),
+        Command::Bench(args) => match ep_cli::bench::run_any(&args) {
+            Ok(code) => Ok(code),
             Err(e) => {
                 eprintln!("ep bench: {}", ep_cli::bench::error_chain(&e));
                 std::process::exit(e.exit_code());

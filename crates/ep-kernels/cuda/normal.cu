@@ -427,6 +427,47 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
 
 #define CU 2  // int4 (8 BF16) per lane per pass
 
+// One warp reduces a token: out = bf16(f32(b0) + f32(b1) + f32(src[0]) + ... + f32(src[n-1])),
+// element by element in that order (an absent bias reads as +0.0), `bytes` = 2H.
+__device__ __forceinline__ void reduce_token(const uint8_t *const *src, uint32_t n, const uint8_t *b0,
+                                             const uint8_t *b1, uint8_t *out, uint64_t bytes,
+                                             uint32_t lane) {
+    for (uint64_t base = (uint64_t)lane * 16; base < bytes; base += 32ull * 16 * CU) {
+        float acc[CU * 8];
+#pragma unroll
+        for (int u = 0; u < CU; ++u) {
+            uint64_t off = base + (uint64_t)u * 32 * 16;
+            if (off >= bytes) continue;
+            int4 v0 = b0 ? *(const int4 *)(b0 + off) : make_int4(0, 0, 0, 0);
+            int4 v1 = b1 ? *(const int4 *)(b1 + off) : make_int4(0, 0, 0, 0);
+            const __nv_bfloat16 *p0 = (const __nv_bfloat16 *)&v0, *p1 = (const __nv_bfloat16 *)&v1;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[u * 8 + q] = __bfloat162float(p0[q]) + __bfloat162float(p1[q]);
+        }
+        for (uint32_t i = 0; i < n; ++i) {
+#pragma unroll
+            for (int u = 0; u < CU; ++u) {
+                uint64_t off = base + (uint64_t)u * 32 * 16;
+                if (off >= bytes) continue;
+                int4 v = ep_ld_cg((const int4 *)(src[i] + off));
+                const __nv_bfloat16 *pv = (const __nv_bfloat16 *)&v;
+#pragma unroll
+                for (int q = 0; q < 8; ++q) acc[u * 8 + q] += __bfloat162float(pv[q]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < CU; ++u) {
+            uint64_t off = base + (uint64_t)u * 32 * 16;
+            if (off >= bytes) continue;
+            int4 o;
+            __nv_bfloat16 *po = (__nv_bfloat16 *)&o;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) po[q] = __float2bfloat16_rn(acc[u * 8 + q]);
+            *(int4 *)(out + off) = o;
+        }
+    }
+}
+
 // Combine (§2.5, §2.6): pull each token's rows from every rank holding it, reduce in f32 after
 // the biases in ascending rank order, round once to BF16. Grid 2C blocks, clusters of 2.
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
@@ -475,40 +516,9 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
             src[n++] = data_at(a, d, in_place ? ep_normal_dispatch_row(R, row, a.drec)
                                               : ep_normal_combine_row(R, a.data_bytes, row, a.yrec));
         }
-        for (uint64_t base = (uint64_t)lane * 16; base < 2 * H; base += 32ull * 16 * CU) {
-            float acc[CU * 8];
-#pragma unroll
-            for (int u = 0; u < CU; ++u) {
-                uint64_t off = base + (uint64_t)u * 32 * 16;
-                if (off >= 2 * H) continue;
-                int4 v0 = b0 ? *(const int4 *)((const uint8_t *)(b0 + (uint64_t)t * H) + off) : make_int4(0, 0, 0, 0);
-                int4 v1 = b1 ? *(const int4 *)((const uint8_t *)(b1 + (uint64_t)t * H) + off) : make_int4(0, 0, 0, 0);
-                const __nv_bfloat16 *p0 = (const __nv_bfloat16 *)&v0, *p1 = (const __nv_bfloat16 *)&v1;
-#pragma unroll
-                for (int q = 0; q < 8; ++q) acc[u * 8 + q] = __bfloat162float(p0[q]) + __bfloat162float(p1[q]);
-            }
-            for (uint32_t i = 0; i < n; ++i) {
-#pragma unroll
-                for (int u = 0; u < CU; ++u) {
-                    uint64_t off = base + (uint64_t)u * 32 * 16;
-                    if (off >= 2 * H) continue;
-                    int4 v = ep_ld_cg((const int4 *)(src[i] + off));
-                    const __nv_bfloat16 *pv = (const __nv_bfloat16 *)&v;
-#pragma unroll
-                    for (int q = 0; q < 8; ++q) acc[u * 8 + q] += __bfloat162float(pv[q]);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < CU; ++u) {
-                uint64_t off = base + (uint64_t)u * 32 * 16;
-                if (off >= 2 * H) continue;
-                int4 o;
-                __nv_bfloat16 *po = (__nv_bfloat16 *)&o;
-#pragma unroll
-                for (int q = 0; q < 8; ++q) po[q] = __float2bfloat16_rn(acc[u * 8 + q]);
-                *(int4 *)((uint8_t *)a.combined_x + (uint64_t)t * 2 * H + off) = o;
-            }
-        }
+        reduce_token(src, n, b0 ? (const uint8_t *)(b0 + (uint64_t)t * H) : nullptr,
+                     b1 ? (const uint8_t *)(b1 + (uint64_t)t * H) : nullptr,
+                     (uint8_t *)a.combined_x + (uint64_t)t * 2 * H, 2 * H, lane);
         if (weights && lane < K) {
             float w = 0.0f;
             for (uint32_t i = 0; i < n; ++i) w += __ldcg((const float *)(src[i] + w_off + 4u * lane));
@@ -526,7 +536,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     }
 }
 
-// ---- ceiling -----------------------------------------------------------------------------------
+// ---- ceilings and timing ------------------------------------------------------------------------------------
 
 // The data movement of a dispatch alone: each of this rank's rows read once and stored to its
 // final row on every destination (dst_rows from the plan), no protocol. gridDim.x blocks.
@@ -542,5 +552,32 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling(const Args a
             rec[d] = row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
         }
         warp_copy_fanout((const uint8_t *)a.x + t * a.x_bytes, rec, R, a.x_bytes, lane);
+    }
+}
+
+// The data movement of a combine alone: every token of this rank reduces its rows from the
+// ranks holding them (dst_rows: the token's row on each rank, from the plan, -1 = none; the BF16
+// x parts of the dispatch records) into combined_x, no signals, no biases. gridDim.x blocks.
+extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling_gather(const Args a) {
+    const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, R = (uint32_t)a.num_ranks;
+    const int32_t *dst_rows = (const int32_t *)a.dst_rows;
+    const uint64_t per = (a.num_tokens + gridDim.x - 1) / gridDim.x;
+    const uint64_t t0 = per * blockIdx.x, t1 = min(a.num_tokens, t0 + per);
+    for (uint64_t t = t0 + warp; t < t1; t += WARPS) {
+        const uint8_t *src[MAXR];
+        uint32_t n = 0;
+        for (uint32_t d = 0; d < R; ++d) {
+            int32_t row = dst_rows[t * R + d];
+            if (row >= 0) src[n++] = data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
+        }
+        reduce_token(src, n, nullptr, nullptr, (uint8_t *)a.combined_x + t * 2 * a.hidden, 2 * a.hidden, lane);
+    }
+}
+
+// Spins for `timeout_ns` of %globaltimer: a gate that holds every rank's stream until the host
+// has enqueued all of a timed call, so the ranks start together.
+extern "C" __global__ void ep_spin(const Args a) {
+    const uint64_t t0 = ep_now_ns();
+    while (ep_now_ns() - t0 < a.timeout_ns) {
     }
 }

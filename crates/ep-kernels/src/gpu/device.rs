@@ -20,6 +20,8 @@ pub(crate) struct NormalKernels {
     pub(crate) dispatch: CudaFunction,
     pub(crate) combine: CudaFunction,
     pub(crate) ceiling: CudaFunction,
+    pub(crate) ceiling_gather: CudaFunction,
+    pub(crate) spin: CudaFunction,
 }
 
 /// One GPU, ready to launch the backend's kernels.
@@ -62,6 +64,8 @@ impl Device {
             dispatch: get("ep_normal_dispatch")?,
             combine: get("ep_normal_combine")?,
             ceiling: get("ep_copy_ceiling")?,
+            ceiling_gather: get("ep_copy_ceiling_gather")?,
+            spin: get("ep_spin")?,
         };
         let num_sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)

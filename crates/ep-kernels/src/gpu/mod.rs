@@ -5,10 +5,12 @@
 //! - [`mem`]: device buffers and host-mapped memory;
 //! - [`device`]: one GPU with its kernels and error record;
 //! - [`normal`]: layout, dispatch, cached dispatch, combine and the copy ceiling.
+//! - `host`: downloads of results as ep-core's host types (verification, digests);
 //! - [`abi`]: the kernel-argument structs generated with the kernels' header.
 
 pub mod abi;
 pub mod device;
+mod host;
 pub mod mem;
 pub mod normal;
 pub mod tensor;

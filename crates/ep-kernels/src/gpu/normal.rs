@@ -181,6 +181,8 @@ pub struct NormalGroup {
     last: Option<LastDispatch>,
     /// Test hook: a rank whose kernels are not launched (a rank that never arrives).
     absent: Option<usize>,
+    /// The stream that gates timed calls ([`NormalGroup::timed`]).
+    gate: Option<Arc<CudaStream>>,
 }
 
 fn launch_cfg(blocks: u32) -> LaunchConfig {
@@ -260,6 +262,7 @@ impl NormalGroup {
             poison: None,
             last: None,
             absent: None,
+            gate: None,
         })
     }
 
@@ -1193,6 +1196,110 @@ impl NormalGroup {
             self.launch(s, &self.dev.normal.ceiling, blocks, &a)?;
         }
         Ok(())
+    }
+}
+
+impl NormalGroup {
+    /// The ceiling of a combine's data movement: every token of rank `r` reduces its rows of
+    /// the last dispatch (BF16 x parts; `src_rows[r]` `[T, R]` i32, the token's row on each
+    /// rank or -1) into `out[r]` (`[T, H]` BF16), `blocks` blocks per rank, no signals.
+    pub fn ceiling_combine(
+        &mut self,
+        src_rows: &[&DevTensor],
+        out: &[&DevTensor],
+        blocks: u32,
+    ) -> Result<()> {
+        self.check_ready()?;
+        let r = self.num_ranks();
+        check_rank_count(r, src_rows.len())?;
+        check_rank_count(r, out.len())?;
+        let last = self.last.ok_or_else(|| {
+            Error::Unsupported(
+                "a combine ceiling reads the rows of a dispatch: dispatch first".into(),
+            )
+        })?;
+        if last.fmt.elem_bytes != 2 {
+            return Err(Error::Unsupported(
+                "the combine ceiling reads BF16 dispatch rows".into(),
+            ));
+        }
+        for s in 0..r {
+            out[s].expect(
+                &format!("ceiling output of rank {s}"),
+                DType::Bf16,
+                None,
+                Some(last.fmt.hidden),
+            )?;
+            src_rows[s].expect(
+                &format!("src_rows of rank {s}"),
+                DType::I32,
+                Some(out[s].rows()),
+                Some(r),
+            )?;
+            let mut a = self.base_args(s);
+            a.num_tokens = out[s].rows() as u64;
+            a.hidden = last.fmt.hidden as u64;
+            a.drec = last.fmt.dispatch_record();
+            a.dst_rows = src_rows[s].ptr();
+            a.combined_x = out[s].ptr();
+            self.launch(s, &self.dev.normal.ceiling_gather, blocks, &a)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f`, which enqueues work on every rank's stream, with every rank released at the
+    /// same moment (their streams wait behind a short spin on a gate stream while the host
+    /// enqueues), and returns each rank's device time from that release to the end of its work,
+    /// in seconds (CUDA events).
+    pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
+        if self.gate.is_none() {
+            let g = self
+                .dev
+                .context()
+                .new_stream()
+                .map_err(Error::cuda("cuStreamCreate"))?;
+            self.gate = Some(g);
+        }
+        let gate = self.gate.clone().expect("set above");
+        let mut spin = self.base_args(0);
+        spin.timeout_ns = 300_000;
+        let mut b = gate.launch_builder(&self.dev.normal.spin);
+        b.arg(&spin);
+        // SAFETY: ep_spin reads only its argument and the clock.
+        unsafe { b.launch(launch_cfg(1)) }.map_err(Error::cuda("cuLaunchKernel(ep_spin)"))?;
+        let open = gate
+            .record_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            ))
+            .map_err(Error::cuda("cuEventRecord"))?;
+        let mut starts = Vec::with_capacity(self.num_ranks());
+        for r in &self.ranks {
+            r.stream
+                .wait(&open)
+                .map_err(Error::cuda("cuStreamWaitEvent"))?;
+            starts.push(
+                r.stream
+                    .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(Error::cuda("cuEventRecord"))?,
+            );
+        }
+        let out = f(self)?;
+        let mut ends = Vec::with_capacity(self.num_ranks());
+        for r in &self.ranks {
+            ends.push(
+                r.stream
+                    .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(Error::cuda("cuEventRecord"))?,
+            );
+        }
+        self.sync()?;
+        let mut secs = Vec::with_capacity(ends.len());
+        for (s, e) in starts.iter().zip(&ends) {
+            secs.push(
+                f64::from(s.elapsed_ms(e).map_err(Error::cuda("cuEventElapsedTime"))?) * 1e-3,
+            );
+        }
+        Ok((out, secs))
     }
 }
 
