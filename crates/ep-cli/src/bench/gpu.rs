@@ -502,6 +502,8 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     for (si, &sms) in sweep.iter().enumerate() {
         let mut g = NormalGroup::new(dev.clone(), r, sms, nvl_bytes)
             .map_err(gpu_err("creating the group"))?;
+        // A stuck call ends in a typed error within seconds, not the 10 s default.
+        g.set_timeout(std::time::Duration::from_secs(3));
         // Verification, and per set: handles, ceilings' rows, layouts.
         let mut handles: Vec<Vec<GpuDispatch>> = Vec::new();
         let mut dst_rows: Vec<Vec<DevTensor>> = Vec::new();

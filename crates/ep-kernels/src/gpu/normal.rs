@@ -729,13 +729,22 @@ impl NormalGroup {
         let k = fmt.num_topk;
         let mut handles = Vec::with_capacity(r);
         let mut metas = Vec::with_capacity(r);
-        for s in 0..r {
-            let st = self.ranks[s].stream.clone();
-            let rpm = DevTensor::on_stream(&st, DType::I32, r, r)?;
-            let cpm = DevTensor::on_stream(&st, DType::I32, r, c)?;
-            let rcpm = DevTensor::on_stream(&st, DType::I32, r, c)?;
-            let send_head = DevTensor::on_stream(&st, DType::I32, tokens[s], r)?;
+        // Every allocation (and release) before the first launch: a synchronous one would
+        // wait for kernels already launched, which wait for ranks not launched yet.
+        for (s, &t) in tokens.iter().enumerate() {
             let meta = self.meta_buffers(s, cap as usize, k)?;
+            let st = self.ranks[s].stream.clone();
+            handles.push((
+                DevTensor::on_stream(&st, DType::I32, r, r)?,
+                DevTensor::on_stream(&st, DType::I32, r, c)?,
+                DevTensor::on_stream(&st, DType::I32, r, c)?,
+                DevTensor::on_stream(&st, DType::I32, t, r)?,
+            ));
+            metas.push(meta);
+        }
+        for s in 0..r {
+            let (rpm, cpm, rcpm, send_head) = &handles[s];
+            let meta = &metas[s];
             let inp = &inputs[s];
             let mut a = self.base_args(s);
             a.num_tokens = tokens[s] as u64;
@@ -770,8 +779,6 @@ impl NormalGroup {
             a.recv_topk_idx = meta.1.ptr();
             a.recv_topk_weights = meta.2.ptr();
             self.launch(s, &self.dev.normal.dispatch, 2 * c as u32, &a)?;
-            handles.push((rpm, cpm, rcpm, send_head));
-            metas.push(meta);
         }
         self.last = Some(LastDispatch { fmt, num_topk: k });
         // The only host sync: num_recv and the expert list from each notify block.
@@ -917,7 +924,10 @@ impl NormalGroup {
         self.call += 1;
         let mut metas = Vec::with_capacity(r);
         for s in 0..r {
-            let meta = self.meta_buffers(s, cap as usize, 0)?;
+            metas.push(self.meta_buffers(s, cap as usize, 0)?);
+        }
+        for s in 0..r {
+            let meta = &metas[s];
             let h = handles[s];
             let mut a = self.base_args(s);
             a.num_tokens = tokens[s] as u64;
@@ -940,7 +950,6 @@ impl NormalGroup {
             a.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix.ptr();
             a.recv_src_idx = meta.0.ptr();
             self.launch(s, &self.dev.normal.dispatch, 2 * c as u32, &a)?;
-            metas.push(meta);
         }
         self.last = Some(LastDispatch { fmt, num_topk: 0 });
         let base = self.data_layout().rows_base();
@@ -1122,15 +1131,22 @@ impl NormalGroup {
             num_scales: 0,
             num_topk: k,
         };
+        // Every allocation before the first launch (see `dispatch`).
         let mut out = Vec::with_capacity(r);
         for (s, a) in args.iter().enumerate() {
-            let st = self.ranks[s].stream.clone();
+            let st = &self.ranks[s].stream;
             let t = a.handle.num_tokens;
-            let x = DevTensor::on_stream(&st, DType::Bf16, t, hidden)?;
-            let w = a
-                .with_weights
-                .then(|| DevTensor::on_stream(&st, DType::F32, t, k))
-                .transpose()?;
+            out.push(GpuCombined {
+                combined_x: DevTensor::on_stream(st, DType::Bf16, t, hidden)?,
+                combined_topk_weights: a
+                    .with_weights
+                    .then(|| DevTensor::on_stream(st, DType::F32, t, k))
+                    .transpose()?,
+            });
+        }
+        for (s, a) in args.iter().enumerate() {
+            let t = a.handle.num_tokens;
+            let (x, w) = (&out[s].combined_x, &out[s].combined_topk_weights);
             let mut g = self.base_args(s);
             g.num_tokens = t as u64;
             g.num_topk = k as u64;
@@ -1151,10 +1167,6 @@ impl NormalGroup {
             g.bias0 = a.bias[0].map_or(0, DevTensor::ptr);
             g.bias1 = a.bias[1].map_or(0, DevTensor::ptr);
             self.launch(s, &self.dev.normal.combine, 2 * c as u32, &g)?;
-            out.push(GpuCombined {
-                combined_x: x,
-                combined_topk_weights: w,
-            });
         }
         Ok(out)
     }
