@@ -74,10 +74,17 @@ __device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *co
 
 // get_dispatch_layout (spec §1.7) of one rank. The host zeroes num_tokens_per_rank and
 // num_tokens_per_expert first. An expert id outside [-1, E) is an error record, never a write.
+#define LAYOUT_SMEM_EXPERTS 4096
+
 extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) {
     __shared__ int32_t s_rank[MAXR];
+    __shared__ int32_t s_expert[LAYOUT_SMEM_EXPERTS];  // per-block histogram (E <= 4096)
     const uint32_t R = (uint32_t)a.num_ranks, K = (uint32_t)a.num_topk, L = (uint32_t)a.num_local_experts;
+    const uint32_t E = (uint32_t)a.num_experts;
+    const bool local_hist = E <= LAYOUT_SMEM_EXPERTS;
     if (threadIdx.x < MAXR) s_rank[threadIdx.x] = 0;
+    if (local_hist)
+        for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) s_expert[e] = 0;
     __syncthreads();
     const int64_t *topk = (const int64_t *)a.topk_idx;
     int32_t *per_expert = (int32_t *)a.num_tokens_per_expert;
@@ -88,12 +95,12 @@ extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) 
         for (uint32_t k = 0; k < K; ++k) {
             int64_t e = topk[t * K + k];
             if (e == -1) continue;
-            if (e < -1 || e >= (int64_t)a.num_experts) {
+            if (e < -1 || e >= (int64_t)E) {
                 ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LAYOUT, a.rank, 0, 0,
                         (uint64_t)e, t * K + k);
                 continue;
             }
-            atomicAdd(&per_expert[e], 1);
+            atomicAdd(local_hist ? &s_expert[e] : &per_expert[e], 1);
             mask |= 1u << (uint32_t)(e / L);
         }
         for (uint32_t d = 0; d < R; ++d) {
@@ -104,6 +111,9 @@ extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) 
     }
     __syncthreads();
     if (threadIdx.x < R) atomicAdd(&((int32_t *)a.num_tokens_per_rank)[threadIdx.x], s_rank[threadIdx.x]);
+    if (local_hist)
+        for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
+            if (s_expert[e]) atomicAdd(&per_expert[e], s_expert[e]);
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------
@@ -181,17 +191,6 @@ __device__ bool notify(const Args &a, int32_t *s_cc, int32_t *s_n) {
                                                           ep_count_record_cpm(R) + 4u * (c - 1)));
         rcpm[s * C + c] = v;
     }
-    ep_mailbox *mb = (ep_mailbox *)a.mailbox;
-    if (a.num_worst_tokens == 0) {
-        for (uint32_t l = tid; l < L; l += NT) {
-            int64_t sum = 0;
-            for (uint32_t s = 0; s < R; ++s)
-                sum += ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
-                                                    ep_count_record_experts(R) + 4u * l));
-            int64_t al = (int64_t)a.expert_alignment;
-            *(volatile uint64_t *)&mb->expert_counts[l] = (uint64_t)((sum + al - 1) / al * al);
-        }
-    }
     __threadfence();
     __syncthreads();
     // The table (§2.1) of this rank.
@@ -216,14 +215,27 @@ __device__ bool notify(const Args &a, int32_t *s_cc, int32_t *s_n) {
             s_ok = 0;
         }
     }
-    __threadfence_system();
+    __threadfence();
     __syncthreads();
     if (!s_ok) return false;
-    if (tid == 0) {
-        uint64_t num_recv = (uint64_t)__ldcg(&rpm[(R - 1) * R + me]);
-        *(volatile uint64_t *)&mb->num_recv = (k << 32) | num_recv;
+    if (tid == 0) ep_st_release(ctrl_word(a, me, ep_normal_table_ready(R, p)), k);
+    // Off the senders' critical path: the expert list, then num_recv, to host-mapped memory.
+    ep_mailbox *mb = (ep_mailbox *)a.mailbox;
+    if (a.num_worst_tokens == 0) {
+        for (uint32_t l = tid; l < L; l += NT) {
+            int64_t sum = 0;
+            for (uint32_t s = 0; s < R; ++s)
+                sum += ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
+                                                    ep_count_record_experts(R) + 4u * l));
+            int64_t al = (int64_t)a.expert_alignment;
+            *(volatile uint64_t *)&mb->expert_counts[l] = (uint64_t)((sum + al - 1) / al * al);
+        }
         __threadfence_system();
-        ep_st_release(ctrl_word(a, me, ep_normal_table_ready(R, p)), k);
+        __syncthreads();
+        if (tid == 0) {
+            uint64_t num_recv = (uint64_t)__ldcg(&rpm[(R - 1) * R + me]);
+            *(volatile uint64_t *)&mb->num_recv = (k << 32) | num_recv;
+        }
     }
     return true;
 }
@@ -428,12 +440,22 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
 #define CU 2  // int4 (8 BF16) per lane per pass
 
 // One warp reduces a token: out = bf16(f32(b0) + f32(b1) + f32(src[0]) + ... + f32(src[n-1])),
-// element by element in that order (an absent bias reads as +0.0), `bytes` = 2H.
+// element by element in that order (an absent bias reads as +0.0), `bytes` = 2H. Every source's
+// 16-byte pieces of a pass are loaded before any is added (n x CU loads in flight per lane: the
+// loop is latency-bound otherwise).
 __device__ __forceinline__ void reduce_token(const uint8_t *const *src, uint32_t n, const uint8_t *b0,
                                              const uint8_t *b1, uint8_t *out, uint64_t bytes,
                                              uint32_t lane) {
     for (uint64_t base = (uint64_t)lane * 16; base < bytes; base += 32ull * 16 * CU) {
-        float acc[CU * 8];
+        int4 v[MAXR][CU];
+#pragma unroll
+        for (uint32_t i = 0; i < MAXR; ++i) {
+#pragma unroll
+            for (int u = 0; u < CU; ++u) {
+                uint64_t off = base + (uint64_t)u * 32 * 16;
+                if (i < n && off < bytes) v[i][u] = ep_ld_cg((const int4 *)(src[i] + off));
+            }
+        }
 #pragma unroll
         for (int u = 0; u < CU; ++u) {
             uint64_t off = base + (uint64_t)u * 32 * 16;
@@ -441,28 +463,20 @@ __device__ __forceinline__ void reduce_token(const uint8_t *const *src, uint32_t
             int4 v0 = b0 ? *(const int4 *)(b0 + off) : make_int4(0, 0, 0, 0);
             int4 v1 = b1 ? *(const int4 *)(b1 + off) : make_int4(0, 0, 0, 0);
             const __nv_bfloat16 *p0 = (const __nv_bfloat16 *)&v0, *p1 = (const __nv_bfloat16 *)&v1;
+            float acc[8];
 #pragma unroll
-            for (int q = 0; q < 8; ++q) acc[u * 8 + q] = __bfloat162float(p0[q]) + __bfloat162float(p1[q]);
-        }
-        for (uint32_t i = 0; i < n; ++i) {
+            for (int q = 0; q < 8; ++q) acc[q] = __bfloat162float(p0[q]) + __bfloat162float(p1[q]);
 #pragma unroll
-            for (int u = 0; u < CU; ++u) {
-                uint64_t off = base + (uint64_t)u * 32 * 16;
-                if (off >= bytes) continue;
-                int4 v = ep_ld_cg((const int4 *)(src[i] + off));
-                const __nv_bfloat16 *pv = (const __nv_bfloat16 *)&v;
+            for (uint32_t i = 0; i < MAXR; ++i) {
+                if (i >= n) break;
+                const __nv_bfloat16 *pv = (const __nv_bfloat16 *)&v[i][u];
 #pragma unroll
-                for (int q = 0; q < 8; ++q) acc[u * 8 + q] += __bfloat162float(pv[q]);
+                for (int q = 0; q < 8; ++q) acc[q] += __bfloat162float(pv[q]);
             }
-        }
-#pragma unroll
-        for (int u = 0; u < CU; ++u) {
-            uint64_t off = base + (uint64_t)u * 32 * 16;
-            if (off >= bytes) continue;
             int4 o;
             __nv_bfloat16 *po = (__nv_bfloat16 *)&o;
 #pragma unroll
-            for (int q = 0; q < 8; ++q) po[q] = __float2bfloat16_rn(acc[u * 8 + q]);
+            for (int q = 0; q < 8; ++q) po[q] = __float2bfloat16_rn(acc[q]);
             *(int4 *)(out + off) = o;
         }
     }
@@ -555,14 +569,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling(const Args a
     }
 }
 
-// The data movement of a combine alone: every token of this rank reduces its rows from the
-// ranks holding them (dst_rows: the token's row on each rank, from the plan, -1 = none; the BF16
-// x parts of the dispatch records) into combined_x, no signals, no biases. gridDim.x blocks.
+// The data movement of a combine alone: every token of this rank loads each of its rows from
+// the ranks holding them (dst_rows: the token's row on each rank, from the plan, -1 = none; the
+// BF16 x parts of the dispatch records) once and stores one row (their bitwise XOR: the byte
+// pattern of the combine with no arithmetic), no signals, no biases. gridDim.x blocks.
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling_gather(const Args a) {
     const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, R = (uint32_t)a.num_ranks;
     const int32_t *dst_rows = (const int32_t *)a.dst_rows;
     const uint64_t per = (a.num_tokens + gridDim.x - 1) / gridDim.x;
     const uint64_t t0 = per * blockIdx.x, t1 = min(a.num_tokens, t0 + per);
+    const uint64_t bytes = 2 * a.hidden;
     for (uint64_t t = t0 + warp; t < t1; t += WARPS) {
         const uint8_t *src[MAXR];
         uint32_t n = 0;
@@ -570,7 +586,29 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling_gather(const
             int32_t row = dst_rows[t * R + d];
             if (row >= 0) src[n++] = data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
         }
-        reduce_token(src, n, nullptr, nullptr, (uint8_t *)a.combined_x + t * 2 * a.hidden, 2 * a.hidden, lane);
+        uint8_t *out = (uint8_t *)a.combined_x + t * bytes;
+        for (uint64_t base = (uint64_t)lane * 16; base < bytes; base += 32ull * 16 * CU) {
+            int4 v[MAXR][CU];
+#pragma unroll
+            for (uint32_t i = 0; i < MAXR; ++i)
+#pragma unroll
+                for (int u = 0; u < CU; ++u) {
+                    uint64_t off = base + (uint64_t)u * 32 * 16;
+                    if (i < n && off < bytes) v[i][u] = ep_ld_cg((const int4 *)(src[i] + off));
+                }
+#pragma unroll
+            for (int u = 0; u < CU; ++u) {
+                uint64_t off = base + (uint64_t)u * 32 * 16;
+                if (off >= bytes) continue;
+                int4 o = make_int4(0, 0, 0, 0);
+#pragma unroll
+                for (uint32_t i = 0; i < MAXR; ++i) {
+                    if (i >= n) break;
+                    o.x ^= v[i][u].x; o.y ^= v[i][u].y; o.z ^= v[i][u].z; o.w ^= v[i][u].w;
+                }
+                *(int4 *)(out + off) = o;
+            }
+        }
     }
 }
 

@@ -386,6 +386,9 @@ struct SmRow {
     sms_per_rank: usize,
     dispatch: Figure,
     dispatch_with_layout: Figure,
+    /// The dispatch without top-k (no meta but src_idx): isolates the count exchange against
+    /// `cached`, which has none.
+    dispatch_no_topk: Figure,
     cached: Figure,
     combine: Figure,
     ceiling_dispatch: Figure,
@@ -582,6 +585,27 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             }
         }
         row.dispatch = figure(&samples, dispatch_bytes);
+        // Without top-k.
+        samples.clear();
+        for it in 0..total {
+            let set = &sets[it % n_sets];
+            let ins: Vec<GpuRankInputs<'_>> = set
+                .inputs()
+                .into_iter()
+                .map(|mut i| {
+                    i.topk_idx = None;
+                    i.topk_weights = None;
+                    i
+                })
+                .collect();
+            let (_, t) = g
+                .timed(|g| g.dispatch(&ins, &layouts[it % n_sets], e, &GpuDispatchArgs::default()))
+                .map_err(gpu_err("timed dispatch without top-k"))?;
+            if it >= warm {
+                samples.push(t.iter().copied().fold(0.0, f64::max));
+            }
+        }
+        row.dispatch_no_topk = figure(&samples, dispatch_bytes);
         // The whole call: layout + dispatch.
         samples.clear();
         let mut lay_samples = Vec::new();
@@ -771,7 +795,7 @@ fn print_row(row: &SmRow, fp8: bool) {
         }
     };
     println!(
-        "[gpu {} SMs/rank] dispatch {}: {:.1} GB/s per rank, {:.1} us ({:.0}% of the same-run ceiling {:.1} GB/s) | with layout {:.1} us ({:.0}%) | layout {:.1} us | cached {:.1} GB/s, {:.1} us ({:.0}%)",
+        "[gpu {} SMs/rank] dispatch {}: {:.1} GB/s per rank, {:.1} us ({:.0}% of the same-run ceiling {:.1} GB/s) | with layout {:.1} us ({:.0}%) | layout {:.1} us | no top-k {:.1} us | cached {:.1} GB/s, {:.1} us ({:.0}%)",
         row.sms_per_rank,
         if fp8 { "FP8" } else { "BF16" },
         row.dispatch.gb_per_s,
@@ -781,6 +805,7 @@ fn print_row(row: &SmRow, fp8: bool) {
         row.dispatch_with_layout.median_us,
         100.0 * ratio(row.ceiling_dispatch, row.dispatch_with_layout),
         row.layout_us,
+        row.dispatch_no_topk.median_us,
         row.cached.gb_per_s,
         row.cached.median_us,
         100.0 * ratio(row.ceiling_dispatch, row.cached),
