@@ -135,10 +135,23 @@ __device__ bool notify(const Args &a, int32_t *s_cc, int32_t *s_n) {
     __syncthreads();
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
     const uint64_t per = (T + C - 1) / C;
-    for (uint64_t t = tid; t < T; t += NT) {
-        uint32_t c = (uint32_t)(t / per);
-        for (uint32_t d = 0; d < R; ++d)
-            if (in_rank[t * R + d]) atomicAdd(&s_cc[c * R + d], 1);
+    // Per (channel, d) counts: a warp covers 32 consecutive tokens; when they share a channel
+    // one ballot per d counts them (one shared atomic per warp and d instead of per token).
+    for (uint64_t base = (tid & ~31u); base < T; base += NT) {
+        const uint64_t t = base + (tid & 31u);
+        const bool valid = t < T;
+        const uint32_t c = valid ? (uint32_t)(t / per) : 0xffffffffu;
+        const uint32_t c0 = __shfl_sync(0xffffffffu, c, 0);
+        const bool same = __all_sync(0xffffffffu, !valid || c == c0);
+        for (uint32_t d = 0; d < R; ++d) {
+            const bool bit = valid && in_rank[t * R + d];
+            if (same) {
+                const uint32_t n = __popc(__ballot_sync(0xffffffffu, bit));
+                if ((tid & 31u) == 0 && n) atomicAdd(&s_cc[c0 * R + d], (int32_t)n);
+            } else if (bit) {
+                atomicAdd(&s_cc[c * R + d], 1);
+            }
+        }
     }
     __syncthreads();
     if (tid < R) {
@@ -349,25 +362,29 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
                 int32_t row = s_rows[i][d];
                 rec[d] = row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
             }
-            warp_copy_fanout((const uint8_t *)a.x + tok * a.x_bytes, rec, R, a.x_bytes, lane);
-            for (uint32_t j = lane; j < S; j += 32) {
-                float v = ((const float *)a.x_scales)[tok * S + j];
-                for (uint32_t d = 0; d < R; ++d)
-                    if (rec[d]) *(float *)(rec[d] + scales_off + 4u * j) = v;
+            // The small parts' loads are issued before the row's, so their latency hides behind
+            // the copy (issued inside the destination loop they cost one round trip each).
+            int64_t e = -1;
+            float wt = 0.0f, sc0 = 0.0f, sc1 = 0.0f;
+            if (topk && lane < K) {
+                e = ((const int64_t *)a.topk_idx)[tok * K + lane];
+                wt = ((const float *)a.topk_weights)[tok * K + lane];
             }
+            if (lane < S) sc0 = ((const float *)a.x_scales)[tok * S + lane];
+            if (lane + 32 < S) sc1 = ((const float *)a.x_scales)[tok * S + lane + 32];
+            warp_copy_fanout((const uint8_t *)a.x + tok * a.x_bytes, rec, R, a.x_bytes, lane);
             for (uint32_t d = 0; d < R; ++d) {
                 if (!rec[d]) continue;
-                if (lane == 0) {
-                    *(int32_t *)(rec[d] + meta_off) = (int32_t)tok;
-                    *(int32_t *)(rec[d] + meta_off + 4) = 0;
-                }
+                if (lane < S) *(float *)(rec[d] + scales_off + 4u * lane) = sc0;
+                if (lane + 32 < S) *(float *)(rec[d] + scales_off + 4u * (lane + 32)) = sc1;
+                for (uint32_t j = lane + 64; j < S; j += 32)
+                    *(float *)(rec[d] + scales_off + 4u * j) = ((const float *)a.x_scales)[tok * S + j];
+                if (lane == 0) *(int2 *)(rec[d] + meta_off) = make_int2((int32_t)tok, 0);
                 if (topk && lane < K) {
-                    int64_t e = ((const int64_t *)a.topk_idx)[tok * K + lane];
                     int64_t lo = (int64_t)d * L;
                     bool local = e >= lo && e < lo + (int64_t)L;
                     *(int64_t *)(rec[d] + idx_off + 8u * lane) = local ? e - lo : -1;
-                    *(float *)(rec[d] + w_off + 4u * lane) =
-                        local ? ((const float *)a.topk_weights)[tok * K + lane] : 0.0f;
+                    *(float *)(rec[d] + w_off + 4u * lane) = local ? wt : 0.0f;
                 }
             }
         }
@@ -474,9 +491,9 @@ __device__ __forceinline__ void reduce_token(const uint8_t *const *src, uint32_t
                 for (int q = 0; q < 8; ++q) acc[q] += __bfloat162float(pv[q]);
             }
             int4 o;
-            __nv_bfloat16 *po = (__nv_bfloat16 *)&o;
+            __nv_bfloat162 *po = (__nv_bfloat162 *)&o;
 #pragma unroll
-            for (int q = 0; q < 8; ++q) po[q] = __float2bfloat16_rn(acc[q]);
+            for (int q = 0; q < 4; ++q) po[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
             *(int4 *)(out + off) = o;
         }
     }
@@ -521,10 +538,12 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     const __nv_bfloat16 *b0 = (const __nv_bfloat16 *)a.bias0, *b1 = (const __nv_bfloat16 *)a.bias1;
     for (uint32_t t = t0 + warp; ok && t < t1; t += WARPS) {
         // The ranks holding token t, ascending.
+        // Lane d loads send_head[t][d] (one round trip for all d, not R in a row).
+        const int32_t my_sh = lane < R ? send_head[(uint64_t)t * R + lane] : -1;
         const uint8_t *src[MAXR];
         uint32_t n = 0;
         for (uint32_t d = 0; d < R; ++d) {
-            int32_t sh = send_head[(uint64_t)t * R + d];
+            int32_t sh = __shfl_sync(0xffffffffu, my_sh, d);
             if (sh < 0) continue;
             uint64_t row = (uint64_t)(s_rowbase[d] + sh);
             src[n++] = data_at(a, d, in_place ? ep_normal_dispatch_row(R, row, a.drec)
