@@ -25,8 +25,9 @@
 //! Verification: at every SM count the first dispatch and combine of set 0 are compared with
 //! the plan (`plan::intranode`, itself checked against the oracle) bit for bit, every output;
 //! at the first SM count every set is. The canonical digest of set 0 (dispatch + identity-expert
-//! combine, as `--backend sim` computes it) is printed and must equal the plan's. Timed calls
-//! are not verified one by one.
+//! combine, as `--backend sim` computes it, at the first SM count of the sweep: the channel count
+//! is part of the handle) is printed, must equal the plan's, and is what `--dump DIR` writes.
+//! Timed calls are not verified one by one.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -529,6 +530,13 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                             .failures
                             .push("the canonical digest differs from the plan's".into());
                     }
+                    if let Some(dir) = &args.workload.dump {
+                        let view = crate::io::Outputs::Normal {
+                            dispatch: &v.host,
+                            combine: &v.comb,
+                        };
+                        crate::io::dump_outputs(dir, &view, &w.info)?;
+                    }
                     digest = Some((gpu, want));
                 }
                 (v.host, v.out)
@@ -739,8 +747,11 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let verified = verdict.failures.is_empty();
     if let Some((gpu, want)) = &digest {
         println!(
-            "output digest {} (blake3, canonical format v2){}",
+            "output digest {} (blake3, canonical format v2; {} SMs per rank, i.e. {} channels, as --backend sim --num-sms {}){}",
             gpu.total,
+            sweep[0],
+            sweep[0] / 2,
+            sweep[0],
             if gpu.total == want.total {
                 ", equal to the plan's"
             } else {
