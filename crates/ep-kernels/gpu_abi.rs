@@ -52,6 +52,7 @@ pub(crate) const NORMAL_ARGS: Fields = &[
     ("err", 0, "Host-mapped EpErrBlock shared by the process's ranks."),
     ("timeout_ns", 0, "Bound of every wait (%globaltimer ns)."),
     ("dst_rows", 0, "Ceiling kernel: [T, R] i32 final rows (-1: not sent)."),
+    ("phase_times", 0, "0, or [grid][EP_PHASE_SLOTS] u64 %globaltimer stamps per block (measurement)."),
 ];
 
 /// Written by the first wait that times out (host-mapped; the host reads it after a sync).
@@ -88,4 +89,5 @@ pub(crate) const CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_KERNEL_LAYOUT", 3, "ep_normal_layout."),
     ("EP_KERNEL_DISPATCH", 1, "ep_normal_dispatch."),
     ("EP_KERNEL_COMBINE", 2, "ep_normal_combine."),
+    ("EP_PHASE_SLOTS", 8, "Stamps per block: start, offsets known, rows stored, done released, done acquired, end."),
 ];

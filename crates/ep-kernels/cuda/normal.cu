@@ -36,6 +36,13 @@ __device__ __forceinline__ uint32_t lanemask_lt() {
 }
 __device__ __forceinline__ int32_t ld_i32_cg(const void *p) { return __ldcg((const int32_t *)p); }
 
+// Measurement: thread 0 of each block stamps %globaltimer into slot `i` of its row when the
+// caller asked for phase times (a.phase_times != 0).
+__device__ __forceinline__ void stamp(const Args &a, uint32_t i) {
+    if (a.phase_times != 0 && threadIdx.x == 0)
+        ((uint64_t *)a.phase_times)[blockIdx.x * EP_PHASE_SLOTS + i] = ep_now_ns();
+}
+
 // Tokens [t0, t1) of block (c, h): half h of chan(T, C, c).
 __device__ __forceinline__ void block_tokens(const Args &a, uint32_t c, uint32_t h, uint32_t *t0,
                                              uint32_t *t1, uint32_t *mid_out) {
@@ -285,6 +292,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     uint32_t t0, t1, mid;
     block_tokens(a, c, h, &t0, &t1, &mid);
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
+    stamp(a, 0);
     if (tid == 0) s_ok = 1;
     if (tid < MAXR) s_before[tid] = 0;
     __syncthreads();
@@ -315,6 +323,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     }
     __syncthreads();
     const bool ok = s_ok != 0;
+    stamp(a, 1);
 
     if (ok && tid < R) {
         const int32_t before = s_before[tid];
@@ -392,10 +401,12 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     }
 
     // 3. done[me][c] on every d once both CTAs of the channel stored their rows.
+    stamp(a, 2);
     __threadfence_system();
     __syncthreads();
     ep_cluster_sync();
     if (ok && h == 0 && tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_done(R, me, c)), k);
+    stamp(a, 3);
 
     // 4. Receive channel c: wait done[s][c] of every source, then copy the rows' meta out.
     if (tid == 0) s_ok = ok ? 1 : 0;
@@ -407,6 +418,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     }
     __syncthreads();
     if (!s_ok) return;
+    stamp(a, 4);
     int32_t *out_src = (int32_t *)a.recv_src_idx;
     int64_t *out_idx = (int64_t *)a.recv_topk_idx;
     float *out_w = (float *)a.recv_topk_weights;
@@ -450,6 +462,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
             }
         }
     }
+    __syncthreads();
+    stamp(a, 5);
 }
 
 // ---- combine -----------------------------------------------------------------------------------
@@ -520,6 +534,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
 
     __shared__ int s_ok;
     __shared__ int32_t s_rowbase[MAXR];
+    stamp(a, 0);
     if (tid == 0) s_ok = 1;
     if (blockIdx.x == 0 && tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_y_ready(R, me)), k);
     __syncthreads();
@@ -533,6 +548,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     }
     __syncthreads();
     const bool ok = s_ok != 0;
+    stamp(a, 1);
     uint32_t t0, t1, mid;
     block_tokens(a, c, h, &t0, &t1, &mid);
     const __nv_bfloat16 *b0 = (const __nv_bfloat16 *)a.bias0, *b1 = (const __nv_bfloat16 *)a.bias1;
@@ -559,6 +575,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         }
     }
     // pulled[me][c] on every d, then wait until every owner pulled from this rank.
+    stamp(a, 2);
     __threadfence_system();
     __syncthreads();
     ep_cluster_sync();
@@ -567,6 +584,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         uint64_t off = ep_normal_pulled(R, tid, c);
         ep_wait_eq(ctrl_word(a, me, off), k, err, 2 * a.timeout_ns, me, EP_KERNEL_COMBINE, tid, off);
     }
+    __syncthreads();
+    stamp(a, 5);
 }
 
 // ---- ceilings and timing ------------------------------------------------------------------------------------

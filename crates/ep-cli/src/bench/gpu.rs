@@ -395,6 +395,37 @@ struct SmRow {
     ceiling_dispatch: Figure,
     ceiling_combine: Figure,
     layout_us: f64,
+    /// Dispatch, one measured call: median over blocks of each phase (offsets known, rows
+    /// stored, done released, done acquired, meta copied), and the whole kernel (first start to
+    /// last end over every rank), microseconds.
+    dispatch_phases_us: Vec<f64>,
+    /// Combine likewise: y_ready acquired, rows reduced, pulled exchanged; whole kernel.
+    combine_phases_us: Vec<f64>,
+}
+
+/// Median over blocks (of every rank) of the time from stamp `slots[i-1]` (0 first) to
+/// `slots[i]`, then the whole span (earliest start to latest end), in microseconds.
+fn phase_split(stamps: &[Vec<Vec<u64>>], slots: &[usize]) -> Vec<f64> {
+    let blocks: Vec<&Vec<u64>> = stamps.iter().flatten().filter(|b| b[0] != 0).collect();
+    let mut out = Vec::with_capacity(slots.len() + 1);
+    let mut prev = 0;
+    for &s in slots {
+        let d: Vec<f64> = blocks
+            .iter()
+            .filter(|b| b[s] >= b[prev] && b[s] != 0)
+            .map(|b| (b[s] - b[prev]) as f64 * 1e-3)
+            .collect();
+        out.push(median(&d));
+        prev = s;
+    }
+    let start = blocks.iter().map(|b| b[0]).min().unwrap_or(0);
+    let end = blocks
+        .iter()
+        .map(|b| b[*slots.last().unwrap_or(&0)])
+        .max()
+        .unwrap_or(0);
+    out.push(end.saturating_sub(start) as f64 * 1e-3);
+    out
 }
 
 /// Runs `ep bench --backend gpu` (module docs). Returns the exit code: 0 verified, 1 mismatch.
@@ -741,6 +772,42 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             }
             row.ceiling_combine = figure(&samples, bf16_bytes);
         }
+        // Where a dispatch and a combine spend their time (untimed calls with phase stamps).
+        g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
+        let out = g
+            .dispatch(
+                &sets[0].inputs(),
+                &layouts[0],
+                e,
+                &GpuDispatchArgs::default(),
+            )
+            .map_err(gpu_err("measured dispatch"))?;
+        g.sync().map_err(gpu_err("measured dispatch"))?;
+        row.dispatch_phases_us = phase_split(
+            &g.phase_times().map_err(gpu_err("phase stamps"))?,
+            &[1, 2, 3, 4, 5],
+        );
+        let source = if fp8 {
+            CombineSource::Rows
+        } else {
+            CombineSource::InPlace
+        };
+        let ca: Vec<GpuCombineArgs<'_>> = out
+            .iter()
+            .map(|o| GpuCombineArgs {
+                handle: &o.handle,
+                with_weights: true,
+                bias: [None, None],
+            })
+            .collect();
+        g.combine(source, &ca)
+            .map_err(gpu_err("measured combine"))?;
+        g.sync().map_err(gpu_err("measured combine"))?;
+        row.combine_phases_us = phase_split(
+            &g.phase_times().map_err(gpu_err("phase stamps"))?,
+            &[1, 2, 5],
+        );
+        g.measure_phases(false).map_err(gpu_err("phase stamps"))?;
         print_row(&row, fp8);
         rows_out.push(row);
     }
@@ -798,6 +865,21 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
 }
 
 fn print_row(row: &SmRow, fp8: bool) {
+    let p = |v: &[f64], i: usize| v.get(i).copied().unwrap_or(0.0);
+    println!(
+        "[gpu {} SMs/rank] dispatch phases (median over blocks, us): offsets {:.1}, rows {:.1}, done release {:.1}, done wait {:.1}, meta {:.1}; kernel span {:.1} | combine: y_ready {:.1}, reduce {:.1}, pulled {:.1}; span {:.1}",
+        row.sms_per_rank,
+        p(&row.dispatch_phases_us, 0),
+        p(&row.dispatch_phases_us, 1),
+        p(&row.dispatch_phases_us, 2),
+        p(&row.dispatch_phases_us, 3),
+        p(&row.dispatch_phases_us, 4),
+        p(&row.dispatch_phases_us, 5),
+        p(&row.combine_phases_us, 0),
+        p(&row.combine_phases_us, 1),
+        p(&row.combine_phases_us, 2),
+        p(&row.combine_phases_us, 3),
+    );
     let ratio = |ceil: Figure, f: Figure| {
         if f.median_us > 0.0 {
             ceil.median_us / f.median_us

@@ -183,6 +183,8 @@ pub struct NormalGroup {
     absent: Option<usize>,
     /// The stream that gates timed calls ([`NormalGroup::timed`]).
     gate: Option<Arc<CudaStream>>,
+    /// Per rank: where the kernels stamp their phase times, when measuring.
+    phase_times: Option<Vec<DevTensor>>,
 }
 
 fn launch_cfg(blocks: u32) -> LaunchConfig {
@@ -263,6 +265,7 @@ impl NormalGroup {
             last: None,
             absent: None,
             gate: None,
+            phase_times: None,
         })
     }
 
@@ -457,6 +460,42 @@ impl NormalGroup {
         Ok(())
     }
 
+    /// Measurement: from now on (`on`) the dispatch and combine kernels stamp `%globaltimer` at
+    /// their phase boundaries ([`NormalGroup::phase_times`]); off again with `false`.
+    pub fn measure_phases(&mut self, on: bool) -> Result<()> {
+        self.phase_times = if on {
+            let rows = 2 * ep_core::protocol::layout::MAX_CHANNELS;
+            let slots = abi::EP_PHASE_SLOTS as usize;
+            Some(
+                (0..self.num_ranks())
+                    .map(|_| DevTensor::zeros(self.dev.context(), DType::I64, rows, slots))
+                    .collect::<Result<_>>()?,
+            )
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// The stamps of the last measured kernel of each rank: per block, `EP_PHASE_SLOTS`
+    /// `%globaltimer` values (ns; 0 = not reached). Dispatch: start, offsets known, rows stored,
+    /// done released, done acquired, end; combine: start, y_ready acquired, rows reduced, -, -,
+    /// end. Call after [`NormalGroup::sync`].
+    pub fn phase_times(&self) -> Result<Vec<Vec<Vec<u64>>>> {
+        let Some(bufs) = &self.phase_times else {
+            return Ok(Vec::new());
+        };
+        let blocks = 2 * self.num_channels();
+        bufs.iter()
+            .map(|b| {
+                let t = b.download::<i64>()?;
+                Ok((0..blocks)
+                    .map(|i| t.row(i).iter().map(|&v| v as u64).collect())
+                    .collect())
+            })
+            .collect()
+    }
+
     fn launch(
         &self,
         rank: usize,
@@ -467,6 +506,15 @@ impl NormalGroup {
         if self.absent == Some(rank) {
             return Ok(());
         }
+        let mut measured;
+        let args = match &self.phase_times {
+            Some(bufs) if blocks as usize <= bufs[rank].rows() => {
+                measured = *args;
+                measured.phase_times = bufs[rank].ptr();
+                &measured
+            }
+            _ => args,
+        };
         let mut b = self.ranks[rank].stream.launch_builder(f);
         b.arg(args);
         // SAFETY: the kernel takes one `ep_normal_args` by value (generated from the same table
