@@ -142,21 +142,34 @@ __device__ bool notify(const Args &a, int32_t *s_cc, int32_t *s_n) {
     __syncthreads();
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
     const uint64_t per = (T + C - 1) / C;
-    // Per (channel, d) counts: a warp covers 32 consecutive tokens; when they share a channel
-    // one ballot per d counts them (one shared atomic per warp and d instead of per token).
-    for (uint64_t base = (tid & ~31u); base < T; base += NT) {
-        const uint64_t t = base + (tid & 31u);
-        const bool valid = t < T;
-        const uint32_t c = valid ? (uint32_t)(t / per) : 0xffffffffu;
-        const uint32_t c0 = __shfl_sync(0xffffffffu, c, 0);
-        const bool same = __all_sync(0xffffffffu, !valid || c == c0);
-        for (uint32_t d = 0; d < R; ++d) {
-            const bool bit = valid && in_rank[t * R + d];
-            if (same) {
-                const uint32_t n = __popc(__ballot_sync(0xffffffffu, bit));
-                if ((tid & 31u) == 0 && n) atomicAdd(&s_cc[c0 * R + d], (int32_t)n);
-            } else if (bit) {
-                atomicAdd(&s_cc[c * R + d], 1);
+    // Per (channel, d) counts. A warp covers 32 consecutive tokens per step, 8 steps per pass
+    // with every membership byte loaded before any is counted (one round trip per pass, not one
+    // per token); when a step's tokens share a channel one ballot per d counts them.
+    for (uint64_t pass = 0; pass < T; pass += 8ull * NT) {
+        uint32_t bits[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const uint64_t t = pass + (uint64_t)u * NT + tid;
+            uint32_t m = 0;
+            if (t < T)
+                for (uint32_t d = 0; d < R; ++d) m |= (uint32_t)(in_rank[t * R + d] != 0) << d;
+            bits[u] = m;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const uint64_t t = pass + (uint64_t)u * NT + tid;
+            const bool valid = t < T;
+            const uint32_t c = valid ? (uint32_t)(t / per) : 0xffffffffu;
+            const uint32_t c0 = __shfl_sync(0xffffffffu, c, 0);
+            const bool same = __all_sync(0xffffffffu, !valid || c == c0);
+            for (uint32_t d = 0; d < R; ++d) {
+                const bool bit = (bits[u] >> d) & 1u;
+                if (same) {
+                    const uint32_t n = __popc(__ballot_sync(0xffffffffu, bit));
+                    if ((tid & 31u) == 0 && n) atomicAdd(&s_cc[c0 * R + d], (int32_t)n);
+                } else if (bit) {
+                    atomicAdd(&s_cc[c * R + d], 1);
+                }
             }
         }
     }
@@ -197,10 +210,15 @@ __device__ bool notify(const Args &a, int32_t *s_cc, int32_t *s_n) {
     __syncthreads();
     if (!s_ok) return false;
     // Records from every s are visible (acquired by thread s, then the barrier).
+    // rpm: every n_s[e] loaded at once (thread s * R + e), the prefix over s from shared memory.
+    __shared__ int32_t s_rpm[MAXR * MAXR];
+    if (tid < R * R) s_rpm[tid] = ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, tid / R) + 4u * (tid % R)));
+    __syncthreads();
     if (tid < R) {
         int32_t run = 0;
         for (uint32_t s = 0; s < R; ++s) {
-            run += ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) + 4u * tid));
+            run += s_rpm[s * R + tid];
+            s_rpm[s * R + tid] = run;
             rpm[s * R + tid] = run;
         }
     }
@@ -216,10 +234,10 @@ __device__ bool notify(const Args &a, int32_t *s_cc, int32_t *s_n) {
     // The table (§2.1) of this rank.
     const uint64_t tab = ep_normal_table(R, p);
     for (uint32_t e = tid; e < R; e += NT)
-        *(int32_t *)data_at(a, me, tab + 4u * e) = me == 0 ? 0 : __ldcg(&rpm[(me - 1) * R + e]);
+        *(int32_t *)data_at(a, me, tab + 4u * e) = me == 0 ? 0 : s_rpm[(me - 1) * R + e];
     for (uint32_t s = tid; s <= R; s += NT)
         *(int32_t *)data_at(a, me, tab + ep_table_recv_begin(R) + 4u * s) =
-            s == 0 ? 0 : __ldcg(&rpm[(s - 1) * R + me]);
+            s == 0 ? 0 : s_rpm[(s - 1) * R + me];
     for (uint32_t i = tid; i < R * C; i += NT) {
         uint32_t s = i / C, c = i % C;
         *(int32_t *)data_at(a, me, tab + ep_table_recv_chan(R) + 4u * (s * EP_MAX_CHANNELS + c)) =
@@ -227,7 +245,7 @@ __device__ bool notify(const Args &a, int32_t *s_cc, int32_t *s_n) {
     }
     // Capacity: every rank sees the same rpm, so all refuse the call alike.
     if (tid < R) {
-        uint64_t rows = (uint64_t)__ldcg(&rpm[(R - 1) * R + tid]);
+        uint64_t rows = (uint64_t)s_rpm[(R - 1) * R + tid];
         uint64_t cap = a.num_worst_tokens > 0 && a.num_worst_tokens < a.capacity ? a.num_worst_tokens
                                                                                   : a.capacity;
         if (rows > cap) {
@@ -253,7 +271,7 @@ __device__ bool notify(const Args &a, int32_t *s_cc, int32_t *s_n) {
         __threadfence_system();
         __syncthreads();
         if (tid == 0) {
-            uint64_t num_recv = (uint64_t)__ldcg(&rpm[(R - 1) * R + me]);
+            uint64_t num_recv = (uint64_t)s_rpm[(R - 1) * R + me];
             *(volatile uint64_t *)&mb->num_recv = (k << 32) | num_recv;
         }
     }
@@ -422,22 +440,45 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     int32_t *out_src = (int32_t *)a.recv_src_idx;
     int64_t *out_idx = (int64_t *)a.recv_topk_idx;
     float *out_w = (float *)a.recv_topk_weights;
-    for (uint32_t s = 0; s < R; ++s) {
+    // This CTA's rows of each source: thread s computes them (one round trip for all s).
+    __shared__ int32_t s_lo[MAXR], s_hi[MAXR];
+    if (tid < R) {
+        const uint32_t s = tid;
         int32_t block_begin = s == 0 ? 0 : __ldcg(&rpm[(s - 1) * R + me]);
         int32_t n_s = __ldcg(&rpm[s * R + me]) - block_begin;
         int32_t b = block_begin + __ldcg(&rcpm[s * C + c]);
         int32_t e = block_begin + (c + 1 < C ? __ldcg(&rcpm[s * C + c + 1]) : n_s);
         int32_t m = b + (e - b + 1) / 2;
-        int32_t lo = h == 0 ? b : m, hi = h == 0 ? m : e;
+        s_lo[s] = h == 0 ? b : m;
+        s_hi[s] = h == 0 ? m : e;
+    }
+    __syncthreads();
+    for (uint32_t s = 0; s < R; ++s) {
+        const int32_t lo = s_lo[s], hi = s_hi[s];
         for (int32_t j = lo + (int32_t)tid; j < hi; j += NT) {
             const uint8_t *rec = data_at(a, me, ep_normal_dispatch_row(R, (uint64_t)j, a.drec));
-            if (out_src) out_src[j] = ld_i32_cg(rec + meta_off);
-            if (topk) {
-                for (uint32_t q = 0; q < K; ++q) {
-                    out_idx[(uint64_t)j * K + q] = __ldcg((const long long *)(rec + idx_off + 8u * q));
-                    out_w[(uint64_t)j * K + q] = __ldcg((const float *)(rec + w_off + 4u * q));
+            // Every load of the row before any store (the stores may alias for the compiler,
+            // which would otherwise wait for each load in turn).
+            const int32_t src = ld_i32_cg(rec + meta_off);
+            for (uint32_t q0 = 0; topk && q0 < K; q0 += 8) {
+                long long idx[8];
+                float w[8];
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    if (q0 + q < K) {
+                        idx[q] = __ldcg((const long long *)(rec + idx_off + 8u * (q0 + q)));
+                        w[q] = __ldcg((const float *)(rec + w_off + 4u * (q0 + q)));
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    if (q0 + q < K) {
+                        out_idx[(uint64_t)j * K + q0 + q] = idx[q];
+                        out_w[(uint64_t)j * K + q0 + q] = w[q];
+                    }
                 }
             }
+            if (out_src) out_src[j] = src;
         }
     }
     // 5. Worst-token tail rows (num_recv <= row < num_worst_tokens): zero x and scales,
