@@ -47,11 +47,17 @@ fn main() {
     } else {
         find_nvcc(&manifest)
     };
-    // The pip toolchain appearing (or going) adds or removes `.venv-cuda` in the workspace root,
-    // which changes the root's mtime: watch it, so a crate built without kernels is rebuilt
-    // with them once nvcc is installed.
-    if let Some(ws) = manifest.parent().and_then(Path::parent) {
-        println!("cargo:rerun-if-changed={}", ws.display());
+    // Installing the pip toolchain must take effect without touching this crate: watch the
+    // workspace's `.venv-cuda`. Where nvcc is missing that path does not exist, and Cargo reruns
+    // a build script whose watched path is absent on every build, so a later install is seen at
+    // once (`EP_KERNELS_NO_NVCC=1` builds without kernels and without that recheck). The root
+    // directory itself cannot be watched: Cargo scans a watched directory recursively, `target/`
+    // included, and would rebuild every time.
+    let venv = manifest.parent().and_then(Path::parent).map(|ws| ws.join(".venv-cuda"));
+    if let Some(venv) = venv.filter(|v| {
+        v.exists() || (nvcc.is_err() && std::env::var_os("EP_KERNELS_NO_NVCC").is_none())
+    }) {
+        println!("cargo:rerun-if-changed={}", venv.display());
     }
     if let (true, Err(why)) = (
         std::env::var_os("EP_REQUIRE_KERNELS").is_some_and(|v| v == "1"),
