@@ -553,6 +553,15 @@ pub enum Error {
         /// What to do.
         fix: String,
     },
+    /// A call of a mode whose arena the `Buffer` was built without (docs/protocol.md §2.1,
+    /// §3.1): the size in `BufferConfig` was zero.
+    #[error("{what} was not allocated (its size in BufferConfig is 0); {fix}")]
+    ArenaMissing {
+        /// Which arena.
+        what: &'static str,
+        /// What to do.
+        fix: &'static str,
+    },
     /// A value beyond a fixed protocol limit (channels, local experts, ...).
     #[error("{what} = {value} exceeds the protocol's limit {max}; {fix}")]
     ProtocolLimit {

@@ -165,9 +165,10 @@ pub(crate) fn put_slot<T>(m: &Mutex<Option<T>>, v: T) {
     *lock(m) = Some(v);
 }
 
-pub(crate) fn take_slot<T>(m: &Mutex<Option<T>>, what: &str) -> Result<T> {
+/// Takes the result that `rank`'s agent `what` left in `m`.
+pub(crate) fn take_slot<T>(m: &Mutex<Option<T>>, rank: usize, what: &str) -> Result<T> {
     lock(m).take().ok_or_else(|| Error::AgentFailed {
-        rank: 0,
+        rank,
         agent: what.to_owned(),
         detail: "the agent finished without producing its result".into(),
     })
@@ -939,7 +940,7 @@ pub(crate) fn combine_phase<'a>(
         for c in 0..chans[d] {
             let s = d;
             phase = phase.agent(s, 1 + c, "reducer", move |ctx: &mut dyn AgentCtx| {
-                let (ox, ow) = take_slot(&out[s][c], "reducer output")?;
+                let (ox, ow) = take_slot(&out[s][c], s, "reducer output")?;
                 reduce(ctx, arena, job, call, c, mutation, ox, ow)
             });
         }
