@@ -11,8 +11,10 @@ use ep_rs::core::plan::combine::CombineArgs;
 use ep_rs::core::plan::intranode::IntranodeHandle;
 use ep_rs::core::plan::layout::DispatchLayout;
 use ep_rs::core::plan::low_latency::LlParams;
+use ep_rs::core::protocol::ProtocolMutation;
 use ep_rs::core::transport::{
     AllocRequest, FabricParams, Phase, PhaseReport, Reach, SymAddr, SymAlloc, Team, Transport,
+    Violation,
 };
 use ep_rs::core::{Buffer, Error, RankInputs, Result, Tensor2};
 use ep_rs::sim::Sim;
@@ -238,4 +240,37 @@ fn a_combine_bias_of_the_wrong_hidden_width_is_refused() {
         .combine_from_rows(&handles, &b, false)
         .expect_err("combine_from_rows: bias of H + 1 columns");
     assert!(is_bias_mismatch(&e), "{e:?}");
+}
+
+#[test]
+fn a_simulator_finding_crosses_the_transport_typed() {
+    // A sender that stores its last row after releasing `done` is caught within a few seeds;
+    // the error a `Buffer` returns carries the simulator's typed finding, not its text.
+    let found = (0..24u64).find_map(|seed| {
+        let mut buf = Buffer::new(
+            sim(fabric(R, 4096, 4, 1), seed, policy(seed as u8)),
+            normal_config(),
+        )
+        .expect("buffer");
+        buf.set_mutation_for_test(ProtocolMutation::ReleaseBeforeLastRow);
+        let inputs = gen_inputs(&case_gen(), seed, false);
+        let lay = layouts(&buf, &inputs);
+        buf.dispatch(&inputs, &lay, case_gen().num_experts, &args())
+            .err()
+            .filter(|e| e.violation().is_some())
+    });
+    let e = found.expect("the planted bug is caught as a violation within 24 seeds");
+    assert!(
+        matches!(
+            e,
+            Error::ProtocolViolation { ref violation, rank }
+                if rank == violation.rank() && matches!(
+                    **violation,
+                    Violation::StoreNotPublished { .. }
+                        | Violation::ReadOfPoison { .. }
+                        | Violation::DataRace { .. }
+                )
+        ),
+        "{e:?}"
+    );
 }

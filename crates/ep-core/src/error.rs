@@ -286,12 +286,12 @@ pub enum Error {
         detail: String,
     },
     /// The protocol broke the memory model or a declared invariant (a simulator finding).
-    #[error("protocol violation on rank {rank}: {detail}")]
+    #[error("protocol violation on rank {rank}: {violation}")]
     ProtocolViolation {
         /// The rank where it was detected.
         rank: usize,
-        /// The typed violation, rendered.
-        detail: String,
+        /// The typed finding (match on it; [`Error::violation`]).
+        violation: Box<crate::transport::Violation>,
     },
     /// An access outside every symmetric allocation, or a misaligned word.
     #[error(
@@ -652,4 +652,17 @@ pub enum Error {
         /// Why.
         cause: Box<Error>,
     },
+}
+
+impl Error {
+    /// The checker's typed finding, when this is a [`Error::ProtocolViolation`] — also inside a
+    /// [`Error::BufferPoisoned`] that one caused.
+    #[must_use]
+    pub fn violation(&self) -> Option<&crate::transport::Violation> {
+        match self {
+            Error::ProtocolViolation { violation, .. } => Some(violation),
+            Error::BufferPoisoned { cause, .. } => cause.violation(),
+            _ => None,
+        }
+    }
 }
