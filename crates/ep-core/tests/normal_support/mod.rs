@@ -1,4 +1,4 @@
-//! Shared generators for the normal-mode tests: seeded routings and random non-zero data.
+//! Shared generators for the normal-mode tests: seeded routings and random data over a wide range.
 
 #![allow(dead_code, reason = "each test file uses a different subset")]
 
@@ -42,17 +42,25 @@ impl Case {
     }
 }
 
-/// A random BF16 value, never zero, magnitude in `[2^-4, 2^3)`: one draw gives the sign, a
-/// 7-bit mantissa and one of seven exponents (cheap in debug builds).
+/// A random BF16 spread over the range a combine's f32 sum sees, so that the order of its terms
+/// shows in the result: mostly values of magnitude in `[2^-4, 2^3)`, and 1/16 each zeros
+/// (either sign), tiny values (`[2^-40, 2^-20)`), and huge powers of two (`±2^24 ..= ±2^27`,
+/// which cancel in pairs and swallow the small terms added before them). One draw per value.
 pub(crate) fn rand_bf16(rng: &mut ChaCha8Rng) -> bf16 {
     let bits: u32 = rng.random();
     let sign = ((bits >> 31) as u16) << 15;
-    let exp = (127 - 4 + (bits >> 7) % 7) as u16;
     let mantissa = (bits & 0x7f) as u16;
-    bf16::from_bits(sign | (exp << 7) | mantissa)
+    let pick = (bits >> 7) % 7;
+    let (exp, mantissa) = match (bits >> 10) & 0xf {
+        0 => (0, 0),
+        1 => (127 - 40 + (bits >> 14) % 20, mantissa),
+        2 => (127 + 24 + (bits >> 14) % 4, 0),
+        _ => (127 - 4 + pick, mantissa),
+    };
+    bf16::from_bits(sign | ((exp as u16) << 7) | mantissa)
 }
 
-/// Random non-zero BF16 `[rows, cols]`.
+/// Random BF16 `[rows, cols]` of [`rand_bf16`]'s wide range.
 pub(crate) fn rand_bf16_tensor(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Tensor2<bf16> {
     Tensor2::from_fn(rows, cols, |_, _| rand_bf16(rng))
 }
