@@ -104,17 +104,14 @@ fn layouts_match_the_headers() {
     assert_eq!(MLX5DV_CONTEXT_FLAGS_DEVX, 1);
 }
 
-/// Uses the machine's rdma-core if installed; zero devices is a valid answer.
+/// Uses the machine's rdma-core; zero devices (or no kernel RDMA support) is a valid answer, a
+/// missing rdma-core fails the test: it is ignored where rdma-core may be absent, and never
+/// passes without touching the library (`scripts/gpu-run.sh` skips it, saying so, where
+/// `libibverbs.so.1` is absent).
 #[test]
+#[ignore = "needs rdma-core (libibverbs.so.1) installed: cargo test -- --ignored"]
 fn list_devices_where_rdma_core_is_installed() {
-    let verbs = match IbVerbs::load(None) {
-        Ok(v) => v,
-        Err(Error::LibraryNotFound { .. }) => {
-            eprintln!("SKIPPED: rdma-core is not installed here");
-            return;
-        }
-        Err(e) => panic!("{e}"),
-    };
+    let verbs = IbVerbs::load(None).unwrap_or_else(|e| panic!("rdma-core is needed: {e}"));
     eprintln!(
         "libibverbs at {} (extended entry points: {})",
         verbs.path().display(),
