@@ -367,15 +367,7 @@ impl<T: Transport> Buffer<T> {
                     if slot < 0 {
                         continue;
                     }
-                    let j = (if s == 0 {
-                        0
-                    } else {
-                        h.rank_prefix_matrix.get(s - 1, d)
-                    }) + (if ch == 0 {
-                        0
-                    } else {
-                        h.channel_prefix_matrix.get(d, ch - 1)
-                    }) + slot;
+                    let j = h.rank_start(s, d) + h.channel_start(d, ch) + slot;
                     if j < 0 || j as usize >= handles[d].num_recv_tokens.min(num_recv[d]) {
                         return Err(handle_mismatch(
                             s,
