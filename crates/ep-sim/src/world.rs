@@ -19,11 +19,12 @@ use crate::clock::{HOST_KEY, KeyDesc, Keys, VClock};
 use crate::cost::{Hops, LinkClass, PhaseRecord, Recorder};
 use crate::fault::Fault;
 use crate::memory::{GRANULE, Heap, Stamp};
-use crate::proto::{Req, Resp};
+use crate::proto::{Post, Req, Resp};
 use crate::violation::{AgentRef, Violation, Waiting};
 
 mod faults;
 mod recover;
+mod rings;
 
 pub(crate) use faults::Timeout;
 
@@ -674,8 +675,9 @@ impl World {
         }
         let Some(p) = &a.pending else { return false };
         match (&p.req, &p.prog) {
-            (Req::Put { peer, qp, .. } | Req::Amo { peer, qp, .. }, Prog::None) => {
-                self.qp_has_room((rank, *peer, qp.0))
+            (Req::Post(post), Prog::None) => {
+                let (peer, qp) = post.target();
+                self.qp_has_room((rank, peer, qp.0))
             }
             (_, Prog::Posting { peer, qp, .. }) => self.qp_has_room((rank, *peer, *qp)),
             (Req::Quiet, _) => {
@@ -716,7 +718,7 @@ impl World {
                 a.parked_since = Some(self.now);
                 if a.pending
                     .as_ref()
-                    .is_some_and(|p| matches!(p.req, Req::Put { .. } | Req::Amo { .. }))
+                    .is_some_and(|p| matches!(p.req, Req::Post(_)))
                 {
                     self.stats.qp_full_waits += 1;
                 }
@@ -879,7 +881,10 @@ impl World {
         let rank = self.agents[i].r.rank;
         match p.req {
             Req::Start => Ok(Served::Respond(Resp::Unit)),
-            Req::Put { .. } | Req::Amo { .. } => self.serve_post(i, p),
+            Req::Post(ref post) => {
+                let post = post.clone();
+                self.serve_post(i, p, &post)
+            }
             Req::Fence => {
                 let slot = &self.slots[&(rank, self.agents[i].r.index)];
                 let deps: Vec<(usize, u64)> =
@@ -1080,7 +1085,9 @@ impl World {
         }
     }
 
-    fn serve_post(&mut self, i: usize, p: Pending) -> Result<Served, Error> {
+    /// Serves `post`, the request `p` carries: plans its work requests on first service, then
+    /// posts as many as the QP takes (the rest on later services).
+    fn serve_post(&mut self, i: usize, p: Pending, post: &Post) -> Result<Served, Error> {
         let rank = self.agents[i].r.rank;
         let idx = self.agents[i].r.index;
         let (op, peer, qp, wrs, mut next) = match p.prog {
@@ -1092,7 +1099,7 @@ impl World {
                 next,
             } => (op, peer, qp, wrs, next),
             _ => {
-                let (peer, qp, plan, src) = self.plan_post(rank, &p.req)?;
+                let (peer, qp, plan, src) = self.plan_post(rank, post)?;
                 let bytes = plan
                     .iter()
                     .map(|w| match w.kind {
@@ -1199,7 +1206,7 @@ impl World {
     fn plan_post(
         &self,
         rank: usize,
-        req: &Req,
+        post: &Post,
     ) -> Result<(usize, u16, Vec<WrPlan>, Option<(usize, Region)>), Error> {
         let check_qp = |qp: QpIndex| {
             if qp.0 >= self.fabric.rc_per_pe {
@@ -1211,8 +1218,8 @@ impl World {
                 Ok(())
             }
         };
-        match *req {
-            Req::Put {
+        match *post {
+            Post::Put {
                 peer,
                 qp,
                 dst,
@@ -1254,7 +1261,7 @@ impl World {
                 }
                 Ok((peer, qp.0, plan, Some((rank, Region::new(src, len)))))
             }
-            Req::Amo {
+            Post::Amo {
                 peer,
                 qp,
                 word,
@@ -1274,7 +1281,6 @@ impl World {
                     None,
                 ))
             }
-            _ => unreachable!("plan_post on a non-post"),
         }
     }
 
@@ -1549,108 +1555,14 @@ impl World {
         self.check_ring_write(rank, region, who, data_wr);
     }
 
-    /// The first live ring slot `region` on `rank` touches: (ring, slot, head, tail).
-    fn live_ring_slot(&mut self, rank: usize, region: Region) -> Option<(RingDecl, u64, u64, u64)> {
-        for ring in self.rings.clone() {
-            if ring.rank != rank {
-                continue;
-            }
-            let slots = Region::new(ring.slots, ring.slot_bytes * ring.capacity);
-            if !slots.overlaps(&region) {
-                continue;
-            }
-            let head = self.heaps[ring.head_rank].read_u64(ring.head.0);
-            let tail = self.heaps[ring.rank].read_u64(ring.tail.0);
-            let first = (region.addr.0.max(slots.addr.0) - slots.addr.0) / ring.slot_bytes;
-            let last = (region.end().min(slots.end()) - 1 - slots.addr.0) / ring.slot_bytes;
-            for s in first..=last {
-                if slot_live(&ring, head, tail, s) {
-                    return Some((ring, s, head, tail));
-                }
-            }
-        }
-        None
-    }
-
-    /// A write into a live ring slot is an overrun.
-    ///
-    /// A delivered data work request `data_wr` (id, sender slot, QP) that lands in a slot made
-    /// live by a tail update its own sender posted **later** on another QP is not an overrun: the
-    /// tail overtook its data, which the reader's check reports as `SignalBeforeData`.
-    fn check_ring_write(
-        &mut self,
-        rank: usize,
-        region: Region,
-        who: &str,
-        data_wr: Option<(u64, SlotKey, u16)>,
-    ) {
-        if let Some((ring, slot, head, tail)) = self.live_ring_slot(rank, region) {
-            if let Some((id, slot_key, qp)) = data_wr {
-                let mut stamp = Stamp::default();
-                self.heaps[ring.rank].granules(ring.tail.0, 8, |_, _, s| stamp = s);
-                if let KeyDesc::Stream {
-                    rank: sr,
-                    index: si,
-                    target,
-                    qp: tq,
-                } = self.keys.desc(stamp.key)
-                    && (sr, si) == slot_key
-                    && target == ring.rank
-                    && tq != qp
-                    && stamp.op > id
-                {
-                    return;
-                }
-            }
-            self.flag(Violation::RingOverrun {
-                ring: ring.name,
-                rank,
-                slot,
-                head,
-                tail,
-                capacity: ring.capacity,
-                writer: who.to_owned(),
-            });
-        }
-    }
-
     /// Checks an ordinary read by agent `i` of `region` on `rank`.
     fn check_read(&mut self, i: usize, rank: usize, region: Region) {
         if region.len == 0 || self.violation.is_some() {
             return;
         }
         let reader = self.agents[i].r.clone();
-        // Rings: the slot must hold a live entry.
-        for ring in self.rings.clone() {
-            if ring.rank != rank {
-                continue;
-            }
-            let slots = Region::new(ring.slots, ring.slot_bytes * ring.capacity);
-            if !slots.overlaps(&region) {
-                continue;
-            }
-            let head = self.heaps[ring.head_rank].read_u64(ring.head.0);
-            // The reader may use only the tail it acquired (none acquired: nothing is live).
-            let tail_mem = self.heaps[ring.rank].read_u64(ring.tail.0);
-            let tail = self.agents[i]
-                .acquired
-                .get(&(ring.rank, ring.tail.0))
-                .map_or(head, |&t| t.min(tail_mem));
-            let first = (region.addr.0.max(slots.addr.0) - slots.addr.0) / ring.slot_bytes;
-            let last = (region.end().min(slots.end()) - 1 - slots.addr.0) / ring.slot_bytes;
-            for s in first..=last {
-                if !slot_live(&ring, head, tail, s) {
-                    self.flag(Violation::ReadPastTail {
-                        ring: ring.name.clone(),
-                        rank,
-                        reader,
-                        slot: s,
-                        head,
-                        tail,
-                    });
-                    return;
-                }
-            }
+        if self.check_ring_read(i, rank, region) {
+            return;
         }
         // A put still in flight to these bytes.
         let pending = self
@@ -1832,14 +1744,4 @@ impl World {
         }
         None
     }
-}
-
-/// Whether ring slot `s` holds a live entry given `head` and `tail` (entry counts).
-fn slot_live(ring: &RingDecl, head: u64, tail: u64, s: u64) -> bool {
-    let live = tail.wrapping_sub(head);
-    if live >= ring.capacity {
-        return true;
-    }
-    let from_head = (s + ring.capacity - head % ring.capacity) % ring.capacity;
-    from_head < live
 }
