@@ -179,13 +179,16 @@ fn a_missing_arena_is_reported_missing_not_too_small() {
     );
 }
 
-/// Expert outputs of a dispatch and biases of `width` columns (rows right) on every rank.
-fn wrong_width_case() -> (
+/// A buffer after an in-place dispatch, its handles, expert outputs, and per rank one bias of
+/// `H + 1` columns (rows right).
+type WrongWidthCase = (
     Buffer<Sim>,
     Vec<IntranodeHandle>,
     Vec<Tensor2<half::bf16>>,
     Vec<Vec<Tensor2<half::bf16>>>,
-) {
+);
+
+fn wrong_width_case() -> WrongWidthCase {
     let inputs = gen_inputs(&case_gen(), 6, false);
     let mut buf =
         Buffer::new(sim(fabric(R, 4096, 4, 1), 4, policy(0)), normal_config()).expect("buffer");
