@@ -93,14 +93,19 @@ fn normal_config() -> BufferConfig {
     cfg
 }
 
-#[test]
-fn a_dispatch_receiver_that_left_nothing_is_named_by_its_rank() {
+/// A normal-mode buffer (simulator seed `seed`) whose rank `rank` runs no receiver agent.
+fn without_receiver(seed: u64, rank: usize) -> Buffer<Without> {
     let t = Without {
-        inner: sim(fabric(R, 4096, 4, 1), 1, policy(0)),
-        rank: 1,
+        inner: sim(fabric(R, 4096, 4, 1), seed, policy(seed as u8)),
+        rank,
         role: "receiver",
     };
-    let mut buf = Buffer::new(t, normal_config()).expect("buffer");
+    Buffer::new(t, normal_config()).expect("buffer")
+}
+
+#[test]
+fn a_dispatch_receiver_that_left_nothing_is_named_by_its_rank() {
+    let mut buf = without_receiver(1, 1);
     let inputs = gen_inputs(&case_gen(), 3, false);
     let lay = layouts(&buf, &inputs);
     let err = buf
@@ -116,7 +121,7 @@ fn a_dispatch_receiver_that_left_nothing_is_named_by_its_rank() {
 fn a_cached_dispatch_receiver_that_left_nothing_is_named_by_its_rank() {
     let inputs = gen_inputs(&case_gen(), 4, false);
     let mut plain =
-        Buffer::new(sim(fabric(R, 4096, 4, 1), 2, policy(1)), normal_config()).expect("buffer");
+        Buffer::new(sim(fabric(R, 4096, 4, 1), 2, policy(2)), normal_config()).expect("buffer");
     let lay = layouts(&plain, &inputs);
     let handles: Vec<IntranodeHandle> = plain
         .dispatch(&inputs, &lay, case_gen().num_experts, &args())
@@ -124,12 +129,7 @@ fn a_cached_dispatch_receiver_that_left_nothing_is_named_by_its_rank() {
         .into_iter()
         .map(|d| d.handle)
         .collect();
-    let t = Without {
-        inner: sim(fabric(R, 4096, 4, 1), 2, policy(1)),
-        rank: 2,
-        role: "receiver",
-    };
-    let mut buf = Buffer::new(t, normal_config()).expect("buffer");
+    let mut buf = without_receiver(2, 2);
     let xs: Vec<_> = inputs.iter().map(|i| &i.x).collect();
     let err = buf
         .dispatch_cached(&xs, &handles)

@@ -10,6 +10,10 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+#[path = "../../crates/ep-core/tests/normal_support/values.rs"]
+mod values;
+pub(crate) use values::rand_bf16;
+
 /// Proptest cases: 256 in CI unless `PROPTEST_CASES` says more.
 pub(crate) fn cases() -> u32 {
     std::env::var("PROPTEST_CASES")
@@ -17,24 +21,6 @@ pub(crate) fn cases() -> u32 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(256)
         .max(256)
-}
-
-/// A random BF16 spread over the range a combine's f32 sum sees, so that the order of its terms
-/// shows in the result: mostly values of magnitude in `[2^-4, 2^3)`, and 1/16 each zeros
-/// (either sign), tiny values (`[2^-40, 2^-20)`), and huge powers of two (`±2^24 ..= ±2^27`,
-/// which cancel in pairs and swallow the small terms added before them). One draw per value.
-pub(crate) fn rand_bf16(rng: &mut ChaCha8Rng) -> bf16 {
-    let bits: u32 = rng.random();
-    let sign = ((bits >> 31) as u16) << 15;
-    let mantissa = (bits & 0x7f) as u16;
-    let pick = (bits >> 7) % 7;
-    let (exp, mantissa) = match (bits >> 10) & 0xf {
-        0 => (0, 0),
-        1 => (127 - 40 + (bits >> 14) % 20, mantissa),
-        2 => (127 + 24 + (bits >> 14) % 4, 0),
-        _ => (127 - 4 + pick, mantissa),
-    };
-    bf16::from_bits(sign | ((exp as u16) << 7) | mantissa)
 }
 
 /// Random BF16 `[rows, cols]` of [`rand_bf16`]'s wide range.

@@ -80,20 +80,15 @@ impl World {
                 },
                 None => match self.live_ring_slot(rank, region) {
                     // The put in flight targets a slot whose entry is live: the producer overran.
-                    Some((ring, slot, head, tail)) => Violation::RingOverrun {
-                        ring: ring.name,
+                    Some(live) => live.overrun(
                         rank,
-                        slot,
-                        head,
-                        tail,
-                        capacity: ring.capacity,
-                        writer: format!(
+                        format!(
                             "work request {w} (op {}) of {} on qp{}, still in flight",
                             wr.op,
                             self.slot_ref(wr.slot),
                             wr.qp.2
                         ),
-                    },
+                    ),
                     None => Violation::ReadOfUndelivered {
                         rank,
                         reader,

@@ -33,25 +33,61 @@ fn slot_live(ring: &RingDecl, head: u64, tail: u64, s: u64) -> bool {
     from_head < live
 }
 
+/// A live entry's slot that an access touches.
+pub(super) struct LiveSlot {
+    ring: RingDecl,
+    slot: u64,
+    head: u64,
+    tail: u64,
+}
+
+impl LiveSlot {
+    /// The overrun of this slot on `rank` by `writer`.
+    pub(super) fn overrun(self, rank: usize, writer: String) -> Violation {
+        Violation::RingOverrun {
+            ring: self.ring.name,
+            rank,
+            slot: self.slot,
+            head: self.head,
+            tail: self.tail,
+            capacity: self.ring.capacity,
+            writer,
+        }
+    }
+}
+
 impl World {
-    /// The first live ring slot `region` on `rank` touches: (ring, slot, head, tail).
-    pub(super) fn live_ring_slot(
+    /// The rings on `rank` that `region` touches: each with the slots touched and its head.
+    fn rings_touched(
         &mut self,
         rank: usize,
         region: Region,
-    ) -> Option<(RingDecl, u64, u64, u64)> {
+    ) -> Vec<(RingDecl, RangeInclusive<u64>, u64)> {
+        let mut out = Vec::new();
         for ring in self.rings.clone() {
             if ring.rank != rank {
                 continue;
             }
-            let Some(touched) = touched_slots(&ring, region) else {
-                continue;
-            };
-            let head = self.heaps[ring.head_rank].read_u64(ring.head.0);
+            if let Some(touched) = touched_slots(&ring, region) {
+                let head = self.heaps[ring.head_rank].read_u64(ring.head.0);
+                out.push((ring, touched, head));
+            }
+        }
+        out
+    }
+
+    /// The first live ring slot `region` on `rank` touches.
+    pub(super) fn live_ring_slot(&mut self, rank: usize, region: Region) -> Option<LiveSlot> {
+        for (ring, touched, head) in self.rings_touched(rank, region) {
             let tail = self.heaps[ring.rank].read_u64(ring.tail.0);
-            for s in touched {
-                if slot_live(&ring, head, tail, s) {
-                    return Some((ring, s, head, tail));
+            for slot in touched {
+                if slot_live(&ring, head, tail, slot) {
+                    return Some(LiveSlot {
+                        ring,
+                        slot,
+                        head,
+                        tail,
+                    });
                 }
             }
         }
@@ -70,7 +106,8 @@ impl World {
         who: &str,
         data_wr: Option<(u64, SlotKey, u16)>,
     ) {
-        if let Some((ring, slot, head, tail)) = self.live_ring_slot(rank, region) {
+        if let Some(live) = self.live_ring_slot(rank, region) {
+            let ring = &live.ring;
             if let Some((id, slot_key, qp)) = data_wr {
                 let mut stamp = Stamp::default();
                 self.heaps[ring.rank].granules(ring.tail.0, 8, |_, _, s| stamp = s);
@@ -88,15 +125,7 @@ impl World {
                     return;
                 }
             }
-            self.flag(Violation::RingOverrun {
-                ring: ring.name,
-                rank,
-                slot,
-                head,
-                tail,
-                capacity: ring.capacity,
-                writer: who.to_owned(),
-            });
+            self.flag(live.overrun(rank, who.to_owned()));
         }
     }
 
@@ -104,14 +133,7 @@ impl World {
     /// reader may use only the tail it acquired (none acquired: nothing is live). Flags
     /// `ReadPastTail` and returns `true` when it does not.
     pub(super) fn check_ring_read(&mut self, i: usize, rank: usize, region: Region) -> bool {
-        for ring in self.rings.clone() {
-            if ring.rank != rank {
-                continue;
-            }
-            let Some(touched) = touched_slots(&ring, region) else {
-                continue;
-            };
-            let head = self.heaps[ring.head_rank].read_u64(ring.head.0);
+        for (ring, touched, head) in self.rings_touched(rank, region) {
             let tail_mem = self.heaps[ring.rank].read_u64(ring.tail.0);
             let tail = self.agents[i]
                 .acquired
@@ -120,7 +142,7 @@ impl World {
             for s in touched {
                 if !slot_live(&ring, head, tail, s) {
                     self.flag(Violation::ReadPastTail {
-                        ring: ring.name.clone(),
+                        ring: ring.name,
                         rank,
                         reader: self.agents[i].r.clone(),
                         slot: s,
