@@ -1,6 +1,6 @@
 //! `ep doctor`: gathers facts (files under a sysroot, plus, on the machine itself, the loaded
 //! NVSHMEM, `nvidia-smi topo -m`, CUDA's devices and peer access, rdma-core's device list,
-//! ports, GIDs and mlx5 DevX, and GDRCopy's `gdr_open`), runs ep-core's `diagnose`, prints
+//! ports, GIDs and mlx5 DevX, and GDRCopy's `gdr_open`), runs ep-setup's `diagnose`, prints
 //! checks with their exact fixes and one verdict per capability; `--plan` prints the NVSHMEM
 //! environment plan; `--probe` starts NVSHMEM for real in child processes (`ep
 //! __nvshmem-probe`) and reports which transports came up, and registers a small GPU buffer
@@ -17,16 +17,16 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow};
 use clap::Args;
 use ep_core::config::{BufferConfig, EnvPlan, IbgdaNicHandler, nvshmem_env_plan};
-use ep_core::setup::{
+use ep_kernels::nvshmem::launch::{RankLaunch, launch_ranks, rank_from_env};
+use ep_kernels::nvshmem::report::env_true;
+use ep_kernels::nvshmem::{Bootstrap, BringUp, IbgdaState, TcpRendezvous, env::EnvEntry};
+use ep_kernels::topology::{RegistrationBuffer, gpu_topology};
+use ep_setup::{
     Attempt, Capability, CudaDevice, CudaFacts, CudaPeer, DevxOpen, Facts, GatherOptions,
     GdrcopyLive, GidEntry, NvshmemFacts, ProbeResult, RegistrationProbe, Report, Status, Topology,
     VerbsDevice, VerbsFacts, VerbsPort, Version, closest_nics, diagnose, format_gid, gather,
     gid_type_name, inspect_nvshmem, link_layer_name, nvidia_smi_topo, port_state_name,
 };
-use ep_kernels::nvshmem::launch::{RankLaunch, launch_ranks, rank_from_env};
-use ep_kernels::nvshmem::report::env_true;
-use ep_kernels::nvshmem::{Bootstrap, BringUp, IbgdaState, TcpRendezvous, env::EnvEntry};
-use ep_kernels::topology::{RegistrationBuffer, gpu_topology};
 use ibgda_sys::{GdrApi, IbVerbs, Mlx5Dv};
 use serde::{Deserialize, Serialize};
 
@@ -237,7 +237,7 @@ fn live_nvshmem(facts: &mut Facts, explicit: Option<&Path>) {
 }
 
 /// GPU count and peer access from the CUDA driver API (ep-kernels' `gpu_topology`), mapped to
-/// ep-core's facts. `nvidia-smi topo -m` stays the source of link types (the driver API does
+/// ep-setup's facts. `nvidia-smi topo -m` stays the source of link types (the driver API does
 /// not name links); `diagnose` matches CUDA ordinals to `nvidia-smi`'s GPUs by PCI bus id and
 /// fails the topology where nvidia-smi shows NVLink but CUDA refuses peer access.
 fn cuda_p2p_topology() -> CudaFacts {
