@@ -168,7 +168,7 @@ fn rank_main() -> ep_kernels::Result<()> {
     session.barrier_all();
 
     // Phase 1: a plain kernel stores into slot `rank` of the peer's buffer through nvshmem_ptr.
-    let peer_base = buf.peer_ptr(&session, peer).expect("checked above");
+    let peer_base = buf.peer_ptr(peer).expect("checked above");
     let dst = peer_base + (rank as u64) * (WORDS as u64) * 8;
     // SAFETY: slot `rank` of the peer's buffer is written by this rank only, until the barrier.
     unsafe { kernels.fill(&stream, dst, marker(rank, 1), WORDS as u64) }?;
