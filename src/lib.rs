@@ -7,7 +7,8 @@
 //! This crate re-exports the workspace:
 //! - [`core`] (`ep-core`): the semantics (`plan`), the reference `oracle`, configuration and the
 //!   NVSHMEM environment plan (`config`), the `Transport` trait, the protocol agents and
-//!   [`core::Buffer`], the logic of `ep doctor` (`setup`);
+//!   [`core::Buffer`];
+//! - [`setup`] (`ep-setup`): the logic of `ep doctor` (machine checks over a sysroot);
 //! - [`sim`] (`ep-sim`): the simulator backend — `Sim` (deterministic, checks every ordering
 //!   rule, injects faults) and `ThreadSim` (real threads, for throughput);
 //! - [`kernels`] (`ep-kernels`): the GPU side — NVSHMEM bring-up, CUDA topology, the
@@ -102,4 +103,5 @@
 
 pub use ep_core as core;
 pub use ep_kernels as kernels;
+pub use ep_setup as setup;
 pub use ep_sim as sim;

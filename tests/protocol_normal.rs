@@ -383,3 +383,64 @@ proptest! {
         run_case(&c)?;
     }
 }
+
+/// The combine's f32 sum is `bias + y_0 + y_1 + y_2`, left to right (spec §2.2: biases first,
+/// then ascending rank): one token of rank 0 goes to all three ranks, whose outputs are `2^27`,
+/// `-2^27` and `1`, with a bias of `0.5` — in that order the bias is swallowed by `2^27` and the
+/// sum is `1`; any order that does not add the cancelling pair before the `1` gives `0`, and one
+/// that adds the bias last gives `1.5`. The plan, the oracle and the `Buffer` must all give `1`
+/// (weights likewise: `2^30 - 2^30 + 1 = 1`).
+#[test]
+fn combine_adds_bias_first_then_ascending_ranks() {
+    use ep_rs::core::{Activations, RankInputs, Tensor2};
+    use half::bf16;
+    let (r, h, k) = (3usize, 16usize, 3usize);
+    let inputs: Vec<RankInputs> = (0..r)
+        .map(|s| {
+            let t = usize::from(s == 0);
+            RankInputs {
+                x: Activations::Bf16(Tensor2::from_fn(t, h, |_, c| {
+                    bf16::from_f32(c as f32 + 1.0)
+                })),
+                topk_idx: Tensor2::from_fn(t, k, |_, j| j as i64),
+                topk_weights: Tensor2::filled(t, k, 0.25f32),
+            }
+        })
+        .collect();
+    let e = r;
+    let mut buf = normal_buffer(sim(fabric(r, 4096, 4, 1), 7, policy(0)), r, 4, h, 2, k);
+    let idx: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
+    let layouts = buf.get_dispatch_layout(&idx, e).unwrap();
+    let (args, _) = two_channel_dispatch();
+    let got = buf.dispatch(&inputs, &layouts, e, &args).unwrap();
+    let handles: Vec<_> = got.iter().map(|o| o.handle.clone()).collect();
+    let ys: Vec<Tensor2<bf16>> = [2f32.powi(27), -(2f32.powi(27)), 1.0]
+        .iter()
+        .map(|&v| Tensor2::filled(1, h, bf16::from_f32(v)))
+        .collect();
+    let ws: Vec<Tensor2<f32>> = [2f32.powi(30), -(2f32.powi(30)), 1.0]
+        .iter()
+        .map(|&v| Tensor2::filled(1, k, v))
+        .collect();
+    let bias = [Tensor2::filled(1, h, bf16::from_f32(0.5))];
+    let cargs: Vec<CombineArgs<'_>> = (0..r)
+        .map(|d| CombineArgs {
+            x: &ys[d],
+            topk_weights: Some(&ws[d]),
+            bias: if d == 0 { &bias } else { &[] },
+        })
+        .collect();
+    let want = Tensor2::filled(1, h, bf16::from_f32(1.0));
+    let want_w = Tensor2::filled(1, k, 1.0f32);
+    let plan = intranode_combine(&handles, &cargs).unwrap();
+    let oracle = ep_rs::core::oracle::normal::intranode_combine(&inputs, e, &cargs).unwrap();
+    let ours = buf.combine(&handles, &cargs).unwrap();
+    for (who, out) in [("plan", &plan), ("oracle", &oracle), ("Buffer", &ours)] {
+        assert_eq!(out[0].combined_x, want, "{who}: combined x of rank 0");
+        assert_eq!(
+            out[0].combined_topk_weights.as_ref(),
+            Some(&want_w),
+            "{who}: combined weights of rank 0"
+        );
+    }
+}

@@ -10,6 +10,10 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+#[path = "../../crates/ep-core/tests/normal_support/values.rs"]
+mod values;
+pub(crate) use values::rand_bf16;
+
 /// Proptest cases: 256 in CI unless `PROPTEST_CASES` says more.
 pub(crate) fn cases() -> u32 {
     std::env::var("PROPTEST_CASES")
@@ -19,15 +23,7 @@ pub(crate) fn cases() -> u32 {
         .max(256)
 }
 
-/// A random non-zero BF16 with magnitude in `[2^-4, 2^3)`.
-pub(crate) fn rand_bf16(rng: &mut ChaCha8Rng) -> bf16 {
-    let bits: u32 = rng.random();
-    let sign = ((bits >> 31) as u16) << 15;
-    let exp = (127 - 4 + (bits >> 7) % 7) as u16;
-    bf16::from_bits(sign | (exp << 7) | (bits & 0x7f) as u16)
-}
-
-/// Random non-zero BF16 `[rows, cols]`.
+/// Random BF16 `[rows, cols]` of [`rand_bf16`]'s wide range.
 pub(crate) fn rand_bf16_tensor(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Tensor2<bf16> {
     Tensor2::from_fn(rows, cols, |_, _| rand_bf16(rng))
 }

@@ -1,6 +1,6 @@
 //! `ep doctor`: gathers facts (files under a sysroot, plus, on the machine itself, the loaded
 //! NVSHMEM, `nvidia-smi topo -m`, CUDA's devices and peer access, rdma-core's device list,
-//! ports, GIDs and mlx5 DevX, and GDRCopy's `gdr_open`), runs ep-core's `diagnose`, prints
+//! ports, GIDs and mlx5 DevX, and GDRCopy's `gdr_open`), runs ep-setup's `diagnose`, prints
 //! checks with their exact fixes and one verdict per capability; `--plan` prints the NVSHMEM
 //! environment plan; `--probe` starts NVSHMEM for real in child processes (`ep
 //! __nvshmem-probe`) and reports which transports came up, and registers a small GPU buffer
@@ -8,26 +8,25 @@
 //! probe runs.
 
 use std::collections::BTreeMap;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::ptr::NonNull;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
 use clap::Args;
 use ep_core::config::{BufferConfig, EnvPlan, IbgdaNicHandler, nvshmem_env_plan};
-use ep_core::setup::{
+use ep_kernels::nvshmem::launch::{RankLaunch, launch_ranks, rank_from_env};
+use ep_kernels::nvshmem::report::env_true;
+use ep_kernels::nvshmem::{Bootstrap, BringUp, IbgdaState, TcpRendezvous, env::EnvEntry};
+use ep_kernels::topology::{RegistrationBuffer, gpu_topology};
+use ep_setup::{
     Attempt, Capability, CudaDevice, CudaFacts, CudaPeer, DevxOpen, Facts, GatherOptions,
     GdrcopyLive, GidEntry, NvshmemFacts, ProbeResult, RegistrationProbe, Report, Status, Topology,
     VerbsDevice, VerbsFacts, VerbsPort, Version, closest_nics, diagnose, format_gid, gather,
     gid_type_name, inspect_nvshmem, link_layer_name, nvidia_smi_topo, port_state_name,
 };
-use ep_kernels::nvshmem::launch::{RankLaunch, launch_ranks, rank_from_env};
-use ep_kernels::nvshmem::report::env_true;
-use ep_kernels::nvshmem::{Bootstrap, BringUp, IbgdaState, TcpRendezvous, env::EnvEntry};
-use ep_kernels::topology::{RegistrationBuffer, gpu_topology};
-use ibgda_sys::{GdrApi, IbVerbs, Mlx5Dv};
+use ibgda_sys::{Device, GdrApi, GdrHandle, IbVerbs, Mlx5Dv};
 use serde::{Deserialize, Serialize};
 
 /// Marks the probe child's result line on its stdout.
@@ -237,7 +236,7 @@ fn live_nvshmem(facts: &mut Facts, explicit: Option<&Path>) {
 }
 
 /// GPU count and peer access from the CUDA driver API (ep-kernels' `gpu_topology`), mapped to
-/// ep-core's facts. `nvidia-smi topo -m` stays the source of link types (the driver API does
+/// ep-setup's facts. `nvidia-smi topo -m` stays the source of link types (the driver API does
 /// not name links); `diagnose` matches CUDA ordinals to `nvidia-smi`'s GPUs by PCI bus id and
 /// fails the topology where nvidia-smi shows NVLink but CUDA refuses peer access.
 fn cuda_p2p_topology() -> CudaFacts {
@@ -327,53 +326,33 @@ fn live_verbs() -> VerbsFacts {
             return v;
         }
     };
-    for &dev in list.as_slice() {
-        // SAFETY: `dev` comes from the live list, which outlives this loop.
-        v.devices
-            .push(unsafe { verbs_device(&verbs, mlx5.as_ref(), dev) });
+    for dev in list.iter() {
+        v.devices.push(verbs_device(&dev, mlx5.as_ref()));
     }
     v
 }
 
-/// # Safety
-/// `dev` comes from a live device list of `verbs`.
-unsafe fn verbs_device(
-    verbs: &IbVerbs,
-    mlx5: Option<&Mlx5Dv>,
-    dev: *mut ibgda_sys::ibv_device,
-) -> VerbsDevice {
-    // SAFETY: forwarded contract.
-    let name = unsafe { verbs.get_device_name(dev) };
+/// One device: its name, mlx5 support, ports and GIDs, and whether a DevX context opens.
+fn verbs_device(dev: &Device<'_>, mlx5: Option<&Mlx5Dv>) -> VerbsDevice {
     let mut d = VerbsDevice {
-        name,
-        // SAFETY: forwarded contract; same rdma-core.
-        mlx5: mlx5.map(|m| unsafe { m.is_supported(dev) }),
+        name: dev.name(),
+        mlx5: mlx5.map(|m| dev.is_mlx5(m)),
         ..VerbsDevice::default()
     };
-    // SAFETY: forwarded contract; the context is closed below.
-    match unsafe { verbs.open_device(dev) } {
-        Ok(ctx) => {
-            // SAFETY: `ctx` is open.
-            d.ports = unsafe { verbs_ports(verbs, ctx) };
-            // SAFETY: nothing was allocated from `ctx`.
-            let _ = unsafe { verbs.close_device(ctx) };
-        }
+    match dev.open() {
+        Ok(ctx) => d.ports = verbs_ports(&ctx),
         Err(e) => {
             d.open_errno = os_errno(&e);
             d.open_error = Some(e.to_string());
         }
     }
     if let (Some(m), Some(true)) = (mlx5, d.mlx5) {
-        // SAFETY: forwarded contract; a context that opens is closed at once.
-        d.devx = Some(match unsafe { m.open_device_devx(dev) } {
-            Ok(ctx) => {
-                // SAFETY: nothing was allocated from `ctx`.
-                let _ = unsafe { verbs.close_device(ctx) };
-                DevxOpen {
-                    opened: true,
-                    ..DevxOpen::default()
-                }
-            }
+        // A context that opens is closed at once (dropped).
+        d.devx = Some(match dev.open_devx(m) {
+            Ok(_ctx) => DevxOpen {
+                opened: true,
+                ..DevxOpen::default()
+            },
             Err(e) => DevxOpen {
                 opened: false,
                 errno: os_errno(&e),
@@ -384,17 +363,14 @@ unsafe fn verbs_device(
     d
 }
 
-/// # Safety
-/// `ctx` is open.
-unsafe fn verbs_ports(verbs: &IbVerbs, ctx: NonNull<ibgda_sys::ibv_context>) -> Vec<VerbsPort> {
-    // SAFETY: forwarded contract.
-    let Ok(attr) = (unsafe { verbs.query_device(ctx) }) else {
+/// The ports of an open context with their GIDs.
+fn verbs_ports(ctx: &ibgda_sys::Context<'_>) -> Vec<VerbsPort> {
+    let Ok(attr) = ctx.query_device() else {
         return Vec::new();
     };
     let mut ports = Vec::new();
     for port in 1..=attr.phys_port_cnt {
-        // SAFETY: forwarded contract.
-        let Ok(p) = (unsafe { verbs.query_port(ctx, port) }) else {
+        let Ok(p) = ctx.query_port(port) else {
             continue;
         };
         ports.push(VerbsPort {
@@ -406,11 +382,9 @@ unsafe fn verbs_ports(verbs: &IbVerbs, ctx: NonNull<ibgda_sys::ibv_context>) -> 
         });
     }
     let total: usize = ports.iter().map(|p| p.gid_table_len as usize).sum();
-    // SAFETY: forwarded contract.
-    if let Ok(table) = unsafe { verbs.query_gid_table(ctx, total.max(1)) } {
+    if let Ok(table) = ctx.query_gid_table(total.max(1)) {
         for e in table {
-            // SAFETY: any 16 bytes are a valid `raw` view of the GID union.
-            let raw = unsafe { e.gid.raw };
+            let raw = e.gid.bytes();
             if raw == [0; 16] {
                 continue;
             }
@@ -427,12 +401,10 @@ unsafe fn verbs_ports(verbs: &IbVerbs, ctx: NonNull<ibgda_sys::ibv_context>) -> 
         // rdma-core < 32: index by index, without GID types.
         for p in &mut ports {
             for i in 0..p.gid_table_len.min(256) {
-                // SAFETY: forwarded contract.
-                let Ok(g) = (unsafe { verbs.query_gid(ctx, p.port as u8, i as i32) }) else {
+                let Ok(g) = ctx.query_gid(p.port as u8, i as i32) else {
                     continue;
                 };
-                // SAFETY: any 16 bytes are a valid `raw` view of the GID union.
-                let raw = unsafe { g.raw };
+                let raw = g.bytes();
                 if raw != [0; 16] {
                     p.gids.push(GidEntry {
                         index: i,
@@ -464,15 +436,12 @@ fn live_gdrcopy() -> GdrcopyLive {
     g.library = Some(api.path().display().to_string());
     let (major, minor) = api.runtime_version();
     g.runtime_version = Some(format!("{major}.{minor}"));
-    match api.open() {
+    match GdrHandle::open(&api) {
         Ok(h) => {
             g.opened = true;
-            // SAFETY: `h` is open.
-            if let Ok((a, b)) = unsafe { api.driver_version(h) } {
+            if let Ok((a, b)) = h.driver_version() {
                 g.driver_version = Some(format!("{a}.{b}"));
             }
-            // SAFETY: nothing was pinned through `h`.
-            let _ = unsafe { api.close(h) };
         }
         Err(_) => {
             g.dev_access_error = std::fs::OpenOptions::new()
@@ -734,39 +703,24 @@ fn register_on(
     let verbs = IbVerbs::load(None)?;
     let list = verbs.get_device_list()?;
     let dev = list
-        .as_slice()
         .iter()
-        .copied()
-        // SAFETY: `d` comes from the live list.
-        .find(|&d| unsafe { verbs.get_device_name(d) } == nic)
+        .find(|d| d.name() == nic)
         .ok_or(ibgda_sys::Error::Null {
             op: "ibv_get_device_list (device gone)",
             errno: 19,
         })?;
-    // SAFETY: `dev` comes from the live list; the context is closed below.
-    let ctx = unsafe { verbs.open_device(dev) }?;
-    // SAFETY: `ctx` is open; the PD is freed below.
-    let pd = match unsafe { verbs.alloc_pd(ctx) } {
-        Ok(pd) => pd,
-        Err(e) => {
-            // SAFETY: nothing was allocated from `ctx`.
-            let _ = unsafe { verbs.close_device(ctx) };
-            return Err(e);
-        }
-    };
+    // Dropped in reverse order at the end: the PD, then the context, then the list.
+    let ctx = dev.open()?;
+    let pd = ctx.alloc_pd()?;
     let access = ibgda_sys::IBV_ACCESS_LOCAL_WRITE
         | ibgda_sys::IBV_ACCESS_REMOTE_WRITE
         | ibgda_sys::IBV_ACCESS_REMOTE_READ
         | ibgda_sys::IBV_ACCESS_REMOTE_ATOMIC;
-    let attempt = |res: Result<NonNull<ibgda_sys::ibv_mr>, String>| match res {
-        Ok(mr) => {
-            // SAFETY: `mr` was just registered and no work request uses it.
-            let _ = unsafe { verbs.dereg_mr(mr) };
-            Attempt {
-                ok: true,
-                error: None,
-            }
-        }
+    let attempt = |res: Result<(), String>| match res {
+        Ok(()) => Attempt {
+            ok: true,
+            error: None,
+        },
         Err(e) => Attempt {
             ok: false,
             error: Some(e),
@@ -777,31 +731,15 @@ fn register_on(
             ok: false,
             error: Some(e.to_string()),
         },
-        Ok(fd) => {
-            // SAFETY: `pd` is live; `fd` covers the whole buffer and stays open until after
-            // `attempt` deregisters the MR.
-            let mr = unsafe {
-                verbs.reg_dmabuf_mr(pd, 0, buf.len(), buf.device_ptr(), fd.as_raw_fd(), access)
-            };
-            attempt(mr.map_err(|e| e.to_string()))
-        }
+        Ok(fd) => attempt(
+            pd.try_register_dmabuf(fd.as_fd(), 0, buf.len(), buf.device_ptr(), access)
+                .map_err(|e| e.to_string()),
+        ),
     });
-    // SAFETY: `pd` is live; the device range stays allocated until `buf` drops, after the
-    // deregistration in `attempt`.
-    let peer = unsafe {
-        verbs.reg_mr(
-            pd,
-            buf.device_ptr() as *mut std::ffi::c_void,
-            buf.len(),
-            access,
-        )
-    }
-    .map_err(|e| e.to_string());
-    r.peermem = Some(attempt(peer));
-    // SAFETY: every MR of `pd` was deregistered.
-    let _ = unsafe { verbs.dealloc_pd(pd) };
-    // SAFETY: the PD is freed.
-    let _ = unsafe { verbs.close_device(ctx) };
+    r.peermem = Some(attempt(
+        pd.try_register(buf.device_ptr(), buf.len(), access)
+            .map_err(|e| e.to_string()),
+    ));
     Ok(())
 }
 

@@ -13,3 +13,5 @@ pub mod alloc;
 pub mod bench;
 pub mod io;
 pub mod workload;
+
+mod ranks;

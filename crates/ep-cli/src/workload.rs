@@ -168,32 +168,9 @@ impl WorkloadArgs {
 /// equals `generate()[rank]`, so the result does not depend on the thread count).
 pub fn generate(spec: &WorkloadSpec) -> ep_core::Result<Vec<RankInputs>> {
     spec.validate()?;
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .clamp(1, spec.num_ranks.max(1));
-    let mut parts: Vec<ep_core::Result<Vec<(usize, RankInputs)>>> = Vec::new();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|i| {
-                s.spawn(move || {
-                    (i..spec.num_ranks)
-                        .step_by(threads)
-                        .map(|r| spec.generate_rank(r).map(|x| (r, x)))
-                        .collect::<ep_core::Result<Vec<_>>>()
-                })
-            })
-            .collect();
-        parts = handles
-            .into_iter()
-            .map(|h| h.join().expect("workload generation does not panic"))
-            .collect();
-    });
-    let mut all = Vec::with_capacity(spec.num_ranks);
-    for p in parts {
-        all.extend(p?);
-    }
-    all.sort_by_key(|(r, _)| *r);
-    Ok(all.into_iter().map(|(_, x)| x).collect())
+    crate::ranks::per_rank(spec.num_ranks, |r| spec.generate_rank(r))
+        .into_iter()
+        .collect()
 }
 
 /// Loads the workload the options describe: reads `--inputs` (checking the options given beside

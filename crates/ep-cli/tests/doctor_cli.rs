@@ -6,7 +6,7 @@ use std::process::{Command, Output};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../ep-core/tests/fixtures/doctor")
+        .join("../ep-setup/tests/fixtures/doctor")
         .join(name)
 }
 

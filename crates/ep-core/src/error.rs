@@ -286,12 +286,12 @@ pub enum Error {
         detail: String,
     },
     /// The protocol broke the memory model or a declared invariant (a simulator finding).
-    #[error("protocol violation on rank {rank}: {detail}")]
+    #[error("protocol violation on rank {rank}: {violation}")]
     ProtocolViolation {
         /// The rank where it was detected.
         rank: usize,
-        /// The typed violation, rendered.
-        detail: String,
+        /// The typed finding (match on it; [`Error::violation`]).
+        violation: Box<crate::transport::Violation>,
     },
     /// An access outside every symmetric allocation, or a misaligned word.
     #[error(
@@ -553,6 +553,15 @@ pub enum Error {
         /// What to do.
         fix: String,
     },
+    /// A call of a mode whose arena the `Buffer` was built without (docs/protocol.md §2.1,
+    /// §3.1): the size in `BufferConfig` was zero.
+    #[error("{what} was not allocated (its size in BufferConfig is 0); {fix}")]
+    ArenaMissing {
+        /// Which arena.
+        what: &'static str,
+        /// What to do.
+        fix: &'static str,
+    },
     /// A value beyond a fixed protocol limit (channels, local experts, ...).
     #[error("{what} = {value} exceeds the protocol's limit {max}; {fix}")]
     ProtocolLimit {
@@ -643,4 +652,17 @@ pub enum Error {
         /// Why.
         cause: Box<Error>,
     },
+}
+
+impl Error {
+    /// The checker's typed finding, when this is a [`Error::ProtocolViolation`] — also inside a
+    /// [`Error::BufferPoisoned`] that one caused.
+    #[must_use]
+    pub fn violation(&self) -> Option<&crate::transport::Violation> {
+        match self {
+            Error::ProtocolViolation { violation, .. } => Some(violation),
+            Error::BufferPoisoned { cause, .. } => cause.violation(),
+            _ => None,
+        }
+    }
 }

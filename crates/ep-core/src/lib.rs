@@ -4,10 +4,10 @@
 //! (DeepEP V1's data semantics, `../shared/spec/deepep-v1.md` §2), a reference oracle that
 //! states the same thing as plainly as possible, the DeepEP-compatible configuration surface
 //! (`Config`, size hints, `BufferConfig`), the NVSHMEM environment plan, seeded workloads, the
-//! `Transport` trait both backends implement, and the logic of `ep doctor`.
+//! `Transport` trait both backends implement.
 //!
-//! No I/O happens here except in `setup` (which reads `/proc`, `/sys`, `/etc` under a sysroot);
-//! everything builds and tests on any machine.
+//! No I/O happens here; everything builds and tests on any machine. The logic of `ep doctor`
+//! (machine checks over a sysroot) is its own crate, `ep-setup`.
 //!
 //! Module map:
 //! - [`tensor`], [`routing`]: host tensors and the per-rank inputs, routing validation;
@@ -19,8 +19,7 @@
 //! - [`digest`]: canonical, backend-independent digests of every output;
 //! - [`transport`]: the `Transport` trait (host face and protocol vocabulary);
 //! - [`protocol`]: ep-rs's protocol (docs/protocol.md): agents, layouts, signal encodings;
-//! - [`buffer`]: `Buffer`, DeepEP's API over any `Transport`;
-//! - [`setup`]: machine checks behind `ep doctor`.
+//! - [`buffer`]: `Buffer`, DeepEP's API over any `Transport`.
 
 pub mod buffer;
 pub mod config;
@@ -31,7 +30,6 @@ pub mod oracle;
 pub mod plan;
 pub mod protocol;
 pub mod routing;
-pub mod setup;
 pub mod tensor;
 pub mod transport;
 pub mod workload;

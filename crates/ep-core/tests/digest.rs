@@ -77,8 +77,8 @@ fn normal_oracle(inputs: &[RankInputs]) -> (Vec<IntranodeDispatch>, Vec<CombineO
     (d, c)
 }
 
-/// Changes one output of one rank.
-type Mutation = Box<dyn Fn(&mut IntranodeDispatch, &mut CombineOutput)>;
+/// A one-bit change of one rank's outputs, in the first row of a tensor or (`true`) its last.
+type Mutation = Box<dyn Fn(&mut IntranodeDispatch, &mut CombineOutput, bool)>;
 
 type LlRun = (Vec<Option<LlDispatchOutput>>, Vec<Option<Tensor2<bf16>>>);
 
@@ -187,82 +187,108 @@ fn one_bit_changes_the_normal_digest() {
     let (d, c) = normal_plan(&inp, &DispatchOptions::default());
     let base = nd(&d, &c);
     let rank = (0..4).find(|&r| d[r].handle.num_recv_tokens > 0).unwrap();
+    // Each mutation flips one bit in the first row (`last == false`) or the last row of its
+    // tensor: a digest that skipped rows at either end would miss one of them.
+    let pick = |n: usize, last: bool| if last { n - 1 } else { 0 };
     let mutations: Vec<(&str, Mutation)> = vec![
         (
             "recv_x",
-            Box::new(|o, _| {
+            Box::new(move |o, _, last| {
                 if let Activations::Bf16(x) = &mut o.recv_x {
-                    flip_bf16(x, 0, 5);
+                    flip_bf16(x, pick(x.rows(), last), 5);
                 }
             }),
         ),
         (
             "recv_topk_weights",
-            Box::new(|o, _| {
+            Box::new(move |o, _, last| {
                 let w = o.recv_topk_weights.as_mut().unwrap();
-                w.set(0, 1, f32::from_bits(w.get(0, 1).to_bits() ^ 1));
+                let t = pick(w.rows(), last);
+                w.set(t, 1, f32::from_bits(w.get(t, 1).to_bits() ^ 1));
             }),
         ),
         (
             "recv_topk_idx",
-            Box::new(|o, _| {
+            Box::new(move |o, _, last| {
                 let w = o.recv_topk_idx.as_mut().unwrap();
-                w.set(0, 0, w.get(0, 0) ^ 1);
+                let t = pick(w.rows(), last);
+                w.set(t, 0, w.get(t, 0) ^ 1);
             }),
         ),
         (
             "expert list",
-            Box::new(|o, _| o.num_recv_tokens_per_expert_list[0] ^= 1),
+            Box::new(move |o, _, last| {
+                let l = &mut o.num_recv_tokens_per_expert_list;
+                let i = pick(l.len(), last);
+                l[i] ^= 1;
+            }),
         ),
         (
             "recv_src_idx",
-            Box::new(|o, _| o.handle.recv_src_idx[0] ^= 1),
+            Box::new(move |o, _, last| {
+                let v = &mut o.handle.recv_src_idx;
+                let i = pick(v.len(), last);
+                v[i] ^= 1;
+            }),
         ),
         (
             "channel_prefix_matrix",
-            Box::new(|o, _| {
+            Box::new(move |o, _, last| {
                 let m = &mut o.handle.channel_prefix_matrix;
-                m.set(0, 0, m.get(0, 0) ^ 1);
+                let t = pick(m.rows(), last);
+                m.set(t, 0, m.get(t, 0) ^ 1);
             }),
         ),
         (
             "recv_channel_prefix_matrix",
-            Box::new(|o, _| {
+            Box::new(move |o, _, last| {
                 let m = &mut o.handle.recv_channel_prefix_matrix;
-                m.set(1, 1, m.get(1, 1) ^ 1);
+                let t = pick(m.rows(), last);
+                m.set(t, 1, m.get(t, 1) ^ 1);
             }),
         ),
         (
             "send_head",
-            Box::new(|o, _| {
+            Box::new(|o, _, last| {
+                // The first (last) row with a head: negative entries are "not sent" in any form.
                 let m = &mut o.handle.send_head;
-                let (t, d) = (0..m.rows())
-                    .flat_map(|t| (0..m.cols()).map(move |d| (t, d)))
-                    .find(|&(t, d)| m.get(t, d) >= 0)
-                    .unwrap();
+                let valid = |t: usize| (0..m.cols()).find(|&d| m.get(t, d) >= 0).map(|d| (t, d));
+                let (t, d) = if last {
+                    (0..m.rows()).rev().find_map(valid)
+                } else {
+                    (0..m.rows()).find_map(valid)
+                }
+                .unwrap();
                 m.set(t, d, m.get(t, d) ^ 1);
             }),
         ),
         (
             "combined_x",
-            Box::new(|_, c| flip_bf16(&mut c.combined_x, 3, 7)),
+            Box::new(move |_, c, last| {
+                let t = pick(c.combined_x.rows(), last);
+                flip_bf16(&mut c.combined_x, t, 7);
+            }),
         ),
         (
             "combined_topk_weights",
-            Box::new(|_, c| {
+            Box::new(move |_, c, last| {
                 let w = c.combined_topk_weights.as_mut().unwrap();
-                w.set(2, 0, f32::from_bits(w.get(2, 0).to_bits() ^ 1));
+                let t = pick(w.rows(), last);
+                w.set(t, 0, f32::from_bits(w.get(t, 0).to_bits() ^ 1));
             }),
         ),
     ];
-    for (what, m) in mutations {
-        let (mut d2, mut c2) = (d.clone(), c.clone());
-        m(&mut d2[rank], &mut c2[rank]);
-        let got = nd(&d2, &c2);
-        assert_ne!(got.total, base.total, "{what}");
-        assert_ne!(got.ranks[rank], base.ranks[rank], "{what}");
-        for r in (0..4).filter(|&r| r != rank) {
-            assert_eq!(got.ranks[r], base.ranks[r], "{what}: rank {r} untouched");
+    for (what, m) in &mutations {
+        for last in [false, true] {
+            let (mut d2, mut c2) = (d.clone(), c.clone());
+            m(&mut d2[rank], &mut c2[rank], last);
+            let what = format!("{what} ({} row)", if last { "last" } else { "first" });
+            let got = nd(&d2, &c2);
+            assert_ne!(got.total, base.total, "{what}");
+            assert_ne!(got.ranks[rank], base.ranks[rank], "{what}");
+            for r in (0..4).filter(|&r| r != rank) {
+                assert_eq!(got.ranks[r], base.ranks[r], "{what}: rank {r} untouched");
+            }
         }
     }
     // The defined column of rank_prefix_matrix counts; the others do not (stale in DeepEP).

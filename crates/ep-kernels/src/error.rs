@@ -50,6 +50,16 @@ pub enum Error {
     /// NVSHMEM initialises once per process.
     #[error("NVSHMEM was already initialised in this process (it initialises once per process)")]
     AlreadyInitialized,
+    /// `finalize` was called while symmetric buffers of the session were alive.
+    #[error(
+        "PE {pe}: cannot finalize NVSHMEM while {alive} symmetric buffer(s) are alive: drop them first, in the same order on every PE"
+    )]
+    SymmetricBuffersAlive {
+        /// This PE.
+        pe: u32,
+        /// Buffers still holding the session.
+        alive: usize,
+    },
     /// NVSHMEM's view of this process differs from what the launcher said.
     #[error("NVSHMEM says this is PE {pe} of {n_pes}, the launcher said rank {rank} of {world}")]
     PeMismatch {

@@ -5,7 +5,7 @@ use std::sync::mpsc::{Receiver, Sender};
 use ep_core::transport::{AgentCtx, AgentId, FabricParams, QpIndex, SignalOp, SymAddr, WaitUntil};
 use ep_core::{Error, Result};
 
-use crate::proto::{Msg, Req, Resp};
+use crate::proto::{Msg, Post, Req, Resp};
 
 /// An agent's context in the deterministic simulator. Each call hands the baton to the executor
 /// and blocks until the executor schedules this agent and serves the call.
@@ -66,14 +66,14 @@ impl AgentCtx for SimCtx {
         src: SymAddr,
         len: u64,
     ) -> Result<()> {
-        self.unit(Req::Put {
+        self.unit(Req::Post(Post::Put {
             peer,
             qp,
             dst,
             src,
             len,
             signal: None,
-        })
+        }))
     }
     fn put_signal(
         &mut self,
@@ -86,22 +86,22 @@ impl AgentCtx for SimCtx {
         op: SignalOp,
         value: u64,
     ) -> Result<()> {
-        self.unit(Req::Put {
+        self.unit(Req::Post(Post::Put {
             peer,
             qp,
             dst,
             src,
             len,
             signal: Some((signal, op, value)),
-        })
+        }))
     }
     fn amo_add(&mut self, peer: usize, qp: QpIndex, word: SymAddr, value: u64) -> Result<()> {
-        self.unit(Req::Amo {
+        self.unit(Req::Post(Post::Amo {
             peer,
             qp,
             word,
             value,
-        })
+        }))
     }
     fn fence(&mut self) -> Result<()> {
         self.unit(Req::Fence)

@@ -7,20 +7,8 @@ use ep_core::transport::{QpIndex, SignalOp, SymAddr, WaitUntil};
 pub(crate) enum Req {
     /// Implicit first request: the thread waits for permission to start.
     Start,
-    Put {
-        peer: usize,
-        qp: QpIndex,
-        dst: SymAddr,
-        src: SymAddr,
-        len: u64,
-        signal: Option<(SymAddr, SignalOp, u64)>,
-    },
-    Amo {
-        peer: usize,
-        qp: QpIndex,
-        word: SymAddr,
-        value: u64,
-    },
+    /// An RDMA-class post (`put`, `put_signal`, `amo_add`): work requests on a QP.
+    Post(Post),
     Fence,
     Quiet,
     Store {
@@ -44,13 +32,41 @@ pub(crate) enum Req {
     Barrier,
 }
 
+/// The requests that post work requests to a QP: the only ones the QP engine plans.
+#[derive(Debug, Clone)]
+pub(crate) enum Post {
+    Put {
+        peer: usize,
+        qp: QpIndex,
+        dst: SymAddr,
+        src: SymAddr,
+        len: u64,
+        signal: Option<(SymAddr, SignalOp, u64)>,
+    },
+    Amo {
+        peer: usize,
+        qp: QpIndex,
+        word: SymAddr,
+        value: u64,
+    },
+}
+
+impl Post {
+    /// The peer and the QP towards it.
+    pub(crate) fn target(&self) -> (usize, QpIndex) {
+        match *self {
+            Post::Put { peer, qp, .. } | Post::Amo { peer, qp, .. } => (peer, qp),
+        }
+    }
+}
+
 impl Req {
     pub(crate) fn name(&self) -> &'static str {
         match self {
             Req::Start => "start",
-            Req::Put { signal: None, .. } => "put",
-            Req::Put { .. } => "put_signal",
-            Req::Amo { .. } => "amo_add",
+            Req::Post(Post::Put { signal: None, .. }) => "put",
+            Req::Post(Post::Put { .. }) => "put_signal",
+            Req::Post(Post::Amo { .. }) => "amo_add",
             Req::Fence => "fence",
             Req::Quiet => "quiet",
             Req::Store { release: false, .. } => "store",

@@ -5,27 +5,46 @@
 //! requests that the target's "NIC" applies when the executor delivers them (owner-applied
 //! delivery). Determinism: every container that is iterated is ordered (`BTreeMap`, `Vec`), and
 //! every choice goes through the seeded RNG in `exec`.
+//!
+//! This file holds the state (`World` and its records), phases, enabledness and the wait-for
+//! graph, and the serving of agent requests; the rest has its own room:
+//! - `heap`: allocation, bounds, host reads and writes, the per-word visibility clocks;
+//! - `qp`: the QP engine (planning posts into work requests, QP depth, delivery, completion);
+//! - `barriers`: the host barrier over a team and the block barrier;
+//! - `memory_model`: the memory-model checker (reads, writes, put sources);
+//! - `rings`: declared rings (live slots, ring violations);
+//! - `hops`: the cost model's wait-chain hops per word and the phase records;
+//! - `trace`: the replayable trace and the run's counters;
+//! - `faults`, `recover`: injected faults and their typed errors, recovery after them.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use ep_core::Error;
 use ep_core::transport::{
-    AllocRequest, FabricParams, Init, PhaseKind, PhaseReport, QpFullPolicy, QpIndex, Region,
-    RingDecl, SignalOp, SymAddr, SymAlloc, WaitUntil, chunk_pieces,
+    FabricParams, Init, PhaseKind, PhaseReport, Region, RingDecl, SignalOp, SymAddr, SymAlloc,
+    WaitUntil,
 };
 
 use crate::clock::{HOST_KEY, KeyDesc, Keys, VClock};
 use crate::cost::{Hops, LinkClass, PhaseRecord, Recorder};
 use crate::fault::Fault;
-use crate::memory::{GRANULE, Heap, Stamp};
+use crate::memory::{Heap, Stamp};
 use crate::proto::{Req, Resp};
 use crate::violation::{AgentRef, Violation, Waiting};
 
+mod barriers;
 mod faults;
+mod heap;
+mod hops;
+mod memory_model;
+mod qp;
 mod recover;
+mod rings;
+mod trace;
 
 pub(crate) use faults::Timeout;
+pub use trace::{Stats, TraceEvent};
 
 /// A QP: (source rank, target rank, index).
 pub(crate) type QpKey = (usize, usize, u16);
@@ -172,53 +191,6 @@ pub(crate) enum Event {
     Complete(QpKey),
 }
 
-/// One entry of the replayable trace.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TraceEvent {
-    /// An agent's request was served.
-    Agent {
-        /// Virtual time.
-        t: u64,
-        /// Rank.
-        rank: usize,
-        /// Agent index on the rank.
-        index: usize,
-        /// The vocabulary call.
-        op: &'static str,
-    },
-    /// A work request was applied by its target.
-    Deliver {
-        /// Virtual time.
-        t: u64,
-        /// Work request id.
-        wr: u64,
-    },
-    /// A work request completed at its source.
-    Complete {
-        /// Virtual time.
-        t: u64,
-        /// Work request id.
-        wr: u64,
-    },
-}
-
-/// Counters of a run.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Stats {
-    /// Agent requests served.
-    pub operations: u64,
-    /// Work requests delivered.
-    pub delivered: u64,
-    /// Work requests posted.
-    pub posted: u64,
-    /// Posts that found their QP full and waited.
-    pub qp_full_waits: u64,
-    /// Highest number of outstanding work requests seen on any QP.
-    pub max_outstanding: u32,
-    /// Ordering breaches the executor found in its own bookkeeping (must stay 0).
-    pub fifo_breaches: u64,
-}
-
 pub(crate) struct World {
     pub(crate) fabric: FabricParams,
     pub(crate) wait_timeout: u64,
@@ -319,199 +291,6 @@ impl World {
         let i = self.next_id;
         self.next_id += 1;
         i
-    }
-
-    // ---- host face ---------------------------------------------------------------------------
-
-    pub(crate) fn alloc(&mut self, req: AllocRequest) -> Result<SymAlloc, Error> {
-        let align = req.align.max(GRANULE).next_power_of_two();
-        let addr = self.next_addr.div_ceil(align) * align;
-        let avail = self.fabric.heap_bytes.saturating_sub(addr);
-        if req.bytes > avail {
-            return Err(Error::HeapExhausted {
-                requested: req.bytes,
-                available: avail,
-            });
-        }
-        self.next_addr = addr + req.bytes;
-        let a = SymAlloc {
-            name: req.name,
-            region: Region::new(SymAddr(addr), req.bytes),
-            init: req.init,
-        };
-        if a.init == Init::Zero {
-            for h in &mut self.heaps {
-                h.add_zero_region(a.region);
-            }
-        }
-        self.allocs.push(a.clone());
-        Ok(a)
-    }
-
-    fn alloc_of(&self, addr: u64, len: u64) -> Option<&SymAlloc> {
-        let i = self.allocs.partition_point(|a| a.region.end() <= addr);
-        self.allocs
-            .get(i)
-            .filter(|a| a.region.addr.0 <= addr && addr + len <= a.region.end())
-    }
-
-    fn check_bounds(
-        &self,
-        rank: usize,
-        addr: u64,
-        len: u64,
-        what: &'static str,
-    ) -> Result<(), Error> {
-        if rank >= self.fabric.num_ranks || self.alloc_of(addr, len.max(1)).is_none() {
-            return Err(Error::BadAccess {
-                rank,
-                what,
-                addr,
-                len,
-            });
-        }
-        Ok(())
-    }
-
-    fn check_word(&self, rank: usize, addr: u64, what: &'static str) -> Result<(), Error> {
-        if !addr.is_multiple_of(8) {
-            return Err(Error::BadAccess {
-                rank,
-                what,
-                addr,
-                len: 8,
-            });
-        }
-        self.check_bounds(rank, addr, 8, what)
-    }
-
-    pub(crate) fn host_write(&mut self, rank: usize, addr: u64, bytes: &[u8]) -> Result<(), Error> {
-        self.check_bounds(rank, addr, bytes.len() as u64, "host write")?;
-        self.heaps[rank].write(addr, bytes, None, Stamp::default());
-        self.sync_range_clear(rank, addr, bytes.len() as u64);
-        Ok(())
-    }
-
-    pub(crate) fn host_read(&mut self, rank: usize, addr: u64, len: u64) -> Result<Vec<u8>, Error> {
-        let mut v = vec![0u8; len as usize];
-        self.host_read_into(rank, addr, &mut v)?;
-        Ok(v)
-    }
-
-    pub(crate) fn host_read_into(
-        &self,
-        rank: usize,
-        addr: u64,
-        out: &mut [u8],
-    ) -> Result<(), Error> {
-        self.check_bounds(rank, addr, out.len() as u64, "host read")?;
-        self.heaps[rank].read_shared(addr, out);
-        Ok(())
-    }
-
-    pub(crate) fn resident_bytes(&self) -> u64 {
-        self.heaps.iter().map(Heap::resident_bytes).sum()
-    }
-
-    pub(crate) fn digest(&self) -> u64 {
-        self.heaps
-            .iter()
-            .fold(0xcbf2_9ce4_8422_2325, |h, heap| heap.digest(h))
-    }
-
-    /// The host barrier over `team`: delivers and completes every work request the team's ranks
-    /// posted (lowest id first), then makes every team rank know what every team rank knew
-    /// (ranks outside the team learn nothing). Fails, naming the rank or the QP, when a team rank
-    /// is dead or a work request of the team can never complete (an injected fault).
-    pub(crate) fn barrier(&mut self, team: &[usize]) -> Result<(), Error> {
-        let n = self.fabric.num_ranks;
-        let mut member = vec![false; n];
-        for &r in team {
-            if r >= n {
-                return Err(Error::BadAccess {
-                    rank: r,
-                    what: "barrier team member",
-                    addr: 0,
-                    len: 0,
-                });
-            }
-            member[r] = true;
-            if let Some(why) = &self.dead[r] {
-                return Err(Error::RankFailed {
-                    rank: r,
-                    detail: format!("host barrier: {why}"),
-                });
-            }
-        }
-        loop {
-            let mut best: Option<(u64, Event)> = None;
-            for (&k, q) in &self.qps {
-                if !member[k.0] {
-                    continue;
-                }
-                if let Some(&w) = q.posted.front()
-                    && self.deliverable(w)
-                    && best.is_none_or(|(b, _)| w < b)
-                {
-                    best = Some((w, Event::Deliver(k)));
-                }
-                if let Some(&w) = q.delivered.front()
-                    && self.completable(k, w)
-                    && best.is_none_or(|(b, _)| w < b)
-                {
-                    best = Some((w, Event::Complete(k)));
-                }
-            }
-            match best {
-                Some((_, Event::Deliver(k))) => self.deliver(k),
-                Some((_, Event::Complete(k))) => self.complete(k),
-                _ => break,
-            }
-        }
-        if let Some((&k, q)) = self
-            .qps
-            .iter()
-            .find(|(k, q)| member[k.0] && q.outstanding > 0)
-        {
-            let w = q.delivered.front().or(q.posted.front()).copied();
-            let notes = self.fault_notes();
-            return Err(Error::CompletionTimeout {
-                rank: k.0,
-                agent: "host barrier".into(),
-                peer: k.1,
-                qp: k.2,
-                during: "host barrier",
-                outstanding: u64::from(q.outstanding),
-                oldest: format!(
-                    "work request {}; {}",
-                    w.unwrap_or(0),
-                    if notes.is_empty() {
-                        "no fault injected".into()
-                    } else {
-                        notes.join("; ")
-                    }
-                ),
-            });
-        }
-        let mut g = VClock::default();
-        for (r, v) in self.rank_vc.iter().enumerate() {
-            if member[r] {
-                g.join(v);
-            }
-        }
-        for (&s, h) in &self.streams {
-            if let KeyDesc::Stream { rank, .. } = self.keys.desc(s)
-                && member[rank]
-            {
-                g.raise(s, h.len() as u64);
-            }
-        }
-        for (r, v) in self.rank_vc.iter_mut().enumerate() {
-            if member[r] {
-                *v = g.clone();
-            }
-        }
-        Ok(())
     }
 
     // ---- phases ------------------------------------------------------------------------------
@@ -631,36 +410,6 @@ impl World {
 
     // ---- enabledness -------------------------------------------------------------------------
 
-    fn deliverable(&self, w: u64) -> bool {
-        let wr = &self.wrs[&w];
-        if self.dead[wr.qp.0].is_some() || self.dead[wr.qp.1].is_some() {
-            return false; // nothing more leaves a dead rank, its NIC applies nothing more
-        }
-        match wr.dep {
-            None => true,
-            Some(d) => self.slots[&wr.slot]
-                .undelivered
-                .get(&wr.qp.1)
-                .and_then(|s| s.first())
-                .is_none_or(|&first| first > d),
-        }
-    }
-
-    fn qp_has_room(&self, k: QpKey) -> bool {
-        self.fabric.qp_full == QpFullPolicy::Error
-            || self
-                .qps
-                .get(&k)
-                .is_none_or(|q| q.outstanding < self.fabric.qp_depth)
-    }
-
-    fn word_now(&mut self, rank: usize, addr: u64) -> (u64, bool) {
-        let v = self.heaps[rank].read_u64(addr);
-        let mut ok = true;
-        self.heaps[rank].granules(addr, 8, |_, valid, _| ok &= valid);
-        (v, ok)
-    }
-
     /// Whether agent `i`'s pending request can be served now.
     pub(crate) fn agent_enabled(&mut self, i: usize) -> bool {
         let a = &self.agents[i];
@@ -674,8 +423,9 @@ impl World {
         }
         let Some(p) = &a.pending else { return false };
         match (&p.req, &p.prog) {
-            (Req::Put { peer, qp, .. } | Req::Amo { peer, qp, .. }, Prog::None) => {
-                self.qp_has_room((rank, *peer, qp.0))
+            (Req::Post(post), Prog::None) => {
+                let (peer, qp) = post.target();
+                self.qp_has_room((rank, peer, qp.0))
             }
             (_, Prog::Posting { peer, qp, .. }) => self.qp_has_room((rank, *peer, *qp)),
             (Req::Quiet, _) => {
@@ -716,7 +466,7 @@ impl World {
                 a.parked_since = Some(self.now);
                 if a.pending
                     .as_ref()
-                    .is_some_and(|p| matches!(p.req, Req::Put { .. } | Req::Amo { .. }))
+                    .is_some_and(|p| matches!(p.req, Req::Post(_)))
                 {
                     self.stats.qp_full_waits += 1;
                 }
@@ -849,14 +599,15 @@ impl World {
         if !matches!(p.req, Req::Start) {
             self.rank_ops[self.agents[i].r.rank] += 1;
         }
-        if let Some(t) = &mut self.trace {
+        if self.trace.is_some() {
             let a = &self.agents[i];
-            t.push(TraceEvent::Agent {
+            let e = TraceEvent::Agent {
                 t: self.now,
                 rank: a.r.rank,
                 index: a.r.index,
                 op: p.req.name(),
-            });
+            };
+            self.trace(e);
         }
         let r = match self.serve_req(i, p) {
             Ok(s) => s,
@@ -879,7 +630,10 @@ impl World {
         let rank = self.agents[i].r.rank;
         match p.req {
             Req::Start => Ok(Served::Respond(Resp::Unit)),
-            Req::Put { .. } | Req::Amo { .. } => self.serve_post(i, p),
+            Req::Post(ref post) => {
+                let post = post.clone();
+                self.serve_post(i, p, &post)
+            }
             Req::Fence => {
                 let slot = &self.slots[&(rank, self.agents[i].r.index)];
                 let deps: Vec<(usize, u64)> =
@@ -998,39 +752,7 @@ impl World {
                 let v = self.acquire(i, w.rank, w.word.0);
                 Ok(Served::Respond(Resp::Word(v)))
             }
-            Req::Barrier => {
-                let block = (rank, self.agents[i].block);
-                match p.prog {
-                    Prog::Arrived(_) => {
-                        let done = self.blocks[&block].done_vc.clone();
-                        let h = self.blocks[&block].done_hops;
-                        self.agents[i].hops = self.agents[i].hops.join(h);
-                        self.agents[i].vc.join(&done);
-                        Ok(Served::Respond(Resp::Unit))
-                    }
-                    _ => {
-                        let vc = self.agents[i].vc.clone();
-                        let h = self.agents[i].hops;
-                        let b = self.blocks.get_mut(&block).expect("block");
-                        let g = b.generation;
-                        b.acc.join(&vc);
-                        b.hops = b.hops.join(h);
-                        b.arrived += 1;
-                        if b.arrived == b.size {
-                            b.done_hops = std::mem::take(&mut b.hops);
-                            b.done_vc = std::mem::take(&mut b.acc);
-                            b.arrived = 0;
-                            b.generation += 1;
-                        }
-                        self.release_point(i);
-                        self.agents[i].pending = Some(Pending {
-                            req: Req::Barrier,
-                            prog: Prog::Arrived(g),
-                        });
-                        Ok(Served::Stay)
-                    }
-                }
-            }
+            Req::Barrier => Ok(self.serve_block_barrier(i, rank, p.prog)),
         }
     }
 
@@ -1079,767 +801,4 @@ impl World {
             self.violation = Some(v);
         }
     }
-
-    fn serve_post(&mut self, i: usize, p: Pending) -> Result<Served, Error> {
-        let rank = self.agents[i].r.rank;
-        let idx = self.agents[i].r.index;
-        let (op, peer, qp, wrs, mut next) = match p.prog {
-            Prog::Posting {
-                op,
-                peer,
-                qp,
-                wrs,
-                next,
-            } => (op, peer, qp, wrs, next),
-            _ => {
-                let (peer, qp, plan, src) = self.plan_post(rank, &p.req)?;
-                let bytes = plan
-                    .iter()
-                    .map(|w| match w.kind {
-                        WrKind::Data { len, .. } => len,
-                        WrKind::Signal { .. } | WrKind::Amo { .. } => 8,
-                    })
-                    .sum();
-                self.rec
-                    .post(&self.fabric, (rank, peer, qp), bytes, plan.len() as u64);
-                let op = self.id();
-                self.ops.insert(
-                    op,
-                    OpState {
-                        src,
-                        left: plan.len() as u32,
-                        slot: (rank, idx),
-                        peer,
-                        qp,
-                    },
-                );
-                self.slots
-                    .get_mut(&(rank, idx))
-                    .expect("slot")
-                    .outstanding_ops += 1;
-                if self.fabric.qp_full == QpFullPolicy::Error {
-                    let out = self.qps.get(&(rank, peer, qp)).map_or(0, |q| q.outstanding);
-                    let n = plan.len() as u32;
-                    if out + n > self.fabric.qp_depth {
-                        let v = self.depth_exceeded(i, op, (rank, peer, qp), &plan, out);
-                        self.flag(v);
-                    }
-                }
-                for w in &plan {
-                    if let WrKind::Data { dst, len, .. } = w.kind {
-                        let who = format!("op {op} posted by {} (qp{qp})", self.agents[i].r);
-                        self.check_ring_write(peer, Region::new(SymAddr(dst), len), &who, None);
-                    }
-                }
-                (op, peer, qp, plan, 0)
-            }
-        };
-        let qk = (rank, peer, qp);
-        while next < wrs.len() {
-            if self.fabric.qp_full == QpFullPolicy::Wait
-                && self
-                    .qps
-                    .get(&qk)
-                    .is_some_and(|q| q.outstanding >= self.fabric.qp_depth)
-            {
-                self.stats.qp_full_waits += 1;
-                let req = p.req;
-                self.agents[i].pending = Some(Pending {
-                    req,
-                    prog: Prog::Posting {
-                        op,
-                        peer,
-                        qp,
-                        wrs,
-                        next,
-                    },
-                });
-                return Ok(Served::Stay);
-            }
-            self.post_wr(i, op, qk, wrs[next].kind);
-            next += 1;
-        }
-        Ok(Served::Respond(Resp::Unit))
-    }
-
-    /// The violation for posting `plan` (op `op`) into QP `k` holding `out` work requests.
-    fn depth_exceeded(&self, i: usize, op: u64, k: QpKey, plan: &[WrPlan], out: u32) -> Violation {
-        let data = |p: &[WrPlan]| {
-            p.iter()
-                .filter(|w| matches!(w.kind, WrKind::Data { .. }))
-                .count() as u32
-        };
-        let mut split_ops = Vec::new();
-        if let Some(q) = self.qps.get(&k) {
-            let mut per_op: BTreeMap<u64, u32> = BTreeMap::new();
-            for w in q.posted.iter().chain(q.delivered.iter()) {
-                if matches!(self.wrs[w].kind, WrKind::Data { .. }) {
-                    *per_op.entry(self.wrs[w].op).or_default() += 1;
-                }
-            }
-            split_ops.extend(per_op.into_iter().filter(|&(_, n)| n > 1));
-        }
-        if data(plan) > 1 {
-            split_ops.push((op, data(plan)));
-        }
-        Violation::QpDepthExceeded {
-            agent: self.agents[i].r.clone(),
-            peer: k.1,
-            qp: QpIndex(k.2),
-            depth: self.fabric.qp_depth,
-            outstanding: out,
-            op,
-            work_requests: plan.len() as u32,
-            split_ops,
-        }
-    }
-
-    /// Validates a post and splits it into work requests (one per heap chunk touched).
-    #[allow(clippy::type_complexity, reason = "internal tuple")]
-    fn plan_post(
-        &self,
-        rank: usize,
-        req: &Req,
-    ) -> Result<(usize, u16, Vec<WrPlan>, Option<(usize, Region)>), Error> {
-        let check_qp = |qp: QpIndex| {
-            if qp.0 >= self.fabric.rc_per_pe {
-                Err(Error::QpOutOfRange {
-                    qp: qp.0,
-                    rc_per_pe: self.fabric.rc_per_pe,
-                })
-            } else {
-                Ok(())
-            }
-        };
-        match *req {
-            Req::Put {
-                peer,
-                qp,
-                dst,
-                src,
-                len,
-                signal,
-            } => {
-                check_qp(qp)?;
-                self.check_bounds(peer, dst.0, len, "put destination")?;
-                self.check_bounds(rank, src.0, len, "put source")?;
-                let mut plan: Vec<WrPlan> = chunk_pieces(self.fabric.granularity, dst, src, len)
-                    .into_iter()
-                    .map(|(off, n)| WrPlan {
-                        kind: WrKind::Data {
-                            dst: dst.0 + off,
-                            src: src.0 + off,
-                            len: n,
-                        },
-                    })
-                    .collect();
-                if let Some((w, op, value)) = signal {
-                    self.check_word(peer, w.0, "put_signal signal")?;
-                    plan.push(WrPlan {
-                        kind: WrKind::Signal {
-                            word: w.0,
-                            op,
-                            value,
-                        },
-                    });
-                }
-                if plan.is_empty() {
-                    plan.push(WrPlan {
-                        kind: WrKind::Data {
-                            dst: dst.0,
-                            src: src.0,
-                            len: 0,
-                        },
-                    });
-                }
-                Ok((peer, qp.0, plan, Some((rank, Region::new(src, len)))))
-            }
-            Req::Amo {
-                peer,
-                qp,
-                word,
-                value,
-            } => {
-                check_qp(qp)?;
-                self.check_word(peer, word.0, "amo_add")?;
-                Ok((
-                    peer,
-                    qp.0,
-                    vec![WrPlan {
-                        kind: WrKind::Amo {
-                            word: word.0,
-                            value,
-                        },
-                    }],
-                    None,
-                ))
-            }
-            _ => unreachable!("plan_post on a non-post"),
-        }
-    }
-
-    fn post_wr(&mut self, i: usize, op: u64, qk: QpKey, kind: WrKind) {
-        let (rank, peer, qp) = qk;
-        let idx = self.agents[i].r.index;
-        self.stats.posted += 1;
-        let nth = {
-            let q = self.qps.entry(qk).or_default();
-            q.posted_total += 1;
-            q.posted_total
-        };
-        let (lost, no_completion) = self.qp_fault(qk, nth);
-        if lost {
-            self.lose_wr(i, op, qk, kind);
-            return;
-        }
-        let id = self.id();
-        let stream = self.keys.id(KeyDesc::Stream {
-            rank,
-            index: idx,
-            target: peer,
-            qp,
-        });
-        let slot = self.slots.get_mut(&(rank, idx)).expect("slot");
-        let seq = {
-            let s = slot.seq.entry((peer, qp)).or_insert(0);
-            *s += 1;
-            *s
-        };
-        slot.last_wr_to.insert(peer, id);
-        slot.undelivered.entry(peer).or_default().insert(id);
-        let a = &self.agents[i];
-        let hops_src = a.hops;
-        let mut carried = (*a.released).clone();
-        if let Some(f) = a.fence_vc.get(&peer) {
-            carried.join(f);
-        }
-        carried.raise(stream, seq);
-        let dep = a.fence_dep.get(&peer).copied();
-        let word = match kind {
-            WrKind::Data { dst, .. } => dst,
-            WrKind::Signal { word, .. } | WrKind::Amo { word, .. } => word,
-        };
-        self.streams.entry(stream).or_default().push(StreamEntry {
-            wr: id,
-            op,
-            qp,
-            word,
-        });
-        self.wrs.insert(
-            id,
-            Wr {
-                id,
-                op,
-                qp: qk,
-                slot: (rank, idx),
-                stream,
-                seq,
-                kind,
-                carried: Arc::new(carried),
-                dep,
-                call: self.call,
-                no_completion,
-                hops: hops_src.hop(LinkClass::of(self.fabric.reach(rank, peer))),
-            },
-        );
-        let q = self.qps.entry(qk).or_default();
-        q.posted.push_back(id);
-        q.outstanding += 1;
-        self.stats.max_outstanding = self.stats.max_outstanding.max(q.outstanding);
-    }
-
-    fn set_word_hops(&mut self, rank: usize, addr: u64, h: Hops) {
-        let e = self.word_hops.entry((rank, addr)).or_default();
-        *e = e.join(h);
-    }
-
-    // ---- delivery and completion -------------------------------------------------------------
-
-    pub(crate) fn deliver(&mut self, k: QpKey) {
-        let q = self.qps.get_mut(&k).expect("qp");
-        let id = q.posted.pop_front().expect("posted");
-        q.delivered.push_back(id);
-        self.stats.delivered += 1;
-        if let Some(t) = &mut self.trace {
-            t.push(TraceEvent::Deliver {
-                t: self.now,
-                wr: id,
-            });
-        }
-        let wr = self.wrs[&id].clone();
-        let last = self.last_delivered_seq.entry(wr.stream).or_insert(0);
-        if wr.seq != *last + 1 {
-            self.stats.fifo_breaches += 1;
-        }
-        *last = wr.seq;
-        if let Some(s) = self
-            .slots
-            .get_mut(&wr.slot)
-            .and_then(|s| s.undelivered.get_mut(&k.1))
-        {
-            s.remove(&id);
-        }
-        let dst_rank = k.1;
-        let stamp = Stamp {
-            key: wr.stream,
-            epoch: wr.seq,
-            op: id,
-            call: wr.call,
-        };
-        let who = format!(
-            "work request {id} (op {}) of {} on qp{}",
-            wr.op,
-            self.slot_ref(wr.slot),
-            k.2
-        );
-        match wr.kind {
-            WrKind::Signal { word, .. } | WrKind::Amo { word, .. } => {
-                self.set_word_hops(dst_rank, word, wr.hops);
-            }
-            WrKind::Data { dst, len, .. } if len <= 64 && dst % 8 == 0 && len % 8 == 0 => {
-                for w in (dst..dst + len).step_by(8) {
-                    self.set_word_hops(dst_rank, w, wr.hops);
-                }
-            }
-            WrKind::Data { .. } => {}
-        }
-        match wr.kind {
-            WrKind::Data { dst, src, len } => {
-                let (bytes, valid) = self.heaps[k.0].read_with_valid(src, len);
-                self.check_write(
-                    dst_rank,
-                    Region::new(SymAddr(dst), len),
-                    &who,
-                    Some(wr.op),
-                    Some((id, wr.slot, k.2)),
-                );
-                self.heaps[dst_rank].write(dst, &bytes, Some(&valid), stamp);
-                if len <= 64 && dst % 8 == 0 && len % 8 == 0 {
-                    for w in (dst..dst + len).step_by(8) {
-                        self.sync.insert((dst_rank, w), wr.carried.clone());
-                    }
-                } else {
-                    self.sync_range_clear(dst_rank, dst, len);
-                }
-            }
-            WrKind::Signal { word, op, value } => {
-                let old = self.heaps[dst_rank].read_u64(word);
-                let new = match op {
-                    SignalOp::Set => value,
-                    SignalOp::Add => old.wrapping_add(value),
-                };
-                self.check_write(
-                    dst_rank,
-                    Region::new(SymAddr(word), 8),
-                    &who,
-                    Some(wr.op),
-                    None,
-                );
-                self.heaps[dst_rank].write(word, &new.to_le_bytes(), None, stamp);
-                let c = match (op, self.sync.get(&(dst_rank, word))) {
-                    (SignalOp::Add, Some(c)) => {
-                        let mut c = (**c).clone();
-                        c.join(&wr.carried);
-                        Arc::new(c)
-                    }
-                    _ => wr.carried.clone(),
-                };
-                self.sync.insert((dst_rank, word), c);
-            }
-            WrKind::Amo { word, value } => {
-                let old = self.heaps[dst_rank].read_u64(word);
-                self.check_write(
-                    dst_rank,
-                    Region::new(SymAddr(word), 8),
-                    &who,
-                    Some(wr.op),
-                    None,
-                );
-                self.heaps[dst_rank].write(
-                    word,
-                    &old.wrapping_add(value).to_le_bytes(),
-                    None,
-                    stamp,
-                );
-                let mut c = self
-                    .sync
-                    .get(&(dst_rank, word))
-                    .map(|c| (**c).clone())
-                    .unwrap_or_default();
-                c.join(&wr.carried);
-                self.sync.insert((dst_rank, word), Arc::new(c));
-            }
-        }
-    }
-
-    /// What each finished phase moved (cost model).
-    pub(crate) fn records(&self) -> &[PhaseRecord] {
-        &self.records
-    }
-
-    pub(crate) fn complete(&mut self, k: QpKey) {
-        let q = self.qps.get_mut(&k).expect("qp");
-        let id = q.delivered.pop_front().expect("delivered");
-        q.outstanding -= 1;
-        if let Some(t) = &mut self.trace {
-            t.push(TraceEvent::Complete {
-                t: self.now,
-                wr: id,
-            });
-        }
-        let wr = self.wrs.remove(&id).expect("wr");
-        let o = self.ops.get_mut(&wr.op).expect("op");
-        o.left -= 1;
-        if o.left == 0 {
-            let o = self.ops.remove(&wr.op).expect("op");
-            if let Some(s) = self.slots.get_mut(&o.slot) {
-                s.outstanding_ops -= 1;
-            }
-        }
-    }
-
-    fn sync_range_clear(&mut self, rank: usize, addr: u64, len: u64) {
-        let lo = addr / 8 * 8;
-        let keys: Vec<(usize, u64)> = self
-            .sync
-            .range((rank, lo)..(rank, addr + len))
-            .map(|(&k, _)| k)
-            .collect();
-        for k in keys {
-            self.sync.remove(&k);
-        }
-    }
-
-    fn sync_all_ranks_clear(&mut self, r: Region) {
-        for rank in 0..self.fabric.num_ranks {
-            self.sync_range_clear(rank, r.addr.0, r.len);
-        }
-    }
-
-    // ---- checks ------------------------------------------------------------------------------
-
-    /// Checks a write of `region` on `rank` by `who` (own op excluded from source checks).
-    #[allow(clippy::type_complexity, reason = "internal tuple")]
-    fn check_write(
-        &mut self,
-        rank: usize,
-        region: Region,
-        who: &str,
-        own_op: Option<u64>,
-        data_wr: Option<(u64, SlotKey, u16)>,
-    ) {
-        if region.len == 0 {
-            return;
-        }
-        let hit = self.ops.iter().find(|(id, o)| {
-            Some(**id) != own_op && o.src.is_some_and(|(r, s)| r == rank && s.overlaps(&region))
-        });
-        if let Some((&op, o)) = hit {
-            let v = Violation::SourceWrittenBeforeCompletion {
-                rank,
-                writer: who.to_owned(),
-                data: region,
-                op,
-                issuer: self.slot_ref(o.slot),
-                peer: o.peer,
-                qp: QpIndex(o.qp),
-            };
-            self.flag(v);
-        }
-        self.check_ring_write(rank, region, who, data_wr);
-    }
-
-    /// The first live ring slot `region` on `rank` touches: (ring, slot, head, tail).
-    fn live_ring_slot(&mut self, rank: usize, region: Region) -> Option<(RingDecl, u64, u64, u64)> {
-        for ring in self.rings.clone() {
-            if ring.rank != rank {
-                continue;
-            }
-            let slots = Region::new(ring.slots, ring.slot_bytes * ring.capacity);
-            if !slots.overlaps(&region) {
-                continue;
-            }
-            let head = self.heaps[ring.head_rank].read_u64(ring.head.0);
-            let tail = self.heaps[ring.rank].read_u64(ring.tail.0);
-            let first = (region.addr.0.max(slots.addr.0) - slots.addr.0) / ring.slot_bytes;
-            let last = (region.end().min(slots.end()) - 1 - slots.addr.0) / ring.slot_bytes;
-            for s in first..=last {
-                if slot_live(&ring, head, tail, s) {
-                    return Some((ring, s, head, tail));
-                }
-            }
-        }
-        None
-    }
-
-    /// A write into a live ring slot is an overrun.
-    ///
-    /// A delivered data work request `data_wr` (id, sender slot, QP) that lands in a slot made
-    /// live by a tail update its own sender posted **later** on another QP is not an overrun: the
-    /// tail overtook its data, which the reader's check reports as `SignalBeforeData`.
-    fn check_ring_write(
-        &mut self,
-        rank: usize,
-        region: Region,
-        who: &str,
-        data_wr: Option<(u64, SlotKey, u16)>,
-    ) {
-        if let Some((ring, slot, head, tail)) = self.live_ring_slot(rank, region) {
-            if let Some((id, slot_key, qp)) = data_wr {
-                let mut stamp = Stamp::default();
-                self.heaps[ring.rank].granules(ring.tail.0, 8, |_, _, s| stamp = s);
-                if let KeyDesc::Stream {
-                    rank: sr,
-                    index: si,
-                    target,
-                    qp: tq,
-                } = self.keys.desc(stamp.key)
-                    && (sr, si) == slot_key
-                    && target == ring.rank
-                    && tq != qp
-                    && stamp.op > id
-                {
-                    return;
-                }
-            }
-            self.flag(Violation::RingOverrun {
-                ring: ring.name,
-                rank,
-                slot,
-                head,
-                tail,
-                capacity: ring.capacity,
-                writer: who.to_owned(),
-            });
-        }
-    }
-
-    /// Checks an ordinary read by agent `i` of `region` on `rank`.
-    fn check_read(&mut self, i: usize, rank: usize, region: Region) {
-        if region.len == 0 || self.violation.is_some() {
-            return;
-        }
-        let reader = self.agents[i].r.clone();
-        // Rings: the slot must hold a live entry.
-        for ring in self.rings.clone() {
-            if ring.rank != rank {
-                continue;
-            }
-            let slots = Region::new(ring.slots, ring.slot_bytes * ring.capacity);
-            if !slots.overlaps(&region) {
-                continue;
-            }
-            let head = self.heaps[ring.head_rank].read_u64(ring.head.0);
-            // The reader may use only the tail it acquired (none acquired: nothing is live).
-            let tail_mem = self.heaps[ring.rank].read_u64(ring.tail.0);
-            let tail = self.agents[i]
-                .acquired
-                .get(&(ring.rank, ring.tail.0))
-                .map_or(head, |&t| t.min(tail_mem));
-            let first = (region.addr.0.max(slots.addr.0) - slots.addr.0) / ring.slot_bytes;
-            let last = (region.end().min(slots.end()) - 1 - slots.addr.0) / ring.slot_bytes;
-            for s in first..=last {
-                if !slot_live(&ring, head, tail, s) {
-                    self.flag(Violation::ReadPastTail {
-                        ring: ring.name.clone(),
-                        rank,
-                        reader,
-                        slot: s,
-                        head,
-                        tail,
-                    });
-                    return;
-                }
-            }
-        }
-        // A put still in flight to these bytes.
-        let pending = self
-            .qps
-            .iter()
-            .filter(|(k, _)| k.1 == rank)
-            .flat_map(|(_, q)| q.posted.iter())
-            .filter(|w| match self.wrs[w].kind {
-                WrKind::Data { dst, len, .. } => Region::new(SymAddr(dst), len).overlaps(&region),
-                _ => false,
-            })
-            .min()
-            .copied();
-        if let Some(w) = pending {
-            let wr = self.wrs[&w].clone();
-            let v = match self.later_signal_known(i, &wr) {
-                Some((sig, sig_qp, word)) => Violation::SignalBeforeData {
-                    rank,
-                    reader,
-                    data: region,
-                    put_op: wr.op,
-                    put_qp: QpIndex(wr.qp.2),
-                    signal_op: sig,
-                    signal_qp: QpIndex(sig_qp),
-                    signal_word: word,
-                    sender: self.slot_ref(wr.slot),
-                    delivered: false,
-                },
-                None => match self.live_ring_slot(rank, region) {
-                    // The put in flight targets a slot whose entry is live: the producer overran.
-                    Some((ring, slot, head, tail)) => Violation::RingOverrun {
-                        ring: ring.name,
-                        rank,
-                        slot,
-                        head,
-                        tail,
-                        capacity: ring.capacity,
-                        writer: format!(
-                            "work request {w} (op {}) of {} on qp{}, still in flight",
-                            wr.op,
-                            self.slot_ref(wr.slot),
-                            wr.qp.2
-                        ),
-                    },
-                    None => Violation::ReadOfUndelivered {
-                        rank,
-                        reader,
-                        data: region,
-                        put_op: wr.op,
-                        sender: self.slot_ref(wr.slot),
-                        qp: QpIndex(wr.qp.2),
-                    },
-                },
-            };
-            self.flag(v);
-            return;
-        }
-        let mut granules = Vec::new();
-        self.heaps[rank].granules(region.addr.0, region.len, |g, ok, s| {
-            granules.push((g, ok, s))
-        });
-        let a = &self.agents[i];
-        for (g, ok, s) in granules {
-            let gr = Region::new(SymAddr(g), GRANULE);
-            if !ok {
-                let alloc = self
-                    .alloc_of(g, 1)
-                    .map_or_else(String::new, |a| a.name.clone());
-                self.flag(Violation::ReadOfPoison {
-                    rank,
-                    reader,
-                    data: gr,
-                    alloc,
-                });
-                return;
-            }
-            if s.call != 0 && self.call != 0 && s.call > self.call {
-                self.flag(Violation::HookAfterNextCall {
-                    rank,
-                    reader,
-                    data: gr,
-                    hook_call: self.call,
-                    written_in_call: s.call,
-                    write_op: s.op,
-                });
-                return;
-            }
-            if a.vc.get(s.key) >= s.epoch {
-                continue;
-            }
-            let v = match self.keys.desc(s.key) {
-                KeyDesc::Stream {
-                    rank: sr,
-                    index: si,
-                    ..
-                } => {
-                    let wr = self.streams[&s.key][(s.epoch - 1) as usize];
-                    match self.later_signal_known_entry(i, s.key, wr.wr) {
-                        Some((sig, sig_qp, word)) => Violation::SignalBeforeData {
-                            rank,
-                            reader,
-                            data: gr,
-                            put_op: wr.op,
-                            put_qp: QpIndex(wr.qp),
-                            signal_op: sig,
-                            signal_qp: QpIndex(sig_qp),
-                            signal_word: word,
-                            sender: self.slot_ref((sr, si)),
-                            delivered: true,
-                        },
-                        None => Violation::DataRace {
-                            rank,
-                            reader,
-                            data: gr,
-                            writer: self.describe_writer(s),
-                            write_op: s.op,
-                        },
-                    }
-                }
-                KeyDesc::Agent {
-                    rank: wr,
-                    index: wi,
-                } if a.acquired_writers.contains(&s.key) => Violation::StoreNotPublished {
-                    rank,
-                    reader,
-                    data: gr,
-                    writer: self.slot_ref((wr, wi)),
-                    store_op: s.op,
-                    store_epoch: s.epoch,
-                    known_epoch: a.vc.get(s.key),
-                },
-                _ => Violation::DataRace {
-                    rank,
-                    reader,
-                    data: gr,
-                    writer: self.describe_writer(s),
-                    write_op: s.op,
-                },
-            };
-            self.flag(v);
-            return;
-        }
-    }
-
-    fn later_signal_known(&self, i: usize, wr: &Wr) -> Option<(u64, u16, u64)> {
-        self.later_signal_known_entry(i, wr.stream, wr.id)
-    }
-
-    /// Whether agent `i` knows a work request of the same sender to the same target on another
-    /// QP that was posted after work request `wr` of stream `stream`: (its op, its QP, its word).
-    fn later_signal_known_entry(&self, i: usize, stream: u32, wr: u64) -> Option<(u64, u16, u64)> {
-        let KeyDesc::Stream {
-            rank,
-            index,
-            target,
-            qp,
-        } = self.keys.desc(stream)
-        else {
-            return None;
-        };
-        let a = &self.agents[i];
-        for (k, n) in a.vc.iter() {
-            if n == 0 || k == stream {
-                continue;
-            }
-            if let KeyDesc::Stream {
-                rank: r2,
-                index: i2,
-                target: t2,
-                qp: q2,
-            } = self.keys.desc(k)
-                && (r2, i2, t2) == (rank, index, target)
-                && q2 != qp
-                && let Some(e) = self.streams.get(&k).and_then(|h| h.get((n - 1) as usize))
-                && e.wr > wr
-            {
-                return Some((e.op, q2, e.word));
-            }
-        }
-        None
-    }
-}
-
-/// Whether ring slot `s` holds a live entry given `head` and `tail` (entry counts).
-fn slot_live(ring: &RingDecl, head: u64, tail: u64, s: u64) -> bool {
-    let live = tail.wrapping_sub(head);
-    if live >= ring.capacity {
-        return true;
-    }
-    let from_head = (s + ring.capacity - head % ring.capacity) % ring.capacity;
-    from_head < live
 }

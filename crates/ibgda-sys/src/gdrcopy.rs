@@ -6,6 +6,7 @@ use std::ptr::NonNull;
 
 use crate::error::{Error, Result, errno};
 use crate::generated::gdr::{Gdr, gdr, gdr_mh_t};
+use crate::handle::DropError;
 use crate::loader::{missing, open};
 use crate::search::{LIBGDRAPI, SearchEnv};
 
@@ -14,6 +15,8 @@ pub struct GdrApi {
     /// Entry points under their C names.
     pub raw: Gdr,
     path: PathBuf,
+    /// The first failure of a handle's drop ([`GdrApi::take_drop_error`]).
+    pub(crate) drop_error: DropError,
 }
 
 impl std::fmt::Debug for GdrApi {
@@ -45,12 +48,21 @@ impl GdrApi {
         let (lib, path) = open(&LIBGDRAPI, explicit, env)?;
         // SAFETY: signatures of the GDRCopy 2.x ABI (gen/gdrapi_abi.h).
         let raw = unsafe { Gdr::from_library(lib) }.map_err(missing(&path))?;
-        Ok(Self { raw, path })
+        Ok(Self {
+            raw,
+            path,
+            drop_error: DropError::default(),
+        })
     }
 
     /// The file loaded.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The first error a [`crate::GdrHandle`]'s drop met since the last call, if any.
+    pub fn take_drop_error(&self) -> Option<Error> {
+        self.drop_error.take()
     }
 
     /// `gdr_runtime_get_version`: (major, minor) of libgdrapi.
@@ -62,6 +74,7 @@ impl GdrApi {
     }
 
     /// `gdr_open`: connects to the gdrdrv kernel module. [`Error::GdrOpen`] when it is absent.
+    /// [`crate::GdrHandle::open`] is the owning form, closed on drop.
     pub fn open(&self) -> Result<NonNull<gdr>> {
         // SAFETY: no arguments; returns NULL on failure.
         NonNull::new(unsafe { self.raw.gdr_open() }).ok_or(Error::GdrOpen)

@@ -9,16 +9,19 @@
 //! The bindings in [`generated`] are produced offline by `gen/generate.sh` (bindgen; input
 //! versions in each file's header) and checked in; `generate.sh --check` verifies them.
 //!
+//! Two layers: the loaded libraries ([`IbVerbs`], [`Mlx5Dv`], [`GdrApi`]) with thin `unsafe`
+//! wrappers over raw pointers, and safe owning handles over them, rust-ibverbs style
+//! ([`Device`], [`Context`], [`ProtectionDomain`], [`GdrHandle`]): opened by a constructor,
+//! closed on drop in dependency order (each borrows its parent), `as_raw()` as the escape hatch,
+//! a failure in drop recorded on the library (`take_drop_error`).
+//!
 //! ```no_run
 //! let verbs = ibgda_sys::IbVerbs::load(None)?;
 //! let devices = verbs.get_device_list()?;
-//! for &dev in devices.as_slice() {
-//!     // SAFETY: `dev` comes from the live list.
-//!     let name = unsafe { verbs.get_device_name(dev) };
-//!     let ctx = unsafe { verbs.open_device(dev) }?;
-//!     let port = unsafe { verbs.query_port(ctx, 1) }?;
-//!     println!("{name}: state {} link layer {}", port.state, port.link_layer);
-//!     unsafe { verbs.close_device(ctx) }?;
+//! for dev in devices.iter() {
+//!     let ctx = dev.open()?; // closed at the end of the iteration
+//!     let port = ctx.query_port(1)?;
+//!     println!("{}: state {} link layer {}", dev.name(), port.state, port.link_layer);
 //! }
 //! # Ok::<(), ibgda_sys::Error>(())
 //! ```
@@ -26,6 +29,7 @@
 mod error;
 mod gdrcopy;
 pub mod generated;
+mod handle;
 mod loader;
 mod mlx5;
 pub mod search;
@@ -35,6 +39,7 @@ pub use error::{Error, Result};
 pub use gdrcopy::GdrApi;
 pub use generated::gdr::{gdr, gdr_mh_t, gdr_t};
 pub use generated::rdma_types::*;
+pub use handle::{Context, Device, GdrHandle, ProtectionDomain};
 pub use mlx5::{MLX5_CMD_OP_QUERY_HCA_CAP, Mlx5Dv};
 pub use verbs::{DeviceList, IbVerbs};
 

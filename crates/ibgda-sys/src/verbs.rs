@@ -8,6 +8,7 @@ use crate::error::{Error, Result, errno};
 use crate::generated::rdma_types::*;
 use crate::generated::verbs::Verbs;
 use crate::generated::verbs_ext::VerbsExt;
+use crate::handle::DropError;
 use crate::loader::{missing, open, open_path};
 use crate::search::{LIBIBVERBS, SearchEnv};
 
@@ -20,6 +21,8 @@ pub struct IbVerbs {
     /// `ibv_reg_dmabuf_mr` v34+); `None` on older ones.
     pub ext: Option<VerbsExt>,
     path: PathBuf,
+    /// The first failure of a handle's drop ([`IbVerbs::take_drop_error`]).
+    pub(crate) drop_error: DropError,
 }
 
 impl std::fmt::Debug for IbVerbs {
@@ -53,6 +56,11 @@ impl DeviceList<'_> {
     /// Whether there is none.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The library the list came from.
+    pub(crate) fn verbs(&self) -> &IbVerbs {
+        self.verbs
     }
 }
 
@@ -94,12 +102,23 @@ impl IbVerbs {
         let ext = open_path(&path)
             .ok()
             .and_then(|l| unsafe { VerbsExt::from_library(l) }.ok());
-        Ok(Self { raw, ext, path })
+        Ok(Self {
+            raw,
+            ext,
+            path,
+            drop_error: DropError::default(),
+        })
     }
 
     /// The file loaded.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The first error a handle's drop met (closing a [`crate::Context`], freeing a
+    /// [`crate::ProtectionDomain`]) since the last call, if any.
+    pub fn take_drop_error(&self) -> Option<Error> {
+        self.drop_error.take()
     }
 
     fn ext(&self, symbol: &'static str) -> Result<&VerbsExt> {

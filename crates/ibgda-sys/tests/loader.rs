@@ -104,17 +104,14 @@ fn layouts_match_the_headers() {
     assert_eq!(MLX5DV_CONTEXT_FLAGS_DEVX, 1);
 }
 
-/// Uses the machine's rdma-core if installed; zero devices is a valid answer.
+/// Uses the machine's rdma-core; zero devices (or no kernel RDMA support) is a valid answer, a
+/// missing rdma-core fails the test: it is ignored where rdma-core may be absent, and never
+/// passes without touching the library (`scripts/gpu-run.sh` skips it, saying so, where
+/// `libibverbs.so.1` is absent).
 #[test]
+#[ignore = "needs rdma-core (libibverbs.so.1) installed: cargo test -- --ignored"]
 fn list_devices_where_rdma_core_is_installed() {
-    let verbs = match IbVerbs::load(None) {
-        Ok(v) => v,
-        Err(Error::LibraryNotFound { .. }) => {
-            eprintln!("SKIPPED: rdma-core is not installed here");
-            return;
-        }
-        Err(e) => panic!("{e}"),
-    };
+    let verbs = IbVerbs::load(None).unwrap_or_else(|e| panic!("rdma-core is needed: {e}"));
     eprintln!(
         "libibverbs at {} (extended entry points: {})",
         verbs.path().display(),
@@ -128,11 +125,27 @@ fn list_devices_where_rdma_core_is_installed() {
         }
         Err(e) => panic!("{e}"),
     };
-    for &dev in list.as_slice() {
-        // SAFETY: `dev` comes from the live list.
-        let name = unsafe { verbs.get_device_name(dev) };
-        eprintln!("device {name}");
+    // The safe handles: each device opened, queried, a protection domain allocated, and all of
+    // it closed on drop without a recorded failure.
+    for dev in list.iter() {
+        let name = dev.name();
+        match dev.open() {
+            Ok(ctx) => {
+                let attr = ctx.query_device().unwrap_or_else(|e| panic!("{name}: {e}"));
+                let pd = ctx.alloc_pd().unwrap_or_else(|e| panic!("{name}: {e}"));
+                eprintln!(
+                    "device {name}: {} port(s), pd {:?}",
+                    attr.phys_port_cnt,
+                    pd.as_raw()
+                );
+            }
+            Err(e) => eprintln!("device {name} does not open here: {e}"),
+        }
     }
+    assert!(
+        verbs.take_drop_error().is_none(),
+        "closing a context or freeing a PD failed"
+    );
     if let Ok(m) = Mlx5Dv::load(None) {
         eprintln!("libmlx5 at {}", m.path().display());
     }

@@ -69,6 +69,9 @@ pub enum BenchError {
         #[source]
         source: std::io::Error,
     },
+    /// An internal invariant of `ep bench` broke (a bug, not the user's doing): report it.
+    #[error("internal error in ep bench: {0}; please report it")]
+    Internal(&'static str),
 }
 
 impl BenchError {

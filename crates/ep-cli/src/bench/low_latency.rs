@@ -77,16 +77,15 @@ pub(crate) fn run<T: Recorded>(
         });
         let inputs = &w.inputs;
         let (params, y_neg) = (&params, &mut y_neg);
-        std::thread::scope(|sc| {
-            let neg = negated
-                .as_ref()
-                .map(|x| sc.spawn(move || reference(x, params, y_neg)));
-            let pos = reference(inputs, params, &mut y);
-            let neg = neg
-                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-                .transpose();
-            (pos, neg)
-        })
+        crate::ranks::join(
+            || reference(inputs, params, &mut y),
+            move || {
+                negated
+                    .as_ref()
+                    .map(|x| reference(x, params, y_neg))
+                    .transpose()
+            },
+        )
     };
     let (pos, neg) = (pos?, neg?);
     lap = tl.lap("oracle", lap);
@@ -127,24 +126,7 @@ pub(crate) fn run<T: Recorded>(
         let dt = t0.elapsed();
         let rec1 = buf.transport().phase_records().len();
         lap = tl.lap("dispatch", lap);
-        let dispatch_diffs = per_rank(r, |d| {
-            let (g, c) = (&got.outputs[d], &want.canonical[d]);
-            match (g, c) {
-                (Some(g), Some(c)) => match ll::canonicalize(g) {
-                    Ok(gc) => gc.first_difference(c).map(|x| format!(": {x}")),
-                    Err(x) => Some(format!(": {x}")),
-                },
-                (None, None) => None,
-                _ => Some(": masked on one side only".into()),
-            }
-        });
-        for (d, same) in dispatch_diffs.into_iter().enumerate() {
-            if let Some(why) = same {
-                checks.fail(format!(
-                    "iteration {it}: rank {d}: dispatch differs from the oracle{why}"
-                ));
-            }
-        }
+        check_dispatch(&got.outputs, want, it, &mut checks);
         lap = tl.lap("dispatch check", lap);
 
         y.identity(&got.outputs)?;
@@ -156,51 +138,14 @@ pub(crate) fn run<T: Recorded>(
         let ct = t1.elapsed();
         let rec2 = buf.transport().phase_records().len();
         lap = tl.lap("combine", lap);
-        let inputs = &w.inputs;
-        let combine_checks = per_rank(r, |s| {
-            let (g, a, b) = (&combined[s], &want.reduced[s], &want.deepep[s]);
-            let (Some(g), Some(a), Some(b)) = (g, a, b) else {
-                let one_sided = g.is_some() || a.is_some();
-                return (
-                    one_sided.then(|| "masked on one side only".to_string()),
-                    vec![],
-                    None,
-                );
-            };
-            let mut fails = Vec::new();
-            let exact = g.shape() == a.shape()
-                && g.data()
-                    .iter()
-                    .zip(a.data())
-                    .all(|(x, y)| x.to_bits() == y.to_bits());
-            if !exact {
-                fails.push(
-                    "combined_x differs from the plan (combine_reduced_on_expert_rank, BF16 \
-                     partials)"
-                        .to_string(),
-                );
-            }
-            let (d1, d2) = combine_diffs(&inputs[s], g, b, &params, r, e);
-            if d1.is_nan() || d1 >= TOL_BF16 {
-                fails.push(format!(
-                    "calc_diff to DeepEP's combine order {d1:.3e} >= {TOL_BF16:e}"
-                ));
-            }
-            if d2.is_nan() || d2 >= tol {
-                fails.push(format!(
-                    "calc_diff(x * sum(weights), combined) {d2:.3e} >= {tol:e}"
-                ));
-            }
-            (None, fails, Some((d1, d2)))
-        });
-        for (s, (masked, fails, diffs)) in combine_checks.into_iter().enumerate() {
-            for why in masked.into_iter().chain(fails) {
-                checks.fail(format!("iteration {it}: rank {s}: {why}"));
-            }
-            if let Some((d1, d2)) = diffs {
-                worst = (worst.0.max(d1), worst.1.max(d2));
-            }
-        }
+        let cx = CombineCheck {
+            inputs: &w.inputs,
+            want,
+            params: &params,
+            tol,
+            it,
+        };
+        cx.check(&combined, &mut checks, &mut worst);
         checks.iterations += 1;
         lap = tl.lap("combine check", lap);
         if it == 0 {
@@ -234,9 +179,34 @@ pub(crate) fn run<T: Recorded>(
         worst.0, worst.1
     ));
 
-    // DeepEP's byte counts (spec §6.4), per rank over its own tokens' valid selections `s`:
-    // dispatch s * (H + H/128*4 + 16) with FP8 (s * (2H + 16) with BF16), combine s * 2H.
-    // Payload: one row per (token, destination rank), local included, both ways.
+    let phases = figures(
+        &w.inputs,
+        &params,
+        buf.transport().phase_records(),
+        p,
+        (disp, comb),
+        last,
+    );
+    Ok(ModeResult {
+        phases,
+        checks,
+        digest: digest.ok_or(BenchError::Internal("no iteration ran"))?,
+    })
+}
+
+/// The figures of a run: DeepEP's byte counts (spec §6.4), per rank over its own tokens' valid
+/// selections `s`: dispatch s * (H + H/128*4 + 16) with FP8 (s * (2H + 16) with BF16), combine
+/// s * 2H. Payload: one row per (token, destination rank), local included, both ways.
+fn figures(
+    inputs: &[RankInputs],
+    params: &ll::LlParams,
+    recs: &[ep_sim::cost::PhaseRecord],
+    p: &RunParams<'_>,
+    (disp, comb): (Vec<f64>, Vec<f64>),
+    last: (usize, usize, usize),
+) -> Vec<PhaseResult> {
+    let (r, e) = (inputs.len(), params.num_experts);
+    let h = inputs.first().map_or(0, |i| i.x.hidden());
     let per_sel_dispatch = if params.use_fp8 {
         h + h / 128 * 4 + 16
     } else {
@@ -249,7 +219,7 @@ pub(crate) fn run<T: Recorded>(
     } as u64;
     let mut sel = Vec::with_capacity(r);
     let mut msgs = 0u64;
-    for (s, inp) in w.inputs.iter().enumerate() {
+    for (s, inp) in inputs.iter().enumerate() {
         let mut count = 0u64;
         if !params.is_masked(s) {
             for t in 0..inp.num_tokens() {
@@ -269,40 +239,127 @@ pub(crate) fn run<T: Recorded>(
         }
         sel.push(count);
     }
-    let recs = buf.transport().phase_records();
     let label = if params.use_fp8 { "FP8" } else { "BF16" };
-    Ok(ModeResult {
-        phases: vec![
-            PhaseResult {
-                name: "dispatch",
-                format: label,
-                samples_us: disp,
-                deepep_bytes_per_rank: sel
-                    .iter()
-                    .map(|&s| (s * per_sel_dispatch as u64) as f64)
-                    .collect(),
-                deepep_unit: "logical",
-                payload_bytes: msgs * row_bytes,
-                payload_what: "one row per (token, destination rank), x and scales, local \
+    vec![
+        PhaseResult {
+            name: "dispatch",
+            format: label,
+            samples_us: disp,
+            deepep_bytes_per_rank: sel
+                .iter()
+                .map(|&s| (s * per_sel_dispatch as u64) as f64)
+                .collect(),
+            deepep_unit: "logical",
+            payload_bytes: msgs * row_bytes,
+            payload_what: "one row per (token, destination rank), x and scales, local \
                                included",
-                recorded_bytes: recs[last.0..last.1].iter().map(|x| x.bytes()).sum(),
-                predictions: predictions(&recs[last.0..last.1], p.fabric),
-            },
-            PhaseResult {
-                name: "combine",
-                format: "BF16",
-                samples_us: comb,
-                deepep_bytes_per_rank: sel.iter().map(|&s| (s * 2 * h as u64) as f64).collect(),
-                deepep_unit: "logical",
-                payload_bytes: msgs * 2 * h as u64,
-                payload_what: "one BF16 partial per (token, expert rank), local included",
-                recorded_bytes: recs[last.1..last.2].iter().map(|x| x.bytes()).sum(),
-                predictions: predictions(&recs[last.1..last.2], p.fabric),
-            },
-        ],
-        checks,
-        digest: digest.ok_or_else(|| BenchError::Usage("no iteration ran".into()))?,
-    })
+            recorded_bytes: recs[last.0..last.1].iter().map(|x| x.bytes()).sum(),
+            predictions: predictions(&recs[last.0..last.1], p.fabric),
+        },
+        PhaseResult {
+            name: "combine",
+            format: "BF16",
+            samples_us: comb,
+            deepep_bytes_per_rank: sel.iter().map(|&s| (s * 2 * h as u64) as f64).collect(),
+            deepep_unit: "logical",
+            payload_bytes: msgs * 2 * h as u64,
+            payload_what: "one BF16 partial per (token, expert rank), local included",
+            recorded_bytes: recs[last.1..last.2].iter().map(|x| x.bytes()).sum(),
+            predictions: predictions(&recs[last.1..last.2], p.fabric),
+        },
+    ]
+}
+
+/// Compares one iteration's dispatch with the oracle's (canonical form), every rank.
+fn check_dispatch(
+    got: &[Option<LlDispatchOutput>],
+    want: &Reference,
+    it: usize,
+    checks: &mut Checks,
+) {
+    let diffs = crate::ranks::per_rank(got.len(), |d| match (&got[d], &want.canonical[d]) {
+        (Some(g), Some(c)) => match ll::canonicalize(g) {
+            Ok(gc) => gc.first_difference(c).map(|x| format!(": {x}")),
+            Err(x) => Some(format!(": {x}")),
+        },
+        (None, None) => None,
+        _ => Some(": masked on one side only".into()),
+    });
+    for (d, same) in diffs.into_iter().enumerate() {
+        if let Some(why) = same {
+            checks.fail(format!(
+                "iteration {it}: rank {d}: dispatch differs from the oracle{why}"
+            ));
+        }
+    }
+}
+
+/// What one iteration's combine is checked against: the plan bit for bit, DeepEP's order and
+/// `x * sum(weights)` within tolerance.
+struct CombineCheck<'a> {
+    inputs: &'a [RankInputs],
+    want: &'a Reference,
+    params: &'a ll::LlParams,
+    /// Tolerance of DeepEP's check `calc_diff(x * sum(w), combined)`.
+    tol: f64,
+    it: usize,
+}
+
+impl CombineCheck<'_> {
+    /// Checks every rank's `combined`; `worst` keeps the largest differences seen.
+    fn check(
+        &self,
+        combined: &[Option<Tensor2<bf16>>],
+        checks: &mut Checks,
+        worst: &mut (f64, f64),
+    ) {
+        let (r, e) = (self.inputs.len(), self.params.num_experts);
+        let tol = self.tol;
+        let results = crate::ranks::per_rank(r, |s| {
+            let (g, a, b) = (&combined[s], &self.want.reduced[s], &self.want.deepep[s]);
+            let (Some(g), Some(a), Some(b)) = (g, a, b) else {
+                let one_sided = g.is_some() || a.is_some();
+                return (
+                    one_sided.then(|| "masked on one side only".to_string()),
+                    vec![],
+                    None,
+                );
+            };
+            let mut fails = Vec::new();
+            let exact = g.shape() == a.shape()
+                && g.data()
+                    .iter()
+                    .zip(a.data())
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+            if !exact {
+                fails.push(
+                    "combined_x differs from the plan (combine_reduced_on_expert_rank, BF16 \
+                     partials)"
+                        .to_string(),
+                );
+            }
+            let (d1, d2) = combine_diffs(&self.inputs[s], g, b, self.params, r, e);
+            if d1.is_nan() || d1 >= TOL_BF16 {
+                fails.push(format!(
+                    "calc_diff to DeepEP's combine order {d1:.3e} >= {TOL_BF16:e}"
+                ));
+            }
+            if d2.is_nan() || d2 >= tol {
+                fails.push(format!(
+                    "calc_diff(x * sum(weights), combined) {d2:.3e} >= {tol:e}"
+                ));
+            }
+            (None, fails, Some((d1, d2)))
+        });
+        for (s, (masked, fails, diffs)) in results.into_iter().enumerate() {
+            for why in masked.into_iter().chain(fails) {
+                checks.fail(format!("iteration {}: rank {s}: {why}", self.it));
+            }
+            if let Some((d1, d2)) = diffs {
+                *worst = (worst.0.max(d1), worst.1.max(d2));
+            }
+        }
+    }
 }
 
 /// The oracle's dispatch (canonical form) and both combine orders for `inputs`.
@@ -360,25 +417,9 @@ impl ExpertOutputs {
             .zip(&mut self.written)
             .map(|((o, y), w)| (o, y, w))
             .collect();
-        let threads = std::thread::available_parallelism()
-            .map_or(1, usize::from)
-            .min(work.len())
-            .max(1);
-        let chunk = work.len().div_ceil(threads).max(1);
-        std::thread::scope(|sc| {
-            let handles: Vec<_> = work
-                .chunks_mut(chunk)
-                .map(|part| {
-                    sc.spawn(move || {
-                        part.iter_mut()
-                            .try_for_each(|(o, y, w)| identity_one(o.as_ref(), y, w))
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .try_for_each(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-        })
+        crate::ranks::per_item_mut(&mut work, |_, (o, y, w)| identity_one(o.as_ref(), y, w))
+            .into_iter()
+            .collect()
     }
 }
 
@@ -520,36 +561,4 @@ fn combine_diffs(
         }
     }
     (finish_diff(xy1, sq1), finish_diff(xy2, sq2))
-}
-
-/// `f(rank)` for every rank `0..n`, spread over the host's cores; results in rank order.
-fn per_rank<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .min(n)
-        .max(1);
-    if threads == 1 {
-        return (0..n).map(f).collect();
-    }
-    let f = &f;
-    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = (0..threads)
-            .map(|i| {
-                sc.spawn(move || {
-                    (i..n)
-                        .step_by(threads)
-                        .map(|d| (d, f(d)))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        for h in handles {
-            let part = h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
-            for (d, v) in part {
-                out[d] = Some(v);
-            }
-        }
-    });
-    out.into_iter().flatten().collect()
 }

@@ -25,7 +25,6 @@
 //!   the arena by the previous iteration never passes for this one's;
 //! - the first iteration's outputs are digested as they are verified (`NormalRankStream`).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use ep_core::Buffer;
@@ -60,7 +59,6 @@ pub(crate) fn run<T: Recorded>(
     p: &RunParams<'_>,
 ) -> Result<ModeResult, BenchError> {
     let r = w.inputs.len();
-    let e = w.num_experts;
     let fp8_in = matches!(w.inputs[0].x, Activations::Fp8 { .. });
     let h = w.summary.hidden;
     let k = w.summary.topk;
@@ -80,12 +78,56 @@ pub(crate) fn run<T: Recorded>(
         with_topk: args.with_topk,
     };
 
-    // Layouts (the routing never changes) and the references, untimed.
     let tl = p.timeline;
     let mut t = Instant::now();
+    let mut checks = Checks::default();
+    let refs = references(w, &opts, p, &mut checks, &mut t)?;
+
+    let max_rows = refs
+        .reference
+        .iter()
+        .map(|d| d.handle.num_recv_tokens)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut cfg = BufferConfig::new(r);
+    let elem = if fp8_in { 1 } else { 2 };
+    cfg.num_nvl_bytes = Buffer::<T>::normal_size_hint(r, max_rows, h, elem, k).div_ceil(128) * 128;
+    let mut buf =
+        Buffer::new(transport, cfg).map_err(|x| BenchError::setup("normal", p.backend, x))?;
+    t = tl.lap("buffer", t);
+
+    let timing = iterate(&mut buf, w, &refs, &args, p, &mut checks, t)?;
+    Ok(ModeResult {
+        phases: figures(&refs.reference, &buf, &timing, h, fp8_in),
+        checks,
+        digest: timing
+            .digest
+            .ok_or(BenchError::Internal("no iteration ran"))?,
+    })
+}
+
+/// What verification compares with, computed once, untimed.
+struct References {
+    /// The layouts (the routing never changes).
+    layouts: Vec<DispatchLayout>,
+    /// The oracle's dispatch of the narrowed inputs.
+    reference: Vec<IntranodeDispatch>,
+    sources: Sources,
+    combine: CombineRef,
+}
+
+/// The layouts and the oracle's dispatch and combine (module docs); `t` laps the timeline.
+fn references(
+    w: &Workload,
+    opts: &DispatchOptions,
+    p: &RunParams<'_>,
+    checks: &mut Checks,
+    t: &mut Instant,
+) -> Result<References, BenchError> {
+    let (r, e, tl) = (w.inputs.len(), w.num_experts, p.timeline);
     p.progress.step("oracle: layout and dispatch");
     let topk: Vec<_> = w.inputs.iter().map(|i| i.topk_idx.clone()).collect();
-    let mut checks = Checks::default();
     let layouts: Vec<DispatchLayout> = (0..r)
         .map(|s| {
             ep_core::plan::layout::get_dispatch_layout_for_rank(s, &topk[s], e, r)
@@ -102,35 +144,52 @@ pub(crate) fn run<T: Recorded>(
         }
     }
     let narrow: Vec<RankInputs> = w.inputs.iter().map(narrow_inputs).collect();
-    let reference = oracle::normal::intranode_dispatch(&narrow, e, &opts)
+    let reference = oracle::normal::intranode_dispatch(&narrow, e, opts)
         .map_err(|x| BenchError::reference("oracle dispatch", x))?;
-    let sources = sources_of(&reference, &narrow, &mut checks);
-    t = tl.lap("oracle dispatch", t);
+    let sources = sources_of(&reference, &narrow, checks);
+    *t = tl.lap("oracle dispatch", *t);
     p.progress.done();
     p.progress.step("oracle: combine");
-    let ref_combine = combine_reference(&narrow, &reference, &sources, e, &mut checks)?;
-    t = tl.lap("oracle combine", t);
+    let combine = combine_reference(&narrow, &reference, &sources, e, checks)?;
+    *t = tl.lap("oracle combine", *t);
     p.progress.done();
+    Ok(References {
+        layouts,
+        reference,
+        sources,
+        combine,
+    })
+}
 
-    let max_rows = reference
-        .iter()
-        .map(|d| d.handle.num_recv_tokens)
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let mut cfg = BufferConfig::new(r);
-    let elem = if fp8_in { 1 } else { 2 };
-    cfg.num_nvl_bytes = Buffer::<T>::normal_size_hint(r, max_rows, h, elem, k).div_ceil(128) * 128;
-    let mut buf =
-        Buffer::new(transport, cfg).map_err(|x| BenchError::setup("normal", p.backend, x))?;
-    t = tl.lap("buffer", t);
+/// The timed samples of a run, and where its last iteration's phase records are.
+struct Timing {
+    dispatch_us: Vec<f64>,
+    combine_us: Vec<f64>,
+    /// Phase records: before the dispatch, after it, before the combine, after it.
+    last: (usize, usize, usize, usize),
+    /// The first iteration's digest.
+    digest: Option<RunDigest>,
+}
 
+/// The warm-ups and the timed iterations, each verified (`checks`); `t` laps the timeline.
+fn iterate<T: Recorded>(
+    buf: &mut Buffer<T>,
+    w: &mut Workload,
+    refs: &References,
+    args: &NormalDispatchArgs,
+    p: &RunParams<'_>,
+    checks: &mut Checks,
+    mut t: Instant,
+) -> Result<Timing, BenchError> {
+    let tl = p.timeline;
     // Rows stay in the arena (docs/protocol.md §2.6), as on the GPU: BF16 rows are combined in
     // place, FP8 rows dequantised into the combine rows first.
-    let mut disp = Vec::new();
-    let mut comb = Vec::new();
-    let mut last = (0, 0, 0, 0);
-    let mut digest = None;
+    let mut timing = Timing {
+        dispatch_us: Vec::new(),
+        combine_us: Vec::new(),
+        last: (0, 0, 0, 0),
+        digest: None,
+    };
     let mut negated = false;
     for it in 0..p.warmup + p.iters {
         let timed = p.begin_iteration(it, &mut w.inputs, &mut negated);
@@ -138,39 +197,46 @@ pub(crate) fn run<T: Recorded>(
         tl.lap("inputs", t);
         let cx = IterCtx {
             w,
-            layouts: &layouts,
-            args: &args,
-            reference: &reference,
-            sources: &sources,
+            layouts: &refs.layouts,
+            args,
+            reference: &refs.reference,
+            sources: &refs.sources,
             p,
         };
-        let step = iteration_in_place(&mut buf, &cx, it, &mut checks)?;
+        let step = iteration_in_place(buf, &cx, it, checks)?;
         t = Instant::now();
-        check_combine(&step.combined, &ref_combine, &w.inputs, it, &mut checks)?;
+        check_combine(&step.combined, &refs.combine, &w.inputs, it, checks)?;
         checks.iterations += 1;
         t = tl.lap("combine verification", t);
         if it == 0 {
-            digest = Some(
-                step.digest
-                    .ok_or_else(|| BenchError::Usage("no digest".into()))?,
-            );
+            timing.digest = Some(step.digest.ok_or(BenchError::Internal("no digest"))?);
         }
         drop(step.combined);
         t = tl.lap("freeing outputs", t);
         if timed {
-            disp.push(step.dispatch_us);
-            comb.push(step.combine_us);
+            timing.dispatch_us.push(step.dispatch_us);
+            timing.combine_us.push(step.combine_us);
         }
-        last = (rec0, step.records.0, step.records.1, step.records.2);
+        timing.last = (rec0, step.records.0, step.records.1, step.records.2);
         p.progress.done();
     }
     if negated {
         flip_signs(&mut w.inputs);
     }
+    Ok(timing)
+}
 
-    // DeepEP's byte counts (spec §6.2): recv_x.numel() * 2 per rank, FP8 (1 + 4/128) / 2 of it;
-    // combine sends the same. Payload: every row stored at its destination (dispatch) and every
-    // row pulled back (combine), the rank's own included: rows x (H x element + scales).
+/// The figures of a run: DeepEP's byte counts (spec §6.2): recv_x.numel() * 2 per rank, FP8
+/// (1 + 4/128) / 2 of it; combine sends the same. Payload: every row stored at its destination
+/// (dispatch) and every row pulled back (combine), the rank's own included: rows x (H x element
+/// + scales).
+fn figures<T: Recorded>(
+    reference: &[IntranodeDispatch],
+    buf: &Buffer<T>,
+    timing: &Timing,
+    h: usize,
+    fp8_in: bool,
+) -> Vec<PhaseResult> {
     let rows: Vec<u64> = reference
         .iter()
         .map(|d| d.handle.num_recv_tokens as u64)
@@ -193,36 +259,33 @@ pub(crate) fn run<T: Recorded>(
     let recs = buf.transport().phase_records();
     let fabric = buf.transport().fabric().clone();
     let label = if fp8_in { "FP8" } else { "BF16" };
-    Ok(ModeResult {
-        phases: vec![
-            PhaseResult {
-                name: "dispatch",
-                format: label,
-                samples_us: disp,
-                deepep_bytes_per_rank: disp_bytes,
-                deepep_unit: "NVL",
-                payload_bytes: total_rows * row_bytes,
-                payload_what: "received rows stored at their final place (x and scales), local \
-                               rows included",
-                recorded_bytes: recs[last.0..last.1].iter().map(|x| x.bytes()).sum(),
-                predictions: predictions(&recs[last.0..last.1], &fabric),
-            },
-            PhaseResult {
-                name: "combine",
-                format: "BF16",
-                samples_us: comb,
-                deepep_bytes_per_rank: bf16_bytes,
-                deepep_unit: "NVL",
-                payload_bytes: total_rows * 2 * h as u64,
-                payload_what: "expert output rows pulled back by their token's rank (BF16), \
-                               local rows included",
-                recorded_bytes: recs[last.2..last.3].iter().map(|x| x.bytes()).sum(),
-                predictions: predictions(&recs[last.2..last.3], &fabric),
-            },
-        ],
-        checks,
-        digest: digest.ok_or_else(|| BenchError::Usage("no iteration ran".into()))?,
-    })
+    let last = timing.last;
+    vec![
+        PhaseResult {
+            name: "dispatch",
+            format: label,
+            samples_us: timing.dispatch_us.clone(),
+            deepep_bytes_per_rank: disp_bytes,
+            deepep_unit: "NVL",
+            payload_bytes: total_rows * row_bytes,
+            payload_what: "received rows stored at their final place (x and scales), local \
+                           rows included",
+            recorded_bytes: recs[last.0..last.1].iter().map(|x| x.bytes()).sum(),
+            predictions: predictions(&recs[last.0..last.1], &fabric),
+        },
+        PhaseResult {
+            name: "combine",
+            format: "BF16",
+            samples_us: timing.combine_us.clone(),
+            deepep_bytes_per_rank: bf16_bytes,
+            deepep_unit: "NVL",
+            payload_bytes: total_rows * 2 * h as u64,
+            payload_what: "expert output rows pulled back by their token's rank (BF16), \
+                           local rows included",
+            recorded_bytes: recs[last.2..last.3].iter().map(|x| x.bytes()).sum(),
+            predictions: predictions(&recs[last.2..last.3], &fabric),
+        },
+    ]
 }
 
 /// What every iteration of a run shares.
@@ -272,7 +335,7 @@ fn iteration_in_place<T: Recorded>(
     it: usize,
     checks: &mut Checks,
 ) -> Result<Step, BenchError> {
-    let (w, p, reference) = (cx.w, cx.p, cx.reference);
+    let (w, p) = (cx.w, cx.p);
     let tl = p.timeline;
     let r = w.inputs.len();
     let mut t = Instant::now();
@@ -284,21 +347,7 @@ fn iteration_in_place<T: Recorded>(
         it,
         |b| b.dispatch_in_place(&w.inputs, cx.layouts, w.num_experts, cx.args),
     )?;
-    check_meta(&got, reference, it, checks);
-    let rows: Vec<usize> = got
-        .iter()
-        .zip(reference)
-        .map(|(g, o)| o.handle.num_recv_tokens.min(g.num_rows))
-        .collect();
-    let (bad, streams) = scan_rows(&*buf, &rows, cx.sources, &w.inputs, it == 0)
-        .map_err(|x| BenchError::call("reading the received rows", it, x))?;
-    for (d, b) in bad.into_iter().enumerate() {
-        if let Some((j, s, tok)) = b {
-            checks.fail(format!(
-                "iteration {it}: rank {d}: recv_x row {j} differs from token {tok} of rank {s}"
-            ));
-        }
-    }
+    let streams = verify_dispatch(&*buf, &got, cx, it, checks)?;
     t = tl.lap("dispatch verification", t);
     // The combine's phase records start here (after the expert's phase, when there is one).
     let mut combine_from = rec1;
@@ -363,6 +412,33 @@ fn iteration_in_place<T: Recorded>(
     })
 }
 
+/// Verifies an in-place dispatch: its outputs but `recv_x` against the oracle's, and every
+/// received row in the arena against its source row (digesting them on the first iteration).
+fn verify_dispatch<T: Recorded>(
+    buf: &Buffer<T>,
+    got: &[InPlaceDispatch],
+    cx: &IterCtx<'_>,
+    it: usize,
+    checks: &mut Checks,
+) -> Result<Option<Vec<ep_core::digest::NormalRankStream>>, BenchError> {
+    check_meta(got, cx.reference, it, checks);
+    let rows: Vec<usize> = got
+        .iter()
+        .zip(cx.reference)
+        .map(|(g, o)| o.handle.num_recv_tokens.min(g.num_rows))
+        .collect();
+    let (bad, streams) = scan_rows(buf, &rows, cx.sources, &cx.w.inputs, it == 0)
+        .map_err(|x| BenchError::call("reading the received rows", it, x))?;
+    for (d, b) in bad.into_iter().enumerate() {
+        if let Some((j, s, tok)) = b {
+            checks.fail(format!(
+                "iteration {it}: rank {d}: recv_x row {j} differs from token {tok} of rank {s}"
+            ));
+        }
+    }
+    Ok(streams)
+}
+
 /// Zeroed activations of `rows` rows shaped like `like` (its kind, hidden size, scales).
 fn recv_like(like: &Activations, rows: usize) -> Activations {
     match like {
@@ -401,61 +477,29 @@ fn scan_rows<T: Recorded>(
     inputs: &[RankInputs],
     digest: bool,
 ) -> Result<(FirstBad, Option<Vec<ep_core::digest::NormalRankStream>>), ep_core::Error> {
-    type Scan = (
-        usize,
-        Option<(usize, usize, usize)>,
-        Option<ep_core::digest::NormalRankStream>,
-    );
     let h = inputs[0].x.hidden();
-    let r = rows.len();
-    let next = AtomicUsize::new(0);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .clamp(1, r.max(1));
-    let parts: Vec<Result<Vec<Scan>, ep_core::Error>> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..threads)
-            .map(|_| {
-                sc.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let d = next.fetch_add(1, Ordering::Relaxed);
-                        if d >= r {
-                            break;
-                        }
-                        let n = rows[d];
-                        let mut stream = digest.then(|| match &inputs[0].x {
-                            Activations::Fp8 { scales, .. } => {
-                                ep_core::digest::NormalRankStream::fp8(d, n, h, scales.cols())
-                            }
-                            Activations::Bf16(_) => {
-                                ep_core::digest::NormalRankStream::bf16(d, n, h)
-                            }
-                        });
-                        let mut bad = None;
-                        buf.scan_recv_rows(d, 0..n, |j, rec| {
-                            let (s, t) = sources[d][j];
-                            if bad.is_none() && !record_is_row(rec, &inputs[s].x, t) {
-                                bad = Some((j, s, t));
-                            }
-                            if let Some(st) = &mut stream {
-                                st.row(rec);
-                            }
-                        })?;
-                        mine.push((d, bad, stream));
-                    }
-                    Ok(mine)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("row checks do not panic"))
-            .collect()
-    });
-    let mut all = Vec::with_capacity(r);
-    for p in parts {
-        all.extend(p?);
-    }
-    all.sort_by_key(|x| x.0);
+    let all = crate::ranks::per_rank(rows.len(), |d| {
+        let n = rows[d];
+        let mut stream = digest.then(|| match &inputs[0].x {
+            Activations::Fp8 { scales, .. } => {
+                ep_core::digest::NormalRankStream::fp8(d, n, h, scales.cols())
+            }
+            Activations::Bf16(_) => ep_core::digest::NormalRankStream::bf16(d, n, h),
+        });
+        let mut bad = None;
+        buf.scan_recv_rows(d, 0..n, |j, rec| {
+            let (s, t) = sources[d][j];
+            if bad.is_none() && !record_is_row(rec, &inputs[s].x, t) {
+                bad = Some((j, s, t));
+            }
+            if let Some(st) = &mut stream {
+                st.row(rec);
+            }
+        })?;
+        Ok((d, bad, stream))
+    })
+    .into_iter()
+    .collect::<Result<Vec<_>, ep_core::Error>>()?;
     let bad = all.iter().map(|x| x.1).collect();
     let streams = digest.then(|| all.into_iter().filter_map(|x| x.2).collect());
     Ok((bad, streams))
@@ -557,11 +601,7 @@ fn sources_of(
             let h = &o.handle;
             let mut out = Vec::with_capacity(h.num_recv_tokens);
             for (s, src) in narrow.iter().enumerate() {
-                let begin = if s == 0 {
-                    0
-                } else {
-                    h.rank_prefix_matrix.get(s - 1, d) as usize
-                };
+                let begin = h.rank_start(s, d) as usize;
                 let end = h.rank_prefix_matrix.get(s, d) as usize;
                 for j in begin..end {
                     let t = h.recv_src_idx[j] as usize;
@@ -772,35 +812,11 @@ fn check_combine(
     checks: &mut Checks,
 ) -> Result<(), BenchError> {
     let r = got.len().min(inputs.len());
-    let next = AtomicUsize::new(0);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .clamp(1, r.max(1));
-    let found: Vec<Result<Vec<String>, BenchError>> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..threads)
-            .map(|_| {
-                sc.spawn(|| {
-                    let mut bad = Vec::new();
-                    loop {
-                        let s = next.fetch_add(1, Ordering::Relaxed);
-                        if s >= r {
-                            break;
-                        }
-                        if let Some(m) = check_combine_rank(s, &got[s], reference, &inputs[s], it)?
-                        {
-                            bad.push(m);
-                        }
-                    }
-                    Ok(bad)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("combine checks do not panic"))
-            .collect()
+    let found = crate::ranks::per_rank(r, |s| {
+        check_combine_rank(s, &got[s], reference, &inputs[s], it)
     });
     for f in found {
-        for m in f? {
+        if let Some(m) = f? {
             checks.fail(m);
         }
     }

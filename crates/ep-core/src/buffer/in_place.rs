@@ -322,16 +322,15 @@ impl<T: Transport> Buffer<T> {
             },
         };
         let call = self.next_call();
-        let phase = normal::expert_phase(
-            &arena,
-            st.fmt,
+        let job = normal::ExpertJob {
+            fmt: st.fmt,
             out,
-            &st.rows,
-            st.with_topk,
-            &like,
+            rows: &st.rows,
+            with_topk: st.with_topk,
+            like: &like,
             expert,
-            call,
-        );
+        };
+        let phase = normal::expert_phase(&arena, job, call);
         self.run(phase)?;
         Ok(())
     }

@@ -67,11 +67,9 @@ impl<T: Transport> Buffer<T> {
         if !self.config.low_latency_mode {
             return Err(Error::NotLowLatencyMode);
         }
-        self.ll.clone().ok_or_else(|| Error::ArenaTooSmall {
-            what: "low-latency buffer".into(),
-            needed: 1,
-            available: 0,
-            fix: "set num_rdma_bytes (Buffer::low_latency_size_hint)".into(),
+        self.ll.clone().ok_or(Error::ArenaMissing {
+            what: "low-latency buffer",
+            fix: "set num_rdma_bytes (Buffer::low_latency_size_hint)",
         })
     }
 
@@ -272,7 +270,7 @@ impl<T: Transport> Buffer<T> {
                 outputs.push(None);
                 routes.push(None);
             } else {
-                let (a, b) = take_slot(o, "ll-receiver")?;
+                let (a, b) = take_slot(o, d, "ll-receiver")?;
                 outputs.push(Some(a));
                 routes.push(Some(b));
             }
@@ -439,7 +437,7 @@ impl<T: Transport> Buffer<T> {
                 if op.masked[s] {
                     Ok(None)
                 } else {
-                    take_slot(&out[s], "ll-reducer").map(Some)
+                    take_slot(&out[s], s, "ll-reducer").map(Some)
                 }
             })
             .collect()

@@ -71,11 +71,9 @@ impl<T: Transport> Buffer<T> {
                 }
             }
         }
-        self.normal.as_ref().ok_or_else(|| Error::ArenaTooSmall {
-            what: "normal-mode arena".into(),
-            needed: 1,
-            available: 0,
-            fix: "set num_nvl_bytes (Buffer::normal_size_hint)".into(),
+        self.normal.as_ref().ok_or(Error::ArenaMissing {
+            what: "normal-mode arena",
+            fix: "set num_nvl_bytes (Buffer::normal_size_hint)",
         })
     }
 
@@ -116,9 +114,10 @@ impl<T: Transport> Buffer<T> {
     ) -> Result<Vec<IntranodeDispatch>> {
         let out = self.run_dispatch(inputs, layouts, num_experts, args, false)?;
         out.into_iter()
-            .map(|(d, x)| {
+            .enumerate()
+            .map(|(rank, (d, x))| {
                 let recv_x = x.ok_or_else(|| Error::AgentFailed {
-                    rank: 0,
+                    rank,
                     agent: "receiver".into(),
                     detail: "the receiver returned no rows".into(),
                 })?;
@@ -205,8 +204,8 @@ impl<T: Transport> Buffer<T> {
         self.run(phase)?;
         let out: Vec<_> = (0..r)
             .map(|d| {
-                let n = take_slot(&slots.notify[d], "notify")?;
-                let v = take_slot(&slots.recv[d], "receiver")?;
+                let n = take_slot(&slots.notify[d], d, "notify")?;
+                let v = take_slot(&slots.recv[d], d, "receiver")?;
                 let disp = InPlaceDispatch {
                     num_rows: v.src_idx.len(),
                     recv_topk_idx: v.topk_idx,
@@ -283,11 +282,12 @@ impl<T: Transport> Buffer<T> {
         let phase = normal::cached_phase(&arena, &job, call, mutation, &out);
         self.run(phase)?;
         out.iter()
-            .map(|o| {
-                take_slot(o, "receiver")?
+            .enumerate()
+            .map(|(rank, o)| {
+                take_slot(o, rank, "receiver")?
                     .recv_x
                     .ok_or_else(|| Error::AgentFailed {
-                        rank: 0,
+                        rank,
                         agent: "receiver".into(),
                         detail: "the receiver returned no rows".into(),
                     })
@@ -367,15 +367,7 @@ impl<T: Transport> Buffer<T> {
                     if slot < 0 {
                         continue;
                     }
-                    let j = (if s == 0 {
-                        0
-                    } else {
-                        h.rank_prefix_matrix.get(s - 1, d)
-                    }) + (if ch == 0 {
-                        0
-                    } else {
-                        h.channel_prefix_matrix.get(d, ch - 1)
-                    }) + slot;
+                    let j = h.rank_start(s, d) + h.channel_start(d, ch) + slot;
                     if j < 0 || j as usize >= handles[d].num_recv_tokens.min(num_recv[d]) {
                         return Err(handle_mismatch(
                             s,

@@ -72,7 +72,32 @@ pub struct IntranodeHandle {
     pub num_recv_tokens: usize,
 }
 
+/// Entry `[i - 1][j]` of an inclusive prefix matrix, `0` for `i = 0`: the exclusive prefix
+/// (the sum over rows before `i`).
+pub(crate) fn before(m: &Tensor2<i32>, i: usize, j: usize) -> i32 {
+    if i == 0 { 0 } else { m.get(i - 1, j) }
+}
+
 impl IntranodeHandle {
+    /// Where rank `s`'s block starts among the rows rank `d` receives: the rows of the ranks
+    /// before `s` (`rank_prefix_matrix[s - 1][d]`, `0` for `s = 0`).
+    #[must_use]
+    pub fn rank_start(&self, s: usize, d: usize) -> i32 {
+        before(&self.rank_prefix_matrix, s, d)
+    }
+
+    /// Where channel `c`'s rows start within this (sending) rank's block on rank `d`: the
+    /// tokens of channels before `c` sent to `d` (`channel_prefix_matrix[d][c - 1]`, `0` for
+    /// `c = 0`).
+    #[must_use]
+    pub fn channel_start(&self, d: usize, c: usize) -> i32 {
+        if c == 0 {
+            0
+        } else {
+            self.channel_prefix_matrix.get(d, c - 1)
+        }
+    }
+
     /// Rewrites this handle's `send_head` in place as intranode combine does (spec §3.4,
     /// §7.1), over its own channel count. Idempotent.
     pub fn rewrite_send_head(&mut self) {
@@ -248,7 +273,7 @@ pub(crate) fn rank_prefix_matrix(layouts: &[DispatchLayout]) -> Tensor2<i32> {
     let mut rpm = Tensor2::filled(r, r, 0i32);
     for (i, layout) in layouts.iter().enumerate() {
         for j in 0..r {
-            let above = if i == 0 { 0 } else { rpm.get(i - 1, j) };
+            let above = before(&rpm, i, j);
             rpm.set(i, j, above + layout.num_tokens_per_rank[j]);
         }
     }
@@ -456,7 +481,7 @@ fn receive(
     let mut recv_topk_idx = Tensor2::filled(rows, k, -1 as ExpertIdx);
     let mut recv_topk_weights = Tensor2::filled(rows, k, 0.0f32);
     for (s, inp) in inputs.iter().enumerate() {
-        let block = if s == 0 { 0 } else { rpm.get(s - 1, d) } as usize;
+        let block = before(rpm, s, d) as usize;
         let send_head = &senders[s].1;
         let num_tokens = inp.num_tokens();
         for c in 0..c_count {
@@ -533,12 +558,7 @@ pub fn intranode_dispatch_cached(
     }
     let itr: Vec<&Tensor2<bool>> = handles.iter().map(|h| &h.is_token_in_rank).collect();
     let start = |s: usize, c: usize| {
-        let block = if s == 0 {
-            0
-        } else {
-            own.rank_prefix_matrix.get(s - 1, rank)
-        };
-        (block + own.recv_channel_prefix_matrix.get(s, c)) as usize
+        (own.rank_start(s, rank) + own.recv_channel_prefix_matrix.get(s, c)) as usize
     };
     let rows = own.recv_src_idx.len();
     scatter_cached(xs, &itr, rank, rows, own.num_recv_tokens, c_count, start)
@@ -680,12 +700,8 @@ fn combine_one(
                 if slot < 0 {
                     continue;
                 }
-                let block = if s == 0 {
-                    0
-                } else {
-                    hd.rank_prefix_matrix.get(s - 1, d)
-                };
-                let j = (block + hd.recv_channel_prefix_matrix.get(s, c) + slot) as usize;
+                let j =
+                    (hd.rank_start(s, d) + hd.recv_channel_prefix_matrix.get(s, c) + slot) as usize;
                 if j >= hd.num_recv_tokens.min(args[d].x.rows()) {
                     return Err(handle_mismatch(
                         s,

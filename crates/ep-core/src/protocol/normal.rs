@@ -21,7 +21,7 @@ use super::layout::{
 };
 use crate::error::{Error, Result};
 use crate::plan::combine::{init_accumulator, round_row};
-use crate::plan::intranode::{IntranodeHandle, sender_channels};
+use crate::plan::intranode::{IntranodeHandle, before, sender_channels};
 use crate::plan::layout::DispatchLayout;
 use crate::routing::{Activations, ExpertIdx, RankInputs};
 use crate::tensor::Tensor2;
@@ -165,9 +165,10 @@ pub(crate) fn put_slot<T>(m: &Mutex<Option<T>>, v: T) {
     *lock(m) = Some(v);
 }
 
-pub(crate) fn take_slot<T>(m: &Mutex<Option<T>>, what: &str) -> Result<T> {
+/// Takes the result that `rank`'s agent `what` left in `m`.
+pub(crate) fn take_slot<T>(m: &Mutex<Option<T>>, rank: usize, what: &str) -> Result<T> {
     lock(m).take().ok_or_else(|| Error::AgentFailed {
-        rank: 0,
+        rank,
         agent: what.to_owned(),
         detail: "the agent finished without producing its result".into(),
     })
@@ -319,22 +320,37 @@ fn parse_rows(buf: &[u8], first: usize, fmt: RowFormat, out: &mut RecvResult) {
     }
 }
 
+/// What a dispatch receiver (of a cached dispatch or not) waits for and loads.
+struct Receive<'a> {
+    call: u64,
+    /// Channels of every source rank: the `done[s][c]` words to wait for.
+    num_channels: &'a [usize],
+    /// Rows the senders store.
+    num_recv: usize,
+    /// Rows of the output (`num_recv`, or more in worst-token mode: the tail).
+    rows: usize,
+    fmt: RowFormat,
+    /// Activations of the dispatch's kind (BF16 or FP8 with its scale columns).
+    like: &'a Activations,
+    with_topk: bool,
+    /// The rows stay in the arena: only their meta parts are loaded (docs/protocol.md §2.6).
+    in_place: bool,
+}
+
 /// The receive side shared by dispatch and cached dispatch: wait every `done[s][c]`, write the
 /// tail, load rows `[0, rows)` — whole records, or only their meta parts when the rows stay in
 /// the arena (`in_place`, docs/protocol.md §2.6).
-#[allow(clippy::too_many_arguments, reason = "one agent's whole context")]
-fn receive(
-    ctx: &mut dyn AgentCtx,
-    arena: &NormalArena,
-    call: u64,
-    num_channels: &[usize],
-    num_recv: usize,
-    rows: usize,
-    fmt: RowFormat,
-    like: &Activations,
-    with_topk: bool,
-    in_place: bool,
-) -> Result<RecvResult> {
+fn receive(ctx: &mut dyn AgentCtx, arena: &NormalArena, rx: &Receive<'_>) -> Result<RecvResult> {
+    let Receive {
+        call,
+        num_channels,
+        num_recv,
+        rows,
+        fmt,
+        like,
+        with_topk,
+        in_place,
+    } = *rx;
     let d = ctx.me().rank;
     let ctrl = arena.ctrl_layout();
     let data = arena.data_layout();
@@ -407,18 +423,17 @@ pub(crate) fn dispatch_phase<'a>(
                 num_recv
             };
             let chans = vec![c_count; r];
-            let res = receive(
-                ctx,
-                arena,
+            let rx = Receive {
                 call,
-                &chans,
+                num_channels: &chans,
                 num_recv,
                 rows,
-                job.fmt,
-                &job.inputs[0].x,
-                job.with_topk,
-                job.in_place,
-            )?;
+                fmt: job.fmt,
+                like: &job.inputs[0].x,
+                with_topk: job.with_topk,
+                in_place: job.in_place,
+            };
+            let res = receive(ctx, arena, &rx)?;
             put_slot(&slots.recv[s], res);
             Ok(())
         });
@@ -491,11 +506,11 @@ fn notify(
     let mut rpm = Tensor2::filled(r, r, 0i32);
     for i in 0..r {
         for j in 0..r {
-            let above = if i == 0 { 0 } else { rpm.get(i - 1, j) };
+            let above = before(&rpm, i, j);
             rpm.set(i, j, above + counts.get(i, j));
         }
     }
-    let before = |i: usize, j: usize| if i == 0 { 0 } else { rpm.get(i - 1, j) };
+    let before = |i: usize, j: usize| before(&rpm, i, j);
     let mut recv_cpm = Tensor2::filled(r, c_count, 0i32);
     for s2 in 0..r {
         for c in 1..c_count {
@@ -574,45 +589,66 @@ fn send(
     let range = channel_range(inp.num_tokens(), job.num_channels, c);
     let chan_start = counts_before(itr, range.start);
     let base: Vec<u32> = (0..arena.num_ranks).map(|d| table.send_base[d]).collect();
-    let topk = |t: usize| {
-        job.with_topk
-            .then(|| (inp.topk_idx.row(t), inp.topk_weights.row(t)))
-    };
+    let topk = job.with_topk.then_some((&inp.topk_idx, &inp.topk_weights));
     send_rows(
         ctx,
         arena,
-        call,
-        c,
-        &inp.x,
-        itr,
-        range,
-        &base,
-        &chan_start,
-        job.fmt,
-        &topk,
-        job.num_local_experts,
-        mutation,
+        &SendRows {
+            call,
+            c,
+            x: &inp.x,
+            itr,
+            range,
+            base,
+            chan_start,
+            fmt: job.fmt,
+            topk,
+            num_local: job.num_local_experts,
+            mutation,
+        },
     )
+}
+
+/// What a sender agent stores: channel `c`'s selected rows, each at its final row on its
+/// destination `d` (`base[d] + chan_start[d] + i`, docs/protocol.md §2.3).
+struct SendRows<'a> {
+    call: u64,
+    /// The channel.
+    c: usize,
+    /// This rank's rows.
+    x: &'a Activations,
+    /// `[T, R]`: which ranks each token goes to.
+    itr: &'a Tensor2<bool>,
+    /// The channel's tokens.
+    range: std::ops::Range<usize>,
+    /// Per destination, where this rank's block starts.
+    base: Vec<u32>,
+    /// Per destination, where this channel starts within the block.
+    chan_start: Vec<u32>,
+    fmt: RowFormat,
+    /// The top-k ids and weights that travel with the rows (non-cached dispatch with top-k).
+    topk: Option<(&'a Tensor2<ExpertIdx>, &'a Tensor2<f32>)>,
+    /// Local experts per rank (to remap the top-k ids).
+    num_local: usize,
+    mutation: ProtocolMutation,
 }
 
 /// Stores every selected row of channel `c` at its final row on its destination, then releases
 /// `done[s][c]` on every rank.
-#[allow(clippy::too_many_arguments, reason = "one agent's whole context")]
-fn send_rows<'t>(
-    ctx: &mut dyn AgentCtx,
-    arena: &NormalArena,
-    call: u64,
-    c: usize,
-    x: &Activations,
-    itr: &Tensor2<bool>,
-    range: std::ops::Range<usize>,
-    base: &[u32],
-    chan_start: &[u32],
-    fmt: RowFormat,
-    topk: &dyn Fn(usize) -> Option<(&'t [ExpertIdx], &'t [f32])>,
-    num_local: usize,
-    mutation: ProtocolMutation,
-) -> Result<()> {
+fn send_rows(ctx: &mut dyn AgentCtx, arena: &NormalArena, job: &SendRows<'_>) -> Result<()> {
+    let SendRows {
+        call,
+        c,
+        x,
+        itr,
+        ref range,
+        ref base,
+        ref chan_start,
+        fmt,
+        topk,
+        num_local,
+        mutation,
+    } = *job;
     let s = ctx.me().rank;
     let r = arena.num_ranks;
     let ctrl = arena.ctrl_layout();
@@ -622,13 +658,14 @@ fn send_rows<'t>(
     let mut idx = vec![0u32; r];
     // Planted bug: the last row is stored after the releases.
     let mut deferred: Option<(usize, SymAddr, Vec<u8>)> = None;
-    for t in range {
+    for t in range.clone() {
         put_x(&mut rec, x, t, fmt);
         for d in 0..r {
             if !itr.get(t, d) {
                 continue;
             }
-            put_meta(&mut rec, fmt, t, topk(t), d, num_local);
+            let tk = topk.map(|(idx, w)| (idx.row(t), w.row(t)));
+            put_meta(&mut rec, fmt, t, tk, d, num_local);
             let row = normal_final_row(base[d], chan_start[d], idx[d]);
             idx[d] += 1;
             let addr = arena.at(data.dispatch_row(u64::from(row), drec));
@@ -694,39 +731,20 @@ pub(crate) fn cached_phase<'a>(
                 let itr = &own.is_token_in_rank;
                 let c_count = own.channel_prefix_matrix.cols();
                 let range = channel_range(x.num_tokens(), c_count, c);
-                let base: Vec<u32> = (0..r)
-                    .map(|e| {
-                        if d == 0 {
-                            0
-                        } else {
-                            own.rank_prefix_matrix.get(d - 1, e) as u32
-                        }
-                    })
-                    .collect();
-                let chan_start: Vec<u32> = (0..r)
-                    .map(|e| {
-                        if c == 0 {
-                            0
-                        } else {
-                            own.channel_prefix_matrix.get(e, c - 1) as u32
-                        }
-                    })
-                    .collect();
-                send_rows(
-                    ctx,
-                    arena,
+                let send = SendRows {
                     call,
                     c,
                     x,
                     itr,
                     range,
-                    &base,
-                    &chan_start,
-                    job.fmt,
-                    &|_| None,
-                    0,
+                    base: (0..r).map(|e| own.rank_start(d, e) as u32).collect(),
+                    chan_start: (0..r).map(|e| own.channel_start(e, c) as u32).collect(),
+                    fmt: job.fmt,
+                    topk: None,
+                    num_local: 0,
                     mutation,
-                )
+                };
+                send_rows(ctx, arena, &send)
             });
         }
         let chans = chans.clone();
@@ -736,19 +754,17 @@ pub(crate) fn cached_phase<'a>(
             "receiver",
             move |ctx: &mut dyn AgentCtx| {
                 let own = &job.handles[d];
-                let rows = own.recv_src_idx.len();
-                let res = receive(
-                    ctx,
-                    arena,
+                let rx = Receive {
                     call,
-                    &chans,
-                    own.num_recv_tokens,
-                    rows,
-                    job.fmt,
-                    job.xs[0],
-                    false,
-                    false,
-                )?;
+                    num_channels: &chans,
+                    num_recv: own.num_recv_tokens,
+                    rows: own.recv_src_idx.len(),
+                    fmt: job.fmt,
+                    like: job.xs[0],
+                    with_topk: false,
+                    in_place: false,
+                };
+                let res = receive(ctx, arena, &rx)?;
                 put_slot(&out[d], res);
                 Ok(())
             },
@@ -763,21 +779,32 @@ pub type Expert = dyn Fn(usize, usize, &Activations, &mut Tensor2<bf16>) -> Resu
 
 type ExpertFn<'a> = &'a Expert;
 
+/// What the expert phase runs: `expert` over `rows[s]` rows of format `fmt` on each rank `s`,
+/// its outputs stored as records of format `out` (with the dispatched weights when
+/// `with_topk`); `like` is an empty tensor of the rows' kind.
+#[derive(Clone, Copy)]
+pub(crate) struct ExpertJob<'a> {
+    pub(crate) fmt: RowFormat,
+    pub(crate) out: RowFormat,
+    pub(crate) rows: &'a [usize],
+    pub(crate) with_topk: bool,
+    pub(crate) like: &'a Activations,
+    pub(crate) expert: ExpertFn<'a>,
+}
+
 /// The expert phase (docs/protocol.md §2.6): on each rank one agent loads its received rows
 /// `[0, rows[s])` a chunk at a time from its dispatch rows, hands them to `expert`, and stores
 /// the outputs — with the rows' dispatched weights when `with_topk` — as records of format
 /// `out` in its own combine rows. Local loads and stores only.
-#[allow(clippy::too_many_arguments, reason = "one phase's whole context")]
-pub(crate) fn expert_phase<'a>(
-    arena: &'a NormalArena,
-    fmt: RowFormat,
-    out: RowFormat,
-    rows: &'a [usize],
-    with_topk: bool,
-    like: &'a Activations,
-    expert: ExpertFn<'a>,
-    call: u64,
-) -> Phase<'a> {
+pub(crate) fn expert_phase<'a>(arena: &'a NormalArena, job: ExpertJob<'a>, call: u64) -> Phase<'a> {
+    let ExpertJob {
+        fmt,
+        out,
+        rows,
+        with_topk,
+        like,
+        expert,
+    } = job;
     let mut phase = Phase::new(PhaseKind::Custom("expert".into()), call);
     for (s, &n) in rows.iter().enumerate() {
         phase = phase.agent(s, 0, "expert", move |ctx: &mut dyn AgentCtx| {
@@ -939,8 +966,8 @@ pub(crate) fn combine_phase<'a>(
         for c in 0..chans[d] {
             let s = d;
             phase = phase.agent(s, 1 + c, "reducer", move |ctx: &mut dyn AgentCtx| {
-                let (ox, ow) = take_slot(&out[s][c], "reducer output")?;
-                reduce(ctx, arena, job, call, c, mutation, ox, ow)
+                let rows = take_slot(&out[s][c], s, "reducer output")?;
+                reduce(ctx, arena, job, call, c, mutation, rows)
             });
         }
     }
@@ -974,7 +1001,7 @@ fn publish_rows(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments, reason = "one agent's whole context")]
+/// Reducer `c` of this rank: pulls and sums its channel's tokens into `(out_x, out_w)`.
 fn reduce(
     ctx: &mut dyn AgentCtx,
     arena: &NormalArena,
@@ -982,8 +1009,7 @@ fn reduce(
     call: u64,
     c: usize,
     mutation: ProtocolMutation,
-    out_x: &mut [bf16],
-    out_w: &mut [f32],
+    (out_x, out_w): (&mut [bf16], &mut [f32]),
 ) -> Result<()> {
     let s = ctx.me().rank;
     let r = arena.num_ranks;
@@ -1017,17 +1043,7 @@ fn reduce(
     let mut w = vec![0.0f32; k];
     let bias = job.source.bias(s);
     let base: Vec<i32> = (0..r)
-        .map(|d| {
-            (if s == 0 {
-                0
-            } else {
-                own.rank_prefix_matrix.get(s - 1, d)
-            }) + if c == 0 {
-                0
-            } else {
-                own.channel_prefix_matrix.get(d, c - 1)
-            }
-        })
+        .map(|d| own.rank_start(s, d) + own.channel_start(d, c))
         .collect();
     for (i, t) in range.enumerate() {
         init_accumulator(

@@ -5,11 +5,13 @@
 //! - [`vocab`]: [`AgentCtx`], the per-agent protocol vocabulary with its ordering and visibility
 //!   promises (the memory model);
 //! - [`host`]: [`Transport`], the host face, and [`Phase`], what it executes;
-//! - [`fault`]: the typed errors faults end in, and what the layer above does with them.
+//! - [`fault`]: the typed errors faults end in, and what the layer above does with them;
+//! - [`violation`]: [`Violation`], a checker's typed finding of a broken rule.
 
 pub mod fault;
 pub mod host;
 pub mod types;
+pub mod violation;
 pub mod vocab;
 
 pub use fault::{fault_rank, is_fault};
@@ -18,4 +20,5 @@ pub use types::{
     AgentId, AllocRequest, Cmp, FabricParams, Init, QpFullPolicy, QpIndex, Reach, Region, SignalOp,
     SymAddr, SymAlloc, Team, WaitUntil, chunk_pieces,
 };
+pub use violation::{AgentRef, Violation, Waiting};
 pub use vocab::AgentCtx;

@@ -1,4 +1,4 @@
-//! Shared generators for the normal-mode tests: seeded routings and random non-zero data.
+//! Shared generators for the normal-mode tests: seeded routings and random data over a wide range.
 
 #![allow(dead_code, reason = "each test file uses a different subset")]
 
@@ -8,6 +8,9 @@ use ep_core::{Activations, ExpertIdx, RankInputs, Tensor2};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+
+mod values;
+pub(crate) use values::rand_bf16;
 
 /// How a generated routing is shaped.
 #[derive(Clone, Copy, Debug)]
@@ -42,17 +45,7 @@ impl Case {
     }
 }
 
-/// A random BF16 value, never zero, magnitude in `[2^-4, 2^3)`: one draw gives the sign, a
-/// 7-bit mantissa and one of seven exponents (cheap in debug builds).
-pub(crate) fn rand_bf16(rng: &mut ChaCha8Rng) -> bf16 {
-    let bits: u32 = rng.random();
-    let sign = ((bits >> 31) as u16) << 15;
-    let exp = (127 - 4 + (bits >> 7) % 7) as u16;
-    let mantissa = (bits & 0x7f) as u16;
-    bf16::from_bits(sign | (exp << 7) | mantissa)
-}
-
-/// Random non-zero BF16 `[rows, cols]`.
+/// Random BF16 `[rows, cols]` of [`rand_bf16`]'s wide range.
 pub(crate) fn rand_bf16_tensor(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Tensor2<bf16> {
     Tensor2::from_fn(rows, cols, |_, _| rand_bf16(rng))
 }

@@ -11,13 +11,18 @@
 //! let rdv = TcpRendezvous::from_env()?; // EP_RENDEZVOUS_PORT / _TOKEN set by the launcher
 //! let session = BringUp::new(0, 2, Bootstrap::UniqueId(&rdv)).device(0).init()?;
 //! println!("{}", session.report());
-//! let buf = session.alloc(1 << 20, 128)?;
-//! let _peer = buf.peer_ptr(&session, 1);
+//! let buf = session.alloc(1 << 20, 128)?; // holds the session; freed on drop (collective)
+//! let _peer = buf.peer_ptr(1);
 //! session.barrier_all();
-//! session.free(buf);
-//! session.finalize()?;
+//! drop(buf);
+//! session.finalize()?; // refused while a buffer is alive
 //! # Ok::<(), ep_kernels::Error>(())
 //! ```
+//!
+//! Teardown order, which the types enforce: symmetric buffers are freed (each holds the
+//! session's inner state), then NVSHMEM is finalised, then the CUDA context it ran on is
+//! released. A session dropped without `finalize` leaves NVSHMEM running and so keeps its context
+//! (and the library, never unloaded) alive until the process exits.
 
 pub mod env;
 pub mod launch;
@@ -25,6 +30,7 @@ pub mod rendezvous;
 pub mod report;
 
 use std::ffi::c_void;
+use std::mem::ManuallyDrop;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -244,6 +250,9 @@ impl<'a> BringUp<'a> {
         if let Bootstrap::UniqueId(_) = self.bootstrap
             && (pe as u32 != self.rank || n_pes as u32 != self.world)
         {
+            // NVSHMEM is up in this context and nobody will finalise it: keep the context (as
+            // a session dropped without finalize does).
+            std::mem::forget(ctx);
             return Err(Error::PeMismatch {
                 pe,
                 n_pes,
@@ -264,11 +273,13 @@ impl<'a> BringUp<'a> {
         );
         let ibgda = report::ibgda_state(requested, &plugins, &failed);
         let mut session = NvshmemSession {
-            lib: Arc::new(lib),
-            ctx,
-            pe: pe as u32,
+            inner: Arc::new(SessionInner {
+                lib: Arc::new(lib),
+                ctx: ManuallyDrop::new(ctx),
+                pe: pe as u32,
+                finalized: AtomicBool::new(false),
+            }),
             n_pes: n_pes as u32,
-            finalized: false,
             report: InitReport {
                 version: MIN_VERSION,
                 library: PathBuf::new(),
@@ -285,28 +296,58 @@ impl<'a> BringUp<'a> {
                 init_log,
             },
         };
-        session.report.version = session.lib.vendor_version();
-        session.report.library = session.lib.path().to_path_buf();
+        session.report.version = session.inner.lib.vendor_version();
+        session.report.library = session.inner.lib.path().to_path_buf();
         session.probe_peers()?;
         Ok(session)
     }
 }
 
-/// An initialised NVSHMEM on this rank. Finalise explicitly with [`NvshmemSession::finalize`]
-/// (collective); dropping it without does not finalise (that would block on absent peers).
-pub struct NvshmemSession {
+/// What a session and its symmetric buffers share: the library, the CUDA context NVSHMEM was
+/// initialised on, and whether it has been finalised. The last holder drops it, after every
+/// buffer is gone.
+struct SessionInner {
     lib: Arc<Nvshmem>,
-    ctx: Arc<CudaContext>,
+    /// Released only after a finalize (see `Drop`): an NVSHMEM still running uses it.
+    ctx: ManuallyDrop<Arc<CudaContext>>,
     pe: u32,
+    /// Set by [`NvshmemSession::finalize`] once `nvshmemx_hostlib_finalize` has returned.
+    finalized: AtomicBool,
+}
+
+impl Drop for SessionInner {
+    fn drop(&mut self) {
+        if self.finalized.load(Ordering::Acquire) {
+            // SAFETY: dropped once, here; NVSHMEM is finalised, so nothing uses the context.
+            unsafe { ManuallyDrop::drop(&mut self.ctx) };
+        } else {
+            // NVSHMEM still runs (its proxy thread, its heap in this context): releasing the
+            // primary context under it would reset it. Keep it until the process exits (the
+            // library is never unloaded either: nvshmem-sys).
+            if !std::thread::panicking() {
+                eprintln!(
+                    "ep-kernels: NVSHMEM session of PE {} dropped without finalize()",
+                    self.pe
+                );
+            }
+        }
+    }
+}
+
+/// An initialised NVSHMEM on this rank. Finalise explicitly with [`NvshmemSession::finalize`]
+/// (collective) once every [`SymmetricBuffer`] is dropped; dropping the session without it does
+/// not finalise (that would block on absent peers) and keeps NVSHMEM and its CUDA context alive
+/// until the process exits.
+pub struct NvshmemSession {
+    inner: Arc<SessionInner>,
     n_pes: u32,
-    finalized: bool,
     report: InitReport,
 }
 
 impl std::fmt::Debug for NvshmemSession {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NvshmemSession")
-            .field("pe", &self.pe)
+            .field("pe", &self.inner.pe)
             .field("n_pes", &self.n_pes)
             .finish_non_exhaustive()
     }
@@ -317,30 +358,30 @@ impl NvshmemSession {
         // A one-byte symmetric probe; NVSHMEM maps whole heap chunks per peer, so reachability
         // of this object is that of the heap.
         let probe = self.alloc(128, 128)?;
-        for pe in (0..self.n_pes).filter(|p| *p != self.pe) {
-            if probe.peer_ptr(self, pe).is_some() {
+        for pe in (0..self.n_pes).filter(|p| *p != self.inner.pe) {
+            if probe.peer_ptr(pe).is_some() {
                 self.report.p2p_peers.push(pe);
             } else {
                 self.report.remote_peers.push(pe);
             }
         }
-        self.free(probe);
+        drop(probe);
         Ok(())
     }
 
     /// The loaded library (raw calls: `nvshmem_sys`).
     pub fn lib(&self) -> &Arc<Nvshmem> {
-        &self.lib
+        &self.inner.lib
     }
 
     /// The CUDA context NVSHMEM was initialised on.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+        &self.inner.ctx
     }
 
     /// This PE.
     pub fn my_pe(&self) -> u32 {
-        self.pe
+        self.inner.pe
     }
 
     /// Number of PEs.
@@ -353,72 +394,95 @@ impl NvshmemSession {
         &self.report
     }
 
-    /// `nvshmem_align`: symmetric device memory, uninitialised. Collective: every PE calls it
-    /// with the same sizes in the same order.
+    /// `nvshmem_align`: symmetric device memory, uninitialised, holding this session until it
+    /// drops. Collective: every PE calls it with the same sizes in the same order (and drops the
+    /// buffers in the same order).
     pub fn alloc(&self, bytes: usize, align: usize) -> Result<SymmetricBuffer> {
-        // SAFETY: initialised; collective order is this method's documented contract (a
-        // violation hangs in NVSHMEM, it does not corrupt memory).
+        // SAFETY: initialised (not finalised: `finalize` consumes the session); collective
+        // order is this method's documented contract (a violation hangs in NVSHMEM, it does not
+        // corrupt memory).
         let ptr = unsafe {
-            self.lib
+            self.inner
+                .lib
                 .align(align.max(1).next_power_of_two(), bytes.max(1))
         }?;
-        Ok(SymmetricBuffer { ptr, len: bytes })
+        Ok(SymmetricBuffer {
+            session: Arc::clone(&self.inner),
+            ptr,
+            len: bytes,
+        })
     }
 
-    /// `nvshmem_free` (collective).
+    /// `nvshmem_free` (collective): the same as dropping `buf`, spelled out.
     pub fn free(&self, buf: SymmetricBuffer) {
-        // SAFETY: `buf` came from `alloc` of this session; callers synchronise work using it
-        // before freeing (as with any device allocation).
-        unsafe { self.lib.free(buf.ptr.as_ptr()) }
+        drop(buf);
     }
 
     /// `nvshmem_barrier_all` (collective; completes this PE's outstanding puts).
     pub fn barrier_all(&self) {
         // SAFETY: initialised.
-        unsafe { self.lib.barrier_all() }
+        unsafe { self.inner.lib.barrier_all() }
     }
 
     /// `nvshmemx_barrier_all_on_stream` (collective).
     pub fn barrier_all_on_stream(&self, stream: &CudaStream) {
         // SAFETY: initialised; `stream` belongs to this session's context and outlives the call.
-        unsafe { self.lib.barrier_all_on_stream(stream.cu_stream() as _) }
+        unsafe {
+            self.inner
+                .lib
+                .barrier_all_on_stream(stream.cu_stream() as _)
+        }
     }
 
-    /// `nvshmemx_hostlib_finalize` (collective). Free symmetric buffers first.
-    pub fn finalize(mut self) -> Result<()> {
-        self.ctx
+    /// `nvshmemx_hostlib_finalize` (collective), after synchronising the context; the context
+    /// is released after it. [`Error::SymmetricBuffersAlive`] (and nothing finalised) while a
+    /// [`SymmetricBuffer`] of this session is alive: drop them first, on every PE.
+    pub fn finalize(self) -> Result<()> {
+        // Only buffers hold the inner besides the session, and none can be made any more.
+        let alive = Arc::strong_count(&self.inner) - 1;
+        if alive > 0 {
+            return Err(Error::SymmetricBuffersAlive {
+                pe: self.inner.pe,
+                alive,
+            });
+        }
+        self.inner
+            .ctx
             .synchronize()
             .map_err(Error::cuda("cuCtxSynchronize before finalize"))?;
-        // SAFETY: initialised once, finalised once (this consumes the session).
-        unsafe { self.lib.hostlib_finalize() };
-        self.finalized = true;
+        // SAFETY: initialised once, finalised once (this consumes the session, and no buffer
+        // is left to free into the finalised heap).
+        unsafe { self.inner.lib.hostlib_finalize() };
+        self.inner.finalized.store(true, Ordering::Release);
         Ok(())
     }
 }
 
-impl Drop for NvshmemSession {
-    fn drop(&mut self) {
-        if !self.finalized && !std::thread::panicking() {
-            eprintln!(
-                "ep-kernels: NVSHMEM session of PE {} dropped without finalize()",
-                self.pe
-            );
-        }
-    }
-}
-
-/// Symmetric device memory from [`NvshmemSession::alloc`]. Free it with
-/// [`NvshmemSession::free`]; dropping it leaks it until finalize.
-#[derive(Debug)]
+/// Symmetric device memory from [`NvshmemSession::alloc`]. It holds its session, so NVSHMEM
+/// cannot be finalised under it, and frees itself on drop with `nvshmem_free`, which is
+/// collective: every PE drops its buffers in the same order. A drop during a panic skips the
+/// free (the peers may never reach theirs); the memory is released at finalize or exit.
 pub struct SymmetricBuffer {
+    session: Arc<SessionInner>,
     ptr: NonNull<c_void>,
     len: usize,
 }
 
-// SAFETY: a device address; the buffer's content is only touched through CUDA/NVSHMEM calls
-// whose own contracts order accesses.
+impl std::fmt::Debug for SymmetricBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SymmetricBuffer")
+            .field("pe", &self.session.pe)
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+// SAFETY: a device address plus a shared handle to the session state (itself only read, or
+// an atomic); the buffer's content is only touched through CUDA/NVSHMEM calls whose own
+// contracts order accesses.
 unsafe impl Send for SymmetricBuffer {}
-// SAFETY: as above; `&SymmetricBuffer` exposes only the address and length.
+// SAFETY: as above; `&SymmetricBuffer` exposes only the address, the length and peer lookups.
 unsafe impl Sync for SymmetricBuffer {}
 
 impl SymmetricBuffer {
@@ -439,8 +503,22 @@ impl SymmetricBuffer {
 
     /// `nvshmem_ptr`: the address of `pe`'s copy usable by this GPU's loads/stores (NVLink
     /// P2P), or `None` when `pe` is reachable only through a network transport.
-    pub fn peer_ptr(&self, session: &NvshmemSession, pe: u32) -> Option<u64> {
-        // SAFETY: initialised; `ptr` is in the symmetric heap.
-        unsafe { session.lib.ptr(self.ptr.as_ptr(), pe as i32) }.map(|p| p.as_ptr() as u64)
+    pub fn peer_ptr(&self, pe: u32) -> Option<u64> {
+        // SAFETY: initialised and not finalised (the buffer holds the session, and `finalize`
+        // refuses while it lives); `ptr` is in the symmetric heap.
+        unsafe { self.session.lib.ptr(self.ptr.as_ptr(), pe as i32) }.map(|p| p.as_ptr() as u64)
+    }
+}
+
+impl Drop for SymmetricBuffer {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            return;
+        }
+        // SAFETY: `ptr` came from `nvshmem_align` of this session and is freed once, here;
+        // NVSHMEM is not finalised (`finalize` refuses while this buffer holds the session);
+        // callers synchronise device work using it before dropping it (as with any device
+        // allocation), and drop in the same order on every PE (the type's contract).
+        unsafe { self.session.lib.free(self.ptr.as_ptr()) }
     }
 }

@@ -244,8 +244,9 @@ impl World {
         let qk = match a.pending.as_ref().map(|p| (&p.req, &p.prog)) {
             Some((Req::WaitOrExpire(_), _)) => return Some(Timeout::Expire(i)),
             Some((_, Prog::Posting { peer, qp, .. })) => Some((*peer, *qp, "post to a full QP")),
-            Some((Req::Put { peer, qp, .. } | Req::Amo { peer, qp, .. }, _)) => {
-                Some((*peer, qp.0, "post to a full QP"))
+            Some((Req::Post(post), _)) => {
+                let (peer, qp) = post.target();
+                Some((peer, qp.0, "post to a full QP"))
             }
             Some((Req::Quiet, _)) => self
                 .ops

@@ -1,8 +1,8 @@
 //! GPU checks: count, device nodes, peer-to-peer / NVLink topology, closest NIC per GPU.
 
-use crate::setup::facts::{Facts, GpuLink, PcieDistance};
-use crate::setup::live::CudaFacts;
-use crate::setup::report::{Capability, Check, Status};
+use crate::facts::{Facts, GpuLink, PcieDistance};
+use crate::live::CudaFacts;
+use crate::report::{Capability, Check, Status};
 
 use super::cuda::cuda_ordinal;
 use super::{INTRA, LL, check, in_container};

@@ -1,7 +1,7 @@
 //! The `--probe` result: NVSHMEM initialised, and whether IBGDA came up or NVSHMEM fell back.
 
-use crate::setup::facts::Facts;
-use crate::setup::report::{Check, Status};
+use crate::facts::Facts;
+use crate::report::{Check, Status};
 
 use super::{CPU, GPU, LL, check};
 

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::facts::GidEntry;
+use super::gid::GidEntry;
 
 /// What the CUDA driver API reported (ep-kernels' `topology::gpu_topology`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -1,7 +1,7 @@
 //! RDMA checks: rdma-core libraries, NIC present and mlx5, port active, RoCE GID, device nodes.
 
-use crate::setup::facts::Facts;
-use crate::setup::report::{Check, Status};
+use crate::facts::Facts;
+use crate::report::{Check, Status};
 
 use super::{CPU, GPU, check, in_container};
 

@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use crate::setup::facts::{Facts, Version};
-use crate::setup::report::{Check, Status};
+use crate::facts::{Facts, Version};
+use crate::report::{Check, Status};
 
 use super::{CPU, GPU, LL, check, nvshmem};
 

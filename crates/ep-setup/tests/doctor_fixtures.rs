@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use ep_core::setup::{
+use ep_setup::{
     Capability, GatherOptions, GpuLink, IbgdaMode, ProbeResult, Report, Status, Version, diagnose,
     gather,
 };

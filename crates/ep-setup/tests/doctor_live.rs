@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use ep_core::setup::{
+use ep_setup::{
     Attempt, Capability, CudaDevice, CudaFacts, CudaPeer, DevxOpen, Facts, GatherOptions,
     GdrcopyLive, GidEntry, RegistrationProbe, Report, Status, VerbsDevice, VerbsFacts, VerbsPort,
     diagnose, format_gid, gather, link_layer_name, port_state_name,
@@ -34,7 +34,7 @@ fn dump(r: &Report) -> String {
         .join("\n")
 }
 
-fn get<'a>(r: &'a Report, id: &str) -> &'a ep_core::setup::Check {
+fn get<'a>(r: &'a Report, id: &str) -> &'a ep_setup::Check {
     r.check(id)
         .unwrap_or_else(|| panic!("no check {id}\n{}", dump(r)))
 }

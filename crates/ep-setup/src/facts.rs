@@ -8,6 +8,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use super::gid::GidEntry;
 use super::live::{CudaFacts, GdrcopyLive, RegistrationProbe, VerbsFacts};
 
 /// A `major.minor.patch` version (driver, NVSHMEM, kernel).
@@ -343,26 +344,6 @@ impl PortFacts {
             .filter(v2)
             .find(|g| g.is_ipv4_mapped())
             .or_else(|| self.gids.iter().find(v2))
-    }
-}
-
-/// One GID table entry.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct GidEntry {
-    /// Index in the GID table.
-    pub index: u32,
-    /// The GID as sysfs prints it.
-    pub gid: String,
-    /// `gid_attrs/types/N`: `IB/RoCE v1` or `RoCE v2`.
-    pub kind: Option<String>,
-    /// `gid_attrs/ndevs/N`: the netdev carrying it.
-    pub ndev: Option<String>,
-}
-
-impl GidEntry {
-    /// `0000:0000:0000:0000:0000:ffff:xxxx:xxxx` (an IPv4 address).
-    pub fn is_ipv4_mapped(&self) -> bool {
-        self.gid.starts_with("0000:0000:0000:0000:0000:ffff:")
     }
 }
 

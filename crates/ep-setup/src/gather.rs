@@ -9,10 +9,11 @@ use std::fs;
 use std::path::{Component, Path, PathBuf};
 
 use super::facts::{
-    AcsBridge, ContainerFacts, DevNodes, DriverFacts, Facts, GdrcopyFacts, GidEntry, GpuPci,
-    LibraryFacts, MemlockLimit, ModprobeFacts, ModprobeFile, NicFacts, NvshmemFacts, OsFacts,
-    PciFacts, PortFacts,
+    AcsBridge, ContainerFacts, DevNodes, DriverFacts, Facts, GdrcopyFacts, GpuPci, LibraryFacts,
+    MemlockLimit, ModprobeFacts, ModprobeFile, NicFacts, NvshmemFacts, OsFacts, PciFacts,
+    PortFacts,
 };
+use super::gid::GidEntry;
 use super::parse;
 
 /// Where the saved `nvidia-smi topo -m` output lives inside a captured sysroot.

@@ -1,9 +1,9 @@
 //! `gpu.cuda`: the CUDA driver API initialises and lists the GPUs (live facts only), and the
 //! mapping from `nvidia-smi`'s GPU indices to CUDA ordinals used by the topology cross-check.
 
-use crate::setup::facts::Facts;
-use crate::setup::live::CudaFacts;
-use crate::setup::report::{Capability, Check, Status};
+use crate::facts::Facts;
+use crate::live::CudaFacts;
+use crate::report::{Capability, Check, Status};
 
 use super::{check, in_container};
 

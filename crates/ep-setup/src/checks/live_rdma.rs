@@ -6,9 +6,9 @@
 
 use std::collections::BTreeSet;
 
-use crate::setup::facts::{Facts, NicFacts, NvshmemFacts, Version};
-use crate::setup::live::{VerbsDevice, VerbsFacts};
-use crate::setup::report::{Check, Status};
+use crate::facts::{Facts, NicFacts, NvshmemFacts, Version};
+use crate::live::{VerbsDevice, VerbsFacts};
+use crate::report::{Check, Status};
 
 use super::{CPU, GPU, check, in_container, nvshmem};
 
@@ -538,8 +538,8 @@ pub(crate) fn probe_registration(f: &Facts) -> Check {
         r.gpu.map_or_else(|| "?".to_string(), |g| g.to_string()),
         r.nic.as_deref().unwrap_or("?")
     );
-    let worked = |a: &Option<crate::setup::live::Attempt>| a.as_ref().is_some_and(|a| a.ok);
-    let why = |a: &Option<crate::setup::live::Attempt>| match a {
+    let worked = |a: &Option<crate::live::Attempt>| a.as_ref().is_some_and(|a| a.ok);
+    let why = |a: &Option<crate::live::Attempt>| match a {
         None => "not tried".to_string(),
         Some(a) if a.ok => "works".to_string(),
         Some(a) => a.error.clone().unwrap_or_else(|| "failed".to_string()),

@@ -1,8 +1,8 @@
 //! Driver checks: loaded, open or proprietary module, the IBGDA keys (with the reboot-pending
 //! case), GPU memory registration with the NIC, GDRCopy.
 
-use crate::setup::facts::{Facts, NvshmemFacts, Version};
-use crate::setup::report::{Capability, Check, Status};
+use crate::facts::{Facts, NvshmemFacts, Version};
+use crate::report::{Capability, Check, Status};
 
 use super::{CPU, GPU, check, in_container, nvshmem};
 

@@ -1,7 +1,7 @@
 //! System checks: the locked-memory limit, PCIe ACS and the IOMMU.
 
-use crate::setup::facts::Facts;
-use crate::setup::report::{Check, Status};
+use crate::facts::Facts;
+use crate::report::{Check, Status};
 
 use super::{CPU, GPU, check, in_container};
 

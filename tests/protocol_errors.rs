@@ -1,0 +1,279 @@
+//! Errors of a `Buffer` say the truth: an agent that produced nothing is named with its own rank,
+//! a mode whose arena was never allocated says so (not "too small"), a combine bias of the wrong
+//! hidden width is refused on every combine path, and a simulator finding stays a typed
+//! [`Violation`] when it crosses the Transport.
+
+mod protocol_support;
+
+use ep_rs::core::buffer::NormalDispatchArgs;
+use ep_rs::core::config::{BufferConfig, Config};
+use ep_rs::core::plan::combine::CombineArgs;
+use ep_rs::core::plan::intranode::IntranodeHandle;
+use ep_rs::core::plan::layout::DispatchLayout;
+use ep_rs::core::plan::low_latency::LlParams;
+use ep_rs::core::protocol::ProtocolMutation;
+use ep_rs::core::transport::{
+    AllocRequest, FabricParams, Phase, PhaseReport, Reach, SymAddr, SymAlloc, Team, Transport,
+    Violation,
+};
+use ep_rs::core::{Buffer, Error, RankInputs, Result, Tensor2};
+use ep_rs::sim::Sim;
+use protocol_support::*;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+const R: usize = 3;
+const H: usize = 16;
+const K: usize = 2;
+
+/// A transport that runs every phase on `inner` without the agents of role `role` on `rank`: as
+/// if that agent had ended without leaving its result.
+struct Without {
+    inner: Sim,
+    rank: usize,
+    role: &'static str,
+}
+
+impl Transport for Without {
+    fn fabric(&self) -> &FabricParams {
+        self.inner.fabric()
+    }
+    fn reach(&self, from: usize, to: usize) -> Reach {
+        self.inner.reach(from, to)
+    }
+    fn alloc(&mut self, req: AllocRequest) -> Result<SymAlloc> {
+        self.inner.alloc(req)
+    }
+    fn barrier(&mut self, team: &Team) -> Result<()> {
+        self.inner.barrier(team)
+    }
+    fn recover(&mut self, team: &Team) -> Result<()> {
+        self.inner.recover(team)
+    }
+    fn read_local(&self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()> {
+        self.inner.read_local(rank, addr, out)
+    }
+    fn write_local(&mut self, rank: usize, addr: SymAddr, bytes: &[u8]) -> Result<()> {
+        self.inner.write_local(rank, addr, bytes)
+    }
+    fn run_phase(&mut self, mut phase: Phase<'_>) -> Result<PhaseReport> {
+        phase
+            .agents
+            .retain(|a| !(a.rank == self.rank && a.role == self.role));
+        self.inner.run_phase(phase)
+    }
+}
+
+fn case_gen() -> Gen {
+    Gen {
+        num_ranks: R,
+        max_tokens: 5,
+        num_experts: 2 * R,
+        num_topk: K,
+        hidden: H,
+        fp8: false,
+        mask: 0.1,
+        full: true,
+    }
+}
+
+fn args() -> NormalDispatchArgs {
+    NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).expect("a valid config"))
+}
+
+fn layouts<T: Transport>(buf: &Buffer<T>, inputs: &[RankInputs]) -> Vec<DispatchLayout> {
+    let idx: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
+    buf.get_dispatch_layout(&idx, case_gen().num_experts)
+        .expect("layout")
+}
+
+fn normal_config() -> BufferConfig {
+    let mut cfg = BufferConfig::new(R);
+    cfg.num_nvl_bytes = Buffer::<Sim>::normal_size_hint(R, 5 * R, H, 2, K).div_ceil(128) * 128;
+    cfg
+}
+
+/// A normal-mode buffer (simulator seed `seed`) whose rank `rank` runs no receiver agent.
+fn without_receiver(seed: u64, rank: usize) -> Buffer<Without> {
+    let t = Without {
+        inner: sim(fabric(R, 4096, 4, 1), seed, policy(seed as u8)),
+        rank,
+        role: "receiver",
+    };
+    Buffer::new(t, normal_config()).expect("buffer")
+}
+
+#[test]
+fn a_dispatch_receiver_that_left_nothing_is_named_by_its_rank() {
+    let mut buf = without_receiver(1, 1);
+    let inputs = gen_inputs(&case_gen(), 3, false);
+    let lay = layouts(&buf, &inputs);
+    let err = buf
+        .dispatch(&inputs, &lay, case_gen().num_experts, &args())
+        .expect_err("rank 1's receiver did not run");
+    assert!(
+        matches!(err, Error::AgentFailed { rank: 1, ref agent, .. } if agent == "receiver"),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_cached_dispatch_receiver_that_left_nothing_is_named_by_its_rank() {
+    let inputs = gen_inputs(&case_gen(), 4, false);
+    let mut plain =
+        Buffer::new(sim(fabric(R, 4096, 4, 1), 2, policy(2)), normal_config()).expect("buffer");
+    let lay = layouts(&plain, &inputs);
+    let handles: Vec<IntranodeHandle> = plain
+        .dispatch(&inputs, &lay, case_gen().num_experts, &args())
+        .expect("dispatch")
+        .into_iter()
+        .map(|d| d.handle)
+        .collect();
+    let mut buf = without_receiver(2, 2);
+    let xs: Vec<_> = inputs.iter().map(|i| &i.x).collect();
+    let err = buf
+        .dispatch_cached(&xs, &handles)
+        .expect_err("rank 2's receiver did not run");
+    assert!(
+        matches!(err, Error::AgentFailed { rank: 2, ref agent, .. } if agent == "receiver"),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_missing_arena_is_reported_missing_not_too_small() {
+    let inputs = gen_inputs(&case_gen(), 5, false);
+    // No normal arena.
+    let mut buf = Buffer::new(
+        sim(fabric(R, 4096, 4, 1), 3, policy(2)),
+        BufferConfig::new(R),
+    )
+    .expect("buf");
+    let lay = layouts(&buf, &inputs);
+    let err = buf
+        .dispatch(&inputs, &lay, case_gen().num_experts, &args())
+        .expect_err("no normal arena");
+    assert!(
+        matches!(err, Error::ArenaMissing { what, .. } if what.contains("normal")),
+        "{err:?}"
+    );
+    // Low-latency mode without a low-latency buffer.
+    let mut cfg = BufferConfig::new(R);
+    cfg.low_latency_mode = true;
+    let mut buf = Buffer::new(sim(fabric(R, 4096, 4, 1), 3, policy(2)), cfg).expect("buf");
+    let params = LlParams::new(8, case_gen().num_experts);
+    let ll_inputs = gen_inputs(
+        &Gen {
+            hidden: 128,
+            ..case_gen()
+        },
+        5,
+        false,
+    );
+    let err = buf
+        .low_latency_dispatch(&ll_inputs, &params)
+        .expect_err("no low-latency buffer");
+    assert!(
+        matches!(err, Error::ArenaMissing { what, .. } if what.contains("low-latency")),
+        "{err:?}"
+    );
+}
+
+/// A buffer after an in-place dispatch, its handles, expert outputs, and per rank one bias of
+/// `H + 1` columns (rows right).
+type WrongWidthCase = (
+    Buffer<Sim>,
+    Vec<IntranodeHandle>,
+    Vec<Tensor2<half::bf16>>,
+    Vec<Vec<Tensor2<half::bf16>>>,
+);
+
+fn wrong_width_case() -> WrongWidthCase {
+    let inputs = gen_inputs(&case_gen(), 6, false);
+    let mut buf =
+        Buffer::new(sim(fabric(R, 4096, 4, 1), 4, policy(0)), normal_config()).expect("buffer");
+    let lay = layouts(&buf, &inputs);
+    let handles: Vec<IntranodeHandle> = buf
+        .dispatch_in_place(&inputs, &lay, case_gen().num_experts, &args())
+        .expect("dispatch")
+        .into_iter()
+        .map(|d| d.handle)
+        .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let ys = handles
+        .iter()
+        .map(|h| rand_bf16_tensor(&mut rng, h.recv_src_idx.len(), H))
+        .collect();
+    let bias = inputs
+        .iter()
+        .map(|i| vec![rand_bf16_tensor(&mut rng, i.num_tokens(), H + 1)])
+        .collect();
+    (buf, handles, ys, bias)
+}
+
+fn is_bias_mismatch(e: &Error) -> bool {
+    matches!(e, Error::ShapeMismatch { what, .. } if what.contains("bias"))
+}
+
+#[test]
+fn a_combine_bias_of_the_wrong_hidden_width_is_refused() {
+    let (mut buf, handles, ys, bias) = wrong_width_case();
+    let cargs: Vec<_> = ys
+        .iter()
+        .zip(&bias)
+        .map(|(y, b)| CombineArgs {
+            x: y,
+            topk_weights: None,
+            bias: b,
+        })
+        .collect();
+    let e = ep_rs::core::plan::intranode::intranode_combine(&handles, &cargs)
+        .expect_err("plan: bias of H + 1 columns");
+    assert!(is_bias_mismatch(&e), "{e:?}");
+    let e = buf
+        .combine(&handles, &cargs)
+        .expect_err("Buffer::combine: bias of H + 1 columns");
+    assert!(is_bias_mismatch(&e), "{e:?}");
+    let b: Vec<&[_]> = bias.iter().map(Vec::as_slice).collect();
+    let e = buf
+        .combine_in_place(&handles, &b)
+        .expect_err("combine_in_place: bias of H + 1 columns");
+    assert!(is_bias_mismatch(&e), "{e:?}");
+    let e = buf
+        .combine_from_rows(&handles, &b, false)
+        .expect_err("combine_from_rows: bias of H + 1 columns");
+    assert!(is_bias_mismatch(&e), "{e:?}");
+}
+
+#[test]
+fn a_simulator_finding_crosses_the_transport_typed() {
+    // A sender that stores its last row after releasing `done` is caught within a few seeds;
+    // the error a `Buffer` returns carries the simulator's typed finding, not its text.
+    let found = (0..24u64).find_map(|seed| {
+        let mut buf = Buffer::new(
+            sim(fabric(R, 4096, 4, 1), seed, policy(seed as u8)),
+            normal_config(),
+        )
+        .expect("buffer");
+        buf.set_mutation_for_test(ProtocolMutation::ReleaseBeforeLastRow);
+        let inputs = gen_inputs(&case_gen(), seed, false);
+        let lay = layouts(&buf, &inputs);
+        buf.dispatch(&inputs, &lay, case_gen().num_experts, &args())
+            .err()
+            .filter(|e| e.violation().is_some())
+    });
+    let e = found.expect("the planted bug is caught as a violation within 24 seeds");
+    assert!(
+        matches!(
+            e,
+            Error::ProtocolViolation { ref violation, rank }
+                if rank == violation.rank() && matches!(
+                    **violation,
+                    Violation::StoreNotPublished { .. }
+                        | Violation::ReadOfPoison { .. }
+                        | Violation::DataRace { .. }
+                )
+        ),
+        "{e:?}"
+    );
+}
