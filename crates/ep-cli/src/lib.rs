@@ -7,9 +7,11 @@
 //!   `manifest.json` (`dump_outputs`).
 //! - [`bench`]: `ep bench`, dispatch and combine on a backend, verified against the oracle and
 //!   timed, with DeepEP's byte counts and the cost model's prediction.
+//! - [`preflight`]: the checks before any work (usage limits, memory, output paths).
 //! - [`alloc`]: the caching allocator the `ep` binary installs.
 
 pub mod alloc;
 pub mod bench;
 pub mod io;
+pub mod preflight;
 pub mod workload;

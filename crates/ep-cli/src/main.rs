@@ -60,7 +60,21 @@ fn main() {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("ep: {e:#}");
-            std::process::exit(3);
+            std::process::exit(exit_code(&e));
         }
+    }
+}
+
+/// The exit code of a failed `ep layout` or `ep doctor`: 2 for usage errors (options that
+/// cannot work), 3 for run-time errors, as `ep bench`'s `BenchError::exit_code`.
+#[must_use]
+fn exit_code(e: &anyhow::Error) -> i32 {
+    use ep_cli::workload::OptionsError;
+    if let Some(p) = e.downcast_ref::<ep_cli::preflight::PreflightError>() {
+        return p.exit_code();
+    }
+    match e.downcast_ref::<OptionsError>() {
+        Some(OptionsError::ExpertsRequired | OptionsError::Generate(_)) => 2,
+        _ => 3,
     }
 }

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use crate::io::IoError;
+use crate::preflight::PreflightError;
 use crate::workload::OptionsError;
 
 /// Everything that stops `ep bench` before it can say "verified" or "mismatch". Each variant
@@ -16,6 +17,10 @@ pub enum BenchError {
     /// The workload options (reading or generating the inputs, `--dump-inputs`).
     #[error(transparent)]
     Options(#[from] OptionsError),
+    /// Refused before any work (a shape beyond the protocol's limits, more memory or disk than
+    /// the machine has, an output path that cannot be written).
+    #[error(transparent)]
+    Preflight(#[from] PreflightError),
     /// `--backend gpu` before the GPU backend exists.
     #[error(
         "the GPU backend is not built yet: ep bench runs on the simulator for now (--backend sim, \
@@ -75,7 +80,9 @@ impl BenchError {
     #[must_use]
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Usage(_) | Self::Options(OptionsError::ExpertsRequired) => 2,
+            Self::Usage(_)
+            | Self::Options(OptionsError::ExpertsRequired | OptionsError::Generate(_)) => 2,
+            Self::Preflight(e) => e.exit_code(),
             _ => 3,
         }
     }

@@ -39,6 +39,7 @@ pub use error::{BenchError, error_chain};
 pub use report::Report;
 
 use crate::io::RunInfo;
+use crate::preflight;
 use crate::workload::{self, Defaults, Mode, Workload, WorkloadArgs};
 use progress::Progress;
 
@@ -273,6 +274,18 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
             "--iters 0: time at least one iteration".into(),
         ));
     }
+    let defaults = Defaults {
+        hidden: 7168,
+        low_latency_fp8: true,
+    };
+    // Everything that can be refused is refused here, before a byte of the workload exists.
+    preflight::check_granularity(args.granularity)?;
+    let need = preflight::before_load(
+        &args.workload,
+        &defaults,
+        preflight::Command::Bench,
+        args.json.as_deref(),
+    )?;
     crate::alloc::tune_system_allocator();
     let progress = Progress::new(4 + (args.warmup + iters) as u64, args.quiet);
     let timeline = Timeline::default();
@@ -281,11 +294,12 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
     let t = timeline.lap("memcpy calibration", started);
     progress.done();
     progress.step("workload");
-    let defaults = Defaults {
-        hidden: 7168,
-        low_latency_fp8: true,
-    };
     let mut w: Workload = workload::load(&args.workload, &defaults)?;
+    let need = need.or(preflight::after_load(
+        &w,
+        &args.workload,
+        preflight::Command::Bench,
+    )?);
     timeline.lap("workload", t);
     progress.done();
     let r = w.inputs.len();
@@ -336,6 +350,15 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
         fabric.rc_per_pe,
         fabric.granularity >> 20,
     ));
+    if let Some(need) = &need {
+        progress.println(format!(
+            "memory: about {} at the peak (estimate)",
+            preflight::gib(need.memory_total())
+        ));
+        if let Some(dir) = &args.workload.dump {
+            progress.println(preflight::dump_line(need, dir));
+        }
+    }
     let params = RunParams {
         backend: args.backend.name(),
         fabric: &fabric,
