@@ -45,13 +45,16 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
-        Command::Bench(args) => match ep_cli::bench::run(&args) {
-            Ok(outcome) => Ok(outcome.exit_code()),
-            Err(e) => {
-                eprintln!("ep bench: {}", ep_cli::bench::error_chain(&e));
-                std::process::exit(e.exit_code());
+        Command::Bench(args) => {
+            ep_cli::interrupt::install();
+            match ep_cli::bench::run(&args) {
+                Ok(outcome) => Ok(outcome.exit_code()),
+                Err(e) => {
+                    eprintln!("ep bench: {}", ep_cli::bench::error_chain(&e));
+                    std::process::exit(e.exit_code());
+                }
             }
-        },
+        }
         Command::Layout(args) => layout::run(&args),
         Command::Doctor(args) => doctor::run(&args),
         Command::NvshmemProbe => doctor::probe_child(),

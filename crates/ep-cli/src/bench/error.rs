@@ -7,7 +7,8 @@ use crate::preflight::PreflightError;
 use crate::workload::OptionsError;
 
 /// Everything that stops `ep bench` before it can say "verified" or "mismatch". Each variant
-/// says what to do; [`BenchError::exit_code`] gives the process exit code (2 usage, 3 other).
+/// says what to do; [`BenchError::exit_code`] gives the process exit code (2 usage, 3 other,
+/// 128 + the signal when interrupted).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BenchError {
@@ -21,6 +22,18 @@ pub enum BenchError {
     /// the machine has, an output path that cannot be written).
     #[error(transparent)]
     Preflight(#[from] PreflightError),
+    /// SIGINT or SIGTERM: the run stopped at a step boundary (nothing half-written).
+    #[error(
+        "interrupted by {} {where_}; stopped cleanly (a --dump or --json is either complete or \
+         absent)",
+        crate::interrupt::name(*signal)
+    )]
+    Interrupted {
+        /// The signal.
+        signal: i32,
+        /// Where the run was (`before iteration 3`, `after the workload`).
+        where_: String,
+    },
     /// `--backend gpu` before the GPU backend exists.
     #[error(
         "the GPU backend is not built yet: ep bench runs on the simulator for now (--backend sim, \
@@ -83,7 +96,20 @@ impl BenchError {
             Self::Usage(_)
             | Self::Options(OptionsError::ExpertsRequired | OptionsError::Generate(_)) => 2,
             Self::Preflight(e) => e.exit_code(),
+            // As a shell reports a process ended by the signal.
+            Self::Interrupted { signal, .. } => 128 + signal,
             _ => 3,
+        }
+    }
+
+    /// `Err(Interrupted)` once SIGINT or SIGTERM was received ([`crate::interrupt`]).
+    pub(crate) fn check_interrupt(where_: impl FnOnce() -> String) -> Result<(), Self> {
+        match crate::interrupt::received() {
+            Some(signal) => Err(Self::Interrupted {
+                signal,
+                where_: where_(),
+            }),
+            None => Ok(()),
         }
     }
 

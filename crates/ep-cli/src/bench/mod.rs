@@ -36,6 +36,7 @@ use half::slice::HalfFloatSliceExt;
 
 pub use backend::Backend;
 pub use error::{BenchError, error_chain};
+pub use progress::ProgressMode;
 pub use report::Report;
 
 use crate::io::RunInfo;
@@ -80,9 +81,13 @@ pub struct BenchArgs {
     /// verification) to PATH.
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
-    /// No progress bar.
+    /// No progress output at all (as --progress none).
     #[arg(long)]
     pub quiet: bool,
+    /// Progress: a bar when stderr is a terminal, else one line per step on stderr (auto); or
+    /// always bar, plain or none.
+    #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
+    pub progress: ProgressMode,
 }
 
 /// How a run ended when it ran to the end.
@@ -172,13 +177,15 @@ pub(crate) struct RunParams<'a> {
 
 impl RunParams<'_> {
     /// Starts iteration `it` (warm-ups first): shows it on the progress bar and brings the
-    /// inputs' sign to this iteration's (`*negated` tracks it). Returns whether it is timed.
+    /// inputs' sign to this iteration's (`*negated` tracks it). Returns whether it is timed, or
+    /// `Interrupted` after SIGINT/SIGTERM.
     pub(crate) fn begin_iteration(
         &self,
         it: usize,
         inputs: &mut [RankInputs],
         negated: &mut bool,
-    ) -> bool {
+    ) -> Result<bool, BenchError> {
+        BenchError::check_interrupt(|| format!("before iteration {it}"))?;
         let timed = it >= self.warmup;
         self.progress.step(format!(
             "{} {}",
@@ -190,7 +197,7 @@ impl RunParams<'_> {
             flip_signs(inputs);
             *negated = want_negated;
         }
-        timed
+        Ok(timed)
     }
 }
 
@@ -287,7 +294,7 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
         args.json.as_deref(),
     )?;
     crate::alloc::tune_system_allocator();
-    let progress = Progress::new(4 + (args.warmup + iters) as u64, args.quiet);
+    let progress = Progress::new(4 + (args.warmup + iters) as u64, args.quiet, args.progress);
     let timeline = Timeline::default();
     progress.step("memcpy calibration");
     let memcpy = memcpy::single_thread_gb_per_s(Duration::from_millis(200));
@@ -302,6 +309,10 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
     )?);
     timeline.lap("workload", t);
     progress.done();
+    if let Err(e) = BenchError::check_interrupt(|| "after loading the workload".into()) {
+        progress.finish();
+        return Err(e);
+    }
     let r = w.inputs.len();
     let rpn = args.ranks_per_node.unwrap_or(r);
     if rpn == 0 || !r.is_multiple_of(rpn) {
@@ -342,8 +353,8 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
          chunks of {} MiB",
         args.backend.name(),
         match args.backend {
-            Backend::Sim => "threads mode, not checked",
-            _ => "deterministic, every check",
+            Backend::Sim => "threads mode: no memory-model checks; every output is verified",
+            _ => "deterministic, every memory-model check; every output is verified",
         },
         rpn,
         fabric.qp_depth,

@@ -133,7 +133,7 @@ pub(crate) fn run<T: Recorded>(
     let mut digest = None;
     let mut negated = false;
     for it in 0..p.warmup + p.iters {
-        let timed = p.begin_iteration(it, &mut w.inputs, &mut negated);
+        let timed = p.begin_iteration(it, &mut w.inputs, &mut negated)?;
         let rec0 = buf.transport().phase_records().len();
         tl.lap("inputs", t);
         let cx = IterCtx {
