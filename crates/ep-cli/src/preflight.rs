@@ -397,22 +397,42 @@ impl Need {
             }
             Mode::LowLatency => {
                 let l = shape.local_experts() as u64;
-                let n = t.div_ceil(4) * 4;
-                let slots = l * r * n;
-                let fp8_row = h + 4 * h.div_ceil(128);
-                let disp_row = if shape.fp8 { fp8_row } else { 2 * h };
-                // Rows the dispatch fills per rank: one per (token, expert) selection.
-                let filled = r * t * k;
-                // Dispatch outputs of the call (and the spare one it reuses), the oracle's of
-                // both signs, and BF16 expert outputs of both signs: packed [L, R·N, H] per rank.
-                let arrays = 4 * disp_row + 2 * 2 * h;
-                let packed = slots * r * arrays;
-                let touched = (filled * arrays).min(packed);
-                // Arrays below the allocator's fresh-mapping size are zeroed on the heap.
-                let small = slots * disp_row < FRESH_MAPPING;
-                need.memory
-                    .push(("packed expert arrays", if small { packed } else { touched }));
-                need.reserved = packed.saturating_sub(touched);
+                // N: T raised until R·N is a multiple of 4 (workload::ll_params).
+                let mut n = t.max(1);
+                while !(r * n).is_multiple_of(4) {
+                    n += 1;
+                }
+                let rn = r * n;
+                // Packed [R·N, row] arrays per (rank, local expert): the dispatch outputs of the
+                // call and the spare one it reuses and the oracle's of both signs (x, and FP8
+                // scales), and BF16 expert outputs of both signs.
+                let data_row = if shape.fp8 { h } else { 2 * h };
+                let scale_copies = if shape.fp8 { 4 } else { 0 };
+                let arrays = [
+                    (4, data_row),
+                    (scale_copies, 4 * h.div_ceil(128)),
+                    (2, 2 * h),
+                ];
+                // Rows a rank's arrays get filled with: its share of the selections.
+                let filled = t * k;
+                let (mut resident, mut mapped) = (0u64, 0u64);
+                for (copies, row) in arrays {
+                    let bytes = rn * row;
+                    let count = r * l * copies;
+                    if bytes < FRESH_MAPPING {
+                        // Small arrays are zeroed on the heap: resident in full.
+                        resident += count * bytes;
+                        mapped += count * bytes;
+                    } else {
+                        // Fresh zero pages (at least FRESH_ALLOC each): only filled rows'
+                        // pages become resident.
+                        let pages = (row.div_ceil(4096) + 1) * 4096;
+                        resident += (r * copies * filled * pages).min(count * bytes);
+                        mapped += count * bytes.max(FRESH_ALLOC);
+                    }
+                }
+                need.memory.push(("packed expert arrays", resident));
+                need.reserved = mapped.saturating_sub(resident);
                 if command == Command::Bench {
                     // The simulator's arena materialises whole pages where a row lands.
                     let arena = ep_core::Buffer::<ep_sim::ThreadSim>::low_latency_size_hint(
@@ -421,10 +441,13 @@ impl Need {
                         shape.ranks,
                         shape.experts,
                     );
-                    let rows = t * k * 2; // dispatch rows and combine partials
+                    // Dispatch rows land in per-(expert, source rank) blocks: a page per block
+                    // reached plus the rows; combine partials are contiguous per token.
+                    let blocks = (l * r).min(t * k);
+                    let per_rank = blocks * SIM_PAGE + t * k * (data_row + 2 * h);
                     need.memory.push((
                         "simulator arena",
-                        (r * rows * SIM_PAGE).min(arena.saturating_mul(r)),
+                        (r * per_rank).min(arena.saturating_mul(r)),
                     ));
                 }
                 let combined = r * t * 2 * h;
@@ -435,8 +458,9 @@ impl Need {
                 need.memory
                     .push(("combined outputs and references", refs * combined));
                 if dump {
-                    need.memory.push(("dump copies", slots * 4 * h));
-                    need.disk = r * slots * (4 * h + disp_row + 4 * h / 128 + 8) + r * t * 4 * h;
+                    // One rank's packed rows as float32 at a time.
+                    need.memory.push(("dump copies", l * rn * 4 * h));
+                    need.disk = r * l * rn * (4 * h + data_row + 4 * h / 128 + 8) + r * t * 4 * h;
                 }
             }
         }
@@ -462,6 +486,10 @@ const SIM_PAGE: u64 = 1 << 18;
 
 /// Arrays at least this large come from fresh mappings (`plan::low_latency::packed_zeros_*`).
 const FRESH_MAPPING: u64 = 1 << 20;
+
+/// ... of at least this many bytes (ep-core's `FRESH_ALLOC_BYTES`: glibc's mmap threshold as
+/// `crate::alloc::tune_system_allocator` sets it, 32 MiB, plus glibc's header room).
+const FRESH_ALLOC: u64 = (32 << 20) + (64 << 10);
 
 /// What this machine gives a run. (Disk space is not checked: a run with `--dump` says what it
 /// will write before it starts, [`dump_line`].)
