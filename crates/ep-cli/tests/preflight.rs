@@ -184,3 +184,20 @@ fn output_paths_are_checked_before_the_run() {
     // Checked first: no workload was generated, no memcpy calibrated.
     assert!(t.elapsed() < Duration::from_secs(20));
 }
+
+#[test]
+fn under_ulimit_v_the_run_is_refused_from_the_estimate_not_aborted() {
+    // A real RLIMIT_AS: the default low-latency run maps far more than 4 GiB of zero pages.
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v 4000000 && exec {} bench --quiet --mode low-latency",
+            env!("CARGO_BIN_EXE_ep")
+        ))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("of address space"), "{stderr}");
+    assert!(stderr.contains("ulimit -v"), "{stderr}");
+}
