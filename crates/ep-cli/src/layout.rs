@@ -59,9 +59,10 @@ pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
     let ll_mode = w.mode == Mode::LowLatency;
     let mode_name = w.mode.name();
     let start = Instant::now();
-    // Low-latency dispatch is FP8 unless --no-fp8, as in ep bench (one default, one digest).
+    // Low-latency dispatch is FP8 unless --no-fp8, as in ep bench (one default, one digest);
+    // the small default hidden size is a multiple of FP8 low-latency's 512.
     let defaults = Defaults {
-        hidden: 256,
+        hidden: 512,
         low_latency_fp8: true,
     };
     let need = preflight::before_load(w, &defaults, preflight::Command::Layout, None)?;

@@ -51,7 +51,7 @@ pub struct WorkloadArgs {
     /// Tokens per rank [default: 4096 normal, 128 low-latency; with --inputs: from the files].
     #[arg(long)]
     pub tokens: Option<usize>,
-    /// Hidden size [default: 7168 for ep bench, 256 for ep layout, whose layout does not depend
+    /// Hidden size [default: 7168 for ep bench, 512 for ep layout, whose layout does not depend
     /// on it; with --inputs: from the files].
     #[arg(long)]
     pub hidden: Option<usize>,

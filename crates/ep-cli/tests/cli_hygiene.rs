@@ -164,3 +164,18 @@ fn walk(dir: &std::path::Path) -> Vec<String> {
     }
     out
 }
+
+#[test]
+fn layout_runs_with_its_defaults_in_both_modes() {
+    // One FP8 default: ep layout's low-latency dispatch is FP8 too, so its default hidden size
+    // must allow it (default shapes but for the tokens, to keep the test short).
+    for mode in ["normal", "low-latency"] {
+        let out = ep(&["layout", "--mode", mode, "--tokens", "32"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("plan == oracle: OK"),
+            "{mode}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

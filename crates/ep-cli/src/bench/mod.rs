@@ -71,7 +71,8 @@ pub struct BenchArgs {
     /// chunk boundary become one work request per chunk.
     #[arg(long, default_value_t = 1 << 29)]
     pub granularity: u64,
-    /// Timed iterations [default: 5 normal, 20 low-latency].
+    /// Timed iterations [default: 3 normal (each moves ~5 GB and is verified in full; the whole
+    /// default run stays under 10 s on a 2-core machine), 20 low-latency].
     #[arg(long)]
     pub iters: Option<usize>,
     /// Untimed warm-up iterations before them (verified all the same).
@@ -275,7 +276,7 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
     let mode = args.workload.mode;
     let iters = args
         .iters
-        .unwrap_or(if mode == Mode::Normal { 5 } else { 20 });
+        .unwrap_or(if mode == Mode::Normal { 3 } else { 20 });
     if iters == 0 {
         return Err(BenchError::Usage(
             "--iters 0: time at least one iteration".into(),
