@@ -172,20 +172,27 @@ pub fn generate(spec: &WorkloadSpec) -> ep_core::Result<Vec<RankInputs>> {
         .map_or(1, usize::from)
         .clamp(1, spec.num_ranks.max(1));
     let mut parts: Vec<ep_core::Result<Vec<(usize, RankInputs)>>> = Vec::new();
+    let part = move |i: usize| {
+        (i..spec.num_ranks)
+            .step_by(threads)
+            .map(|r| spec.generate_rank(r).map(|x| (r, x)))
+            .collect::<ep_core::Result<Vec<_>>>()
+    };
     std::thread::scope(|s| {
+        // A thread the system refuses (ulimit -u, -v) generates its share here instead.
         let handles: Vec<_> = (0..threads)
             .map(|i| {
-                s.spawn(move || {
-                    (i..spec.num_ranks)
-                        .step_by(threads)
-                        .map(|r| spec.generate_rank(r).map(|x| (r, x)))
-                        .collect::<ep_core::Result<Vec<_>>>()
-                })
+                std::thread::Builder::new()
+                    .spawn_scoped(s, move || part(i))
+                    .map_err(|_| i)
             })
             .collect();
         parts = handles
             .into_iter()
-            .map(|h| h.join().expect("workload generation does not panic"))
+            .map(|h| match h {
+                Ok(h) => h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
+                Err(i) => part(i),
+            })
             .collect();
     });
     let mut all = Vec::with_capacity(spec.num_ranks);

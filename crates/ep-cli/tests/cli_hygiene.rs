@@ -179,3 +179,21 @@ fn layout_runs_with_its_defaults_in_both_modes() {
         );
     }
 }
+
+#[test]
+fn a_dump_says_what_it_needs_before_it_starts() {
+    let dir = scratch("dump-need");
+    let dump = dir.join("out");
+    let out = ep(&cat(
+        &[
+            "bench", "--quiet", "--hidden", "256", "--iters", "1", "--dump",
+        ],
+        &cat(&[dump.to_str().unwrap()], SMALL),
+    ));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let need = stdout.find("of disk").unwrap_or_else(|| panic!("{stdout}"));
+    let done = stdout.find("verified:").unwrap();
+    assert!(need < done, "the need is printed before the run: {stdout}");
+    assert!(ep_cli::io::read_manifest(&dump).is_ok());
+}

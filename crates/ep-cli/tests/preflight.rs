@@ -68,6 +68,19 @@ fn usage_errors_exit_2_and_name_the_option() {
         (&["--num-sms", "300"], "--num-sms 300"),
         (&["--num-sms", "3"], "--num-sms 3"),
         (&["--granularity", "1"], "--granularity 1"),
+        (&["--granularity", "3145728"], "--granularity 3145728"),
+        (
+            &["--experts", "8192"],
+            "2048 local experts exceed the protocol's limit of 1024",
+        ),
+        (
+            &["--ranks", "12", "--experts", "24"],
+            "12 ranks are not supported",
+        ),
+        (
+            &["--mode", "low-latency", "--tokens", "2000"],
+            "--tokens 2000",
+        ),
         (&["--mode", "low-latency", "--topk", "12"], "--topk 12"),
     ];
     for (extra, want) in cases {
