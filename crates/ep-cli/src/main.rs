@@ -30,7 +30,8 @@ struct Cli {
 enum Command {
     /// Run dispatch and combine on a backend (the simulator by default), verify every result
     /// against the oracle, and print DeepEP-style bandwidth and latency beside the cost model's
-    /// prediction. Exit codes: 0 verified, 1 mismatch, 2 usage error, 3 other errors.
+    /// prediction. Exit codes: 0 verified, 1 mismatch, 2 usage error, 3 other errors, 130/143
+    /// stopped by SIGINT/SIGTERM.
     Bench(ep_cli::bench::BenchArgs),
     /// Generate a seeded workload (or read one from .npy files), plan every rank's
     /// dispatch/combine, check against the oracle, print the output digest, dump on request.

@@ -12,7 +12,9 @@
 //! to the `memcpy` rate, and the cost model's prediction for the traffic the last iteration
 //! recorded (`ep_sim::cost`, summed over the phases of the call).
 //!
-//! Exit codes: 0 verified, 1 mismatch, 2 usage error, 3 other errors ([`BenchError`]).
+//! Exit codes: 0 verified, 1 mismatch, 2 usage error, 3 other errors, 128 + the signal when
+//! stopped by SIGINT or SIGTERM ([`BenchError`]). What can be refused is refused before any work
+//! ([`crate::preflight`]).
 
 mod backend;
 mod error;
