@@ -48,8 +48,8 @@ fn main() {
     let code = match cli.command {
         Command::Bench(args) => {
             ep_cli::interrupt::install();
-            match ep_cli::bench::run(&args) {
-                Ok(outcome) => Ok(outcome.exit_code()),
+            match ep_cli::bench::run_any(&args) {
+                Ok(code) => Ok(code),
                 Err(e) => {
                     eprintln!("ep bench: {}", ep_cli::bench::error_chain(&e));
                     std::process::exit(e.exit_code());

@@ -161,6 +161,140 @@ pub enum Error {
         /// What happened (exit status, timeout, spawn failure).
         what: String,
     },
+    /// A byte range outside a device buffer.
+    #[error("{what}: bytes [{offset}, {offset} + {len}) are outside its {size} bytes")]
+    OutOfBounds {
+        /// What was addressed.
+        what: &'static str,
+        /// Start.
+        offset: usize,
+        /// Length.
+        len: usize,
+        /// Buffer size.
+        size: usize,
+    },
+    /// A device tensor of the wrong dtype or shape.
+    #[error("{what}: expected {expected}, found {found}")]
+    TensorMismatch {
+        /// Which tensor.
+        what: String,
+        /// What the call needs.
+        expected: String,
+        /// What was passed.
+        found: String,
+    },
+    /// A tensor on another GPU than the rank's.
+    #[error(
+        "a tensor of rank {rank} is on GPU {found}, the rank runs on GPU {expected}: move it there first"
+    )]
+    WrongDevice {
+        /// The rank.
+        rank: usize,
+        /// The rank's GPU.
+        expected: usize,
+        /// The tensor's GPU.
+        found: usize,
+    },
+    /// Per-rank inputs for a different number of ranks.
+    #[error("inputs for {found} ranks, the group has {expected}")]
+    RankCountMismatch {
+        /// Ranks of the group.
+        expected: usize,
+        /// Inputs given.
+        found: usize,
+    },
+    /// Co-resident ranks whose kernels cannot all be resident at once.
+    #[error(
+        "{ranks} co-resident ranks x {sms_per_rank} SMs need {} SMs, the GPU has {device_sms}: use fewer SMs per rank or fewer ranks (their kernels wait on each other, so all must run at once)",
+        ranks * sms_per_rank
+    )]
+    NotEnoughSms {
+        /// Ranks on the GPU.
+        ranks: usize,
+        /// SMs each.
+        sms_per_rank: usize,
+        /// SMs of the GPU.
+        device_sms: usize,
+    },
+    /// The arena cannot hold the control words.
+    #[error(
+        "num_nvl_bytes {available} is too small: at least {needed} (use Buffer::normal_size_hint)"
+    )]
+    ArenaTooSmall {
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes given.
+        available: u64,
+    },
+    /// Received rows that do not fit the arena (or num_worst_tokens): nothing was written, the
+    /// group stays usable.
+    #[error(
+        "rank {rank} would receive {rows} rows, room for {capacity}: raise num_nvl_bytes (Buffer::normal_size_hint) or num_worst_tokens"
+    )]
+    DeviceCapacity {
+        /// The receiving rank.
+        rank: usize,
+        /// Rows it would receive.
+        rows: u64,
+        /// Rows that fit.
+        capacity: u64,
+    },
+    /// An expert id outside `[-1, E)` seen by the layout kernel.
+    #[error(
+        "rank {rank}: topk_idx element {index} (token * K + slot) is {expert}, outside [-1, num_experts)"
+    )]
+    ExpertOutOfRange {
+        /// The rank.
+        rank: usize,
+        /// Flat index of the element.
+        index: u64,
+        /// The id.
+        expert: i64,
+    },
+    /// A device wait ran out (the group is poisoned until `reset`).
+    #[error(
+        "rank {rank}'s {kernel} kernel (block {block}) waited {timeout:?} for {word} == {expected} (last seen {last_seen}), written by rank {}: that rank did not arrive; the group is poisoned until reset()",
+        writer.map_or("?".to_string(), |w| w.to_string())
+    )]
+    DeviceWaitTimeout {
+        /// The waiting rank.
+        rank: usize,
+        /// Its kernel.
+        kernel: &'static str,
+        /// Its block.
+        block: usize,
+        /// The word awaited.
+        word: String,
+        /// The rank that writes it.
+        writer: Option<usize>,
+        /// Value awaited.
+        expected: u64,
+        /// Last value read.
+        last_seen: u64,
+        /// The bound.
+        timeout: Duration,
+    },
+    /// The host's bounded wait for a device result ran out.
+    #[error("waited {timeout:?} for {what} of rank {rank}; the group is poisoned until reset()")]
+    HostWaitTimeout {
+        /// The rank.
+        rank: usize,
+        /// What was awaited.
+        what: String,
+        /// The bound.
+        timeout: Duration,
+    },
+    /// A call after a device timeout.
+    #[error(
+        "the GPU group is poisoned by an earlier failure ({cause}): call reset() on every rank"
+    )]
+    Poisoned {
+        /// The failure.
+        cause: String,
+    },
+    /// A request the GPU backend does not support, with what to do instead.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 impl Error {

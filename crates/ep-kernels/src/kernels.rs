@@ -18,7 +18,7 @@ pub fn nvcc() -> Option<&'static str> {
 
 /// Whether the kernels are compiled in.
 pub fn available() -> bool {
-    built::BRINGUP.is_ok()
+    built::BRINGUP.is_ok() && built::NORMAL.is_ok()
 }
 
 fn cubin(
@@ -26,6 +26,11 @@ fn cubin(
     built: Result<&'static [u8], &'static str>,
 ) -> Result<&'static [u8]> {
     built.map_err(|reason| Error::KernelsNotBuilt { module, reason })
+}
+
+/// The normal-mode module (`cuda/normal.cu`), or why it was not built.
+pub(crate) fn normal_cubin() -> Result<&'static [u8]> {
+    cubin("normal", built::NORMAL)
 }
 
 /// The bring-up kernel: plain stores through any device pointer (a peer's too).

@@ -7,6 +7,7 @@
 //!
 //! - [`nvshmem`]: NVSHMEM bring-up (version check, environment plan, rendezvous, init, report,
 //!   symmetric memory, peer pointers, finalize) and the one-process-per-rank launcher.
+//! - [`gpu`]: the GPU data path: device tensors, kernels, normal mode with co-resident ranks.
 //! - [`kernels`]: the embedded cubins.
 //!
 //! Build time: nvcc optional (see `build.rs`). Run time: the NVIDIA driver (`libcuda.so.1`,
@@ -14,6 +15,7 @@
 //! `nvshmem_sys::search` says).
 
 mod error;
+pub mod gpu;
 pub mod kernels;
 pub mod nvshmem;
 pub mod rules;

@@ -52,12 +52,17 @@ proptest! {
         prop_assert_eq!(c::table_bytes(ru), l::table_bytes(r));
         prop_assert_eq!(c::normal_count_record(ru, p, s as u64), d.count_record(p, s));
         prop_assert_eq!(c::normal_table(ru, p), d.table(p));
+        let (crec_n, crec_cpm, crec_e) = l::count_record_fields(r);
+        prop_assert_eq!((0, c::count_record_cpm(ru), c::count_record_experts(ru)), (crec_n, crec_cpm, crec_e));
+        let (tab_send, tab_begin, tab_chan) = l::table_fields(r);
+        prop_assert_eq!((0, c::table_recv_begin(ru), c::table_recv_chan(ru)), (tab_send, tab_begin, tab_chan));
         prop_assert_eq!(c::normal_rows_base(ru), d.rows_base());
         prop_assert_eq!(c::normal_half(ru, data), d.half());
         let f = l::RowFormat { hidden: h, elem_bytes: elem, num_scales: scales, num_topk: k };
         let (hu, eu, su, ku) = (h as u64, elem as u64, scales as u64, k as u64);
         prop_assert_eq!(c::row_dispatch_record(hu, eu, su, ku), f.dispatch_record());
         prop_assert_eq!(c::row_meta_offset(hu, eu, su), f.meta_offset());
+        prop_assert_eq!(c::row_scales_offset(hu, eu), f.scales_offset());
         prop_assert_eq!(c::row_topk_idx_offset(hu, eu, su), f.topk_idx_offset());
         prop_assert_eq!(c::row_topk_weights_offset(hu, eu, su, ku), f.topk_weights_offset());
         prop_assert_eq!(c::row_combine_record(hu, ku), f.combine_record());

@@ -34,13 +34,15 @@ pub enum BenchError {
         /// Where the run was (`before iteration 3`, `after the workload`).
         where_: String,
     },
-    /// `--backend gpu` before the GPU backend exists.
-    #[error(
-        "the GPU backend is not built yet: ep bench runs on the simulator for now (--backend sim, \
-         the default, or --backend sim-checked); GPU figures will come with the CUDA/NVSHMEM \
-         backend (ep-kernels)"
-    )]
-    GpuNotBuilt,
+    /// The GPU backend failed (no GPU, kernels not built, a device error).
+    #[error("GPU: {what}")]
+    Gpu {
+        /// What was being done.
+        what: &'static str,
+        /// ep-kernels' error (it says what to do).
+        #[source]
+        source: Box<ep_kernels::Error>,
+    },
     /// The `Buffer` could not be constructed for these options.
     #[error("setting up the {mode} Buffer on the {backend} backend")]
     Setup {

@@ -18,6 +18,7 @@
 
 mod backend;
 mod error;
+pub mod gpu;
 mod low_latency;
 mod memcpy;
 mod normal;
@@ -55,7 +56,8 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub workload: WorkloadArgs,
     /// Where to run: sim (threads mode, for throughput), sim-checked (the deterministic
-    /// simulator with every check, seeded by --seed; small runs), gpu (not built yet).
+    /// simulator with every check, seeded by --seed; small runs), gpu (normal mode on
+    /// --ranks co-resident ranks of GPU 0, CUDA-event timed beside the same-run copy ceiling).
     #[arg(long, value_enum, default_value_t = Backend::Sim)]
     pub backend: Backend,
     /// Ranks per node: ranks of one node reach each other over NVLink, others over RDMA
@@ -91,6 +93,19 @@ pub struct BenchArgs {
     /// always bar, plain or none.
     #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
     pub progress: ProgressMode,
+    /// GPU: SM counts per rank to measure, comma-separated (e.g. 8,16,24,32,48,64) [default:
+    /// --num-sms].
+    #[arg(long, value_name = "LIST")]
+    pub sms_sweep: Option<String>,
+    /// GPU: timed calls per figure (after --warmup + 4 warm-up calls).
+    #[arg(long, default_value_t = 50)]
+    pub gpu_iters: usize,
+    /// GPU: input sets rotated between calls (each larger than L2 at DeepEP's shapes).
+    #[arg(long, default_value_t = 4)]
+    pub input_sets: usize,
+    /// GPU: draw GB/s against SMs per rank, with the ceilings and DeepEP's figures, as SVG.
+    #[arg(long, value_name = "PATH")]
+    pub plot: Option<PathBuf>,
 }
 
 /// How a run ended when it ran to the end.
@@ -269,11 +284,23 @@ pub(crate) fn predictions(
         .collect()
 }
 
-/// Runs `ep bench` (module docs): prints the report, writes `--json`, returns the outcome.
+/// Runs `ep bench` on the backend `--backend` names and returns the exit code (0 verified,
+/// 1 mismatch): the simulator through [`run`], the GPU through [`gpu::run`].
+pub fn run_any(args: &BenchArgs) -> Result<i32, BenchError> {
+    if args.backend == Backend::Gpu {
+        return gpu::run(args);
+    }
+    run(args).map(|o| o.exit_code())
+}
+
+/// Runs `ep bench` on the simulator (module docs): prints the report, writes `--json`, returns
+/// the outcome. `--backend gpu` goes to [`gpu::run`] ([`run_any`] routes).
 pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
     let started = Instant::now();
     if args.backend == Backend::Gpu {
-        return Err(BenchError::GpuNotBuilt);
+        return Err(BenchError::Usage(
+            "bench::run drives the simulator; --backend gpu runs through bench::gpu::run (bench::run_any)".into(),
+        ));
     }
     let mode = args.workload.mode;
     let iters = args

@@ -1,0 +1,959 @@
+//! `ep bench --backend gpu`: normal mode on `--ranks` co-resident ranks of one GPU
+//! (`ep_kernels::gpu::NormalGroup`), at each SM count of `--sms-sweep` (default `--num-sms`).
+//!
+//! Per SM count, every call is timed with CUDA events on each rank's stream, all ranks released
+//! together behind a gate (`NormalGroup::timed`), `--gpu-iters` calls (default 50) after
+//! `--warmup` + 4 warm-up calls, rotating over `--input-sets` sets of inputs (default 4; set 0 is
+//! the workload, set `i` its rows rotated by `i` tokens with the sign flipped for odd `i`: the
+//! same routing, other bytes, so no call finds the previous call's rows in L2 — each set is
+//! larger than the 60 MB L2 at DeepEP's shapes). A call's time is the slowest rank's; the
+//! reported figure is the median over the timed calls. Calls timed:
+//!
+//! - `dispatch`: the dispatch kernel (count exchange, table, rows, meta), layouts precomputed;
+//! - `dispatch+layout`: the whole call, the layout kernel included (and the host's wait for
+//!   `num_recv`, which overlaps the rows);
+//! - `cached`: dispatch with the set's handle;
+//! - `combine`: BF16 rows pulled in place (FP8: from the combine rows, written by the identity
+//!   expert once), with the weights;
+//! - `ceiling dispatch` / `ceiling combine`: copy kernels moving the same bytes to and from the
+//!   same final rows with the same blocks per rank and no protocol (the one-GPU yardstick of
+//!   BASELINES.md); the ratio printed is ceiling time / call time.
+//!
+//! Bytes are DeepEP's (spec §6.2): dispatch `recv_x.numel() * 2` per rank (FP8:
+//! `numel * (1 + 4/128)`), combine `numel * 2`, averaged over ranks.
+//!
+//! Verification: at every SM count the first dispatch and combine of set 0 are compared with
+//! the plan (`plan::intranode`, itself checked against the oracle) bit for bit, every output;
+//! at the first SM count every set is. The canonical digest of set 0 (dispatch + identity-expert
+//! combine, as `--backend sim` computes it) is printed and must equal the plan's. Timed calls
+//! are not verified one by one.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::Instant;
+
+use ep_core::digest::RunDigest;
+use ep_core::numerics::fp8;
+use ep_core::plan::combine::{CombineArgs, CombineOutput};
+use ep_core::plan::intranode::{
+    DispatchOptions, IntranodeDispatch, intranode_combine, intranode_dispatch_all,
+};
+use ep_core::plan::layout::{DispatchLayout, channel_range, get_dispatch_layout_for_rank};
+use ep_core::protocol::layout::{NormalCtrl, NormalData, RowFormat, align128};
+use ep_core::routing::Activations;
+use ep_core::{RankInputs, Tensor2};
+use ep_kernels::gpu::{
+    CombineSource, DType, DevTensor, Device, GpuCombineArgs, GpuDispatch, GpuDispatchArgs,
+    GpuLayout, GpuRankInputs, NormalGroup,
+};
+use half::bf16;
+
+use super::error::BenchError;
+use super::{BenchArgs, flip_signs};
+use crate::workload::{self, Defaults, Mode};
+
+/// DeepEP V1 on one H200, 2 ranks as 2 processes under MPS (BASELINES.md): (SMs per rank, BF16
+/// dispatch, FP8 dispatch, combine) GB/s per rank.
+const DEEPEP_ONE_GPU: [(usize, f64, f64, f64); 4] = [
+    (24, 307.0, 231.0, 252.0),
+    (32, 391.0, 286.0, 316.0),
+    (48, 445.0, 351.0, 367.0),
+    (64, 463.0, 398.0, 428.0),
+];
+
+fn gpu_err(what: &'static str) -> impl FnOnce(ep_kernels::Error) -> BenchError {
+    move |e| BenchError::Gpu {
+        what,
+        source: Box::new(e),
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => 0.5 * (s[n / 2 - 1] + s[n / 2]),
+    }
+}
+
+/// One set of inputs on the host and the device, with its references.
+struct Set {
+    host: Vec<RankInputs>,
+    layouts: Vec<DispatchLayout>,
+    x: Vec<DevTensor>,
+    scales: Vec<Option<DevTensor>>,
+    idx: Vec<DevTensor>,
+    w: Vec<DevTensor>,
+}
+
+impl Set {
+    fn inputs(&self) -> Vec<GpuRankInputs<'_>> {
+        (0..self.x.len())
+            .map(|r| GpuRankInputs {
+                x: &self.x[r],
+                x_scales: self.scales[r].as_ref(),
+                topk_idx: Some(&self.idx[r]),
+                topk_weights: Some(&self.w[r]),
+            })
+            .collect()
+    }
+}
+
+/// Set `i` of the rotation: the workload's rows moved by `i` tokens, signs flipped for odd `i`.
+fn rotated(base: &[RankInputs], i: usize) -> Vec<RankInputs> {
+    let mut out: Vec<RankInputs> = base
+        .iter()
+        .map(|inp| {
+            let t = inp.num_tokens();
+            let x = match &inp.x {
+                Activations::Bf16(x) => Activations::Bf16(Tensor2::from_fn(t, x.cols(), |r, c| {
+                    x.get((r + i) % t.max(1), c)
+                })),
+                Activations::Fp8 { data, scales } => Activations::Fp8 {
+                    data: Tensor2::from_fn(t, data.cols(), |r, c| data.get((r + i) % t.max(1), c)),
+                    scales: Tensor2::from_fn(t, scales.cols(), |r, c| {
+                        scales.get((r + i) % t.max(1), c)
+                    }),
+                },
+            };
+            RankInputs {
+                x,
+                topk_idx: inp.topk_idx.clone(),
+                topk_weights: inp.topk_weights.clone(),
+            }
+        })
+        .collect();
+    if i % 2 == 1 {
+        flip_signs(&mut out);
+    }
+    out
+}
+
+fn upload_set(dev: &Device, host: Vec<RankInputs>, num_experts: usize) -> Result<Set, BenchError> {
+    let ctx = dev.context();
+    let r = host.len();
+    let mut set = Set {
+        layouts: Vec::with_capacity(r),
+        x: Vec::with_capacity(r),
+        scales: Vec::with_capacity(r),
+        idx: Vec::with_capacity(r),
+        w: Vec::with_capacity(r),
+        host: Vec::new(),
+    };
+    for (s, inp) in host.iter().enumerate() {
+        set.layouts.push(
+            get_dispatch_layout_for_rank(s, &inp.topk_idx, num_experts, r).map_err(|e| {
+                BenchError::Reference {
+                    what: "layout",
+                    source: Box::new(e),
+                }
+            })?,
+        );
+        match &inp.x {
+            Activations::Bf16(x) => {
+                set.x
+                    .push(DevTensor::upload(ctx, x).map_err(gpu_err("upload x"))?);
+                set.scales.push(None);
+            }
+            Activations::Fp8 { data, scales } => {
+                let d = DevTensor::upload(ctx, data).map_err(gpu_err("upload x"))?;
+                set.x.push(DevTensor::contiguous(
+                    d.buffer().clone(),
+                    0,
+                    DType::F8E4M3,
+                    data.rows(),
+                    data.cols(),
+                ));
+                set.scales.push(Some(
+                    DevTensor::upload(ctx, scales).map_err(gpu_err("upload scales"))?,
+                ));
+            }
+        }
+        set.idx
+            .push(DevTensor::upload(ctx, &inp.topk_idx).map_err(gpu_err("upload topk_idx"))?);
+        set.w.push(
+            DevTensor::upload(ctx, &inp.topk_weights).map_err(gpu_err("upload topk_weights"))?,
+        );
+    }
+    set.host = host;
+    Ok(set)
+}
+
+/// The identity expert's BF16 output rows of a dispatch (FP8 rows dequantised, as DeepEP's
+/// `per_token_cast_back` and `--backend sim`).
+fn identity_rows(d: &IntranodeDispatch) -> Result<Tensor2<bf16>, BenchError> {
+    match &d.recv_x {
+        Activations::Bf16(x) => Ok(x.clone()),
+        Activations::Fp8 { data, scales } => {
+            let mut out = Tensor2::filled(data.rows(), data.cols(), bf16::ZERO);
+            for r in 0..data.rows() {
+                fp8::dequantize_row_bf16(data.row(r), scales.row(r), out.row_mut(r)).map_err(
+                    |e| BenchError::Reference {
+                        what: "FP8 dequantisation",
+                        source: Box::new(e),
+                    },
+                )?;
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// Final row of every (token, destination) of each rank from a handle: what the ceilings copy.
+fn final_rows(d: &[IntranodeDispatch], rank: usize) -> Tensor2<i32> {
+    let h = &d[rank].handle;
+    let r = h.rank_prefix_matrix.rows();
+    let t = h.send_head.rows();
+    let c_count = h.channel_prefix_matrix.cols();
+    let mut out = Tensor2::filled(t, r, -1i32);
+    for c in 0..c_count {
+        for tok in channel_range(t, c_count, c) {
+            for dst in 0..r {
+                let sh = h.send_head.get(tok, dst);
+                if sh < 0 {
+                    continue;
+                }
+                let base = if rank == 0 {
+                    0
+                } else {
+                    h.rank_prefix_matrix.get(rank - 1, dst)
+                };
+                let start = if c == 0 {
+                    0
+                } else {
+                    h.channel_prefix_matrix.get(dst, c - 1)
+                };
+                out.set(tok, dst, base + start + sh);
+            }
+        }
+    }
+    out
+}
+
+/// What verification found.
+#[derive(Default)]
+struct Verdict {
+    checked: usize,
+    failures: Vec<String>,
+}
+
+/// What [`verify_set`] ran: the GPU's outputs (downloaded, and on the device) and the plan's.
+struct Verified {
+    host: Vec<IntranodeDispatch>,
+    comb: Vec<CombineOutput>,
+    out: Vec<GpuDispatch>,
+    plan: Vec<IntranodeDispatch>,
+    plan_comb: Vec<CombineOutput>,
+}
+
+/// Dispatch + identity combine of `set` on `g`, compared with the plan.
+fn verify_set(
+    g: &mut NormalGroup,
+    set: &Set,
+    num_experts: usize,
+    verdict: &mut Verdict,
+    what: &str,
+) -> Result<Verified, BenchError> {
+    let r = g.num_ranks();
+    let opts = DispatchOptions {
+        num_channels: g.num_channels(),
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        with_topk: true,
+    };
+    let plan =
+        intranode_dispatch_all(&set.host, &set.layouts, num_experts, &opts).map_err(|e| {
+            BenchError::Reference {
+                what: "plan dispatch",
+                source: Box::new(e),
+            }
+        })?;
+    let ys: Vec<Tensor2<bf16>> = plan.iter().map(identity_rows).collect::<Result<_, _>>()?;
+    let handles: Vec<_> = plan.iter().map(|p| p.handle.clone()).collect();
+    let cargs: Vec<CombineArgs<'_>> = (0..r)
+        .map(|d| CombineArgs {
+            x: &ys[d],
+            topk_weights: plan[d].recv_topk_weights.as_ref(),
+            bias: &[],
+        })
+        .collect();
+    let plan_comb = intranode_combine(&handles, &cargs).map_err(|e| BenchError::Reference {
+        what: "plan combine",
+        source: Box::new(e),
+    })?;
+
+    g.fill_arenas_for_test(0xa5)
+        .map_err(gpu_err("poison arenas"))?;
+    let idx: Vec<&DevTensor> = set.idx.iter().collect();
+    let lay = g.layout(&idx, num_experts).map_err(gpu_err("layout"))?;
+    let out = g
+        .dispatch(
+            &set.inputs(),
+            &lay,
+            num_experts,
+            &GpuDispatchArgs::default(),
+        )
+        .map_err(gpu_err("dispatch"))?;
+    g.sync().map_err(gpu_err("dispatch"))?;
+    let mut host = Vec::with_capacity(r);
+    for (s, l) in lay.iter().enumerate() {
+        verdict.checked += 1;
+        if l.download().map_err(gpu_err("download"))? != set.layouts[s] {
+            verdict
+                .failures
+                .push(format!("{what}: layout of rank {s} differs from the plan"));
+        }
+    }
+    for (s, o) in out.iter().enumerate() {
+        let (h, _) = o.download().map_err(gpu_err("download"))?;
+        verdict.checked += 1;
+        if h != plan[s] {
+            verdict.failures.push(format!(
+                "{what}: dispatch of rank {s} differs from the plan"
+            ));
+        }
+        host.push(h);
+    }
+    let fp8 = matches!(set.host[0].x, Activations::Fp8 { .. });
+    let source = if fp8 {
+        let ctx = g.device().context().clone();
+        for (s, y) in ys.iter().enumerate() {
+            let dy = DevTensor::upload(&ctx, y).map_err(gpu_err("upload expert rows"))?;
+            g.write_combine_rows(s, &dy, out[s].recv_topk_weights.as_ref())
+                .map_err(gpu_err("write combine rows"))?;
+            g.sync().map_err(gpu_err("write combine rows"))?;
+        }
+        CombineSource::Rows
+    } else {
+        CombineSource::InPlace
+    };
+    let args: Vec<GpuCombineArgs<'_>> = out
+        .iter()
+        .map(|o| GpuCombineArgs {
+            handle: &o.handle,
+            with_weights: true,
+            bias: [None, None],
+        })
+        .collect();
+    let comb = g.combine(source, &args).map_err(gpu_err("combine"))?;
+    g.sync().map_err(gpu_err("combine"))?;
+    let mut host_comb = Vec::with_capacity(r);
+    for (s, c) in comb.iter().enumerate() {
+        let c = c.download().map_err(gpu_err("download"))?;
+        verdict.checked += 1;
+        let bits = |t: &Tensor2<bf16>| t.data().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        if bits(&c.combined_x) != bits(&plan_comb[s].combined_x)
+            || c.combined_topk_weights != plan_comb[s].combined_topk_weights
+        {
+            verdict
+                .failures
+                .push(format!("{what}: combine of rank {s} differs from the plan"));
+        }
+        host_comb.push(c);
+    }
+    Ok(Verified {
+        host,
+        comb: host_comb,
+        out,
+        plan,
+        plan_comb,
+    })
+}
+
+/// Median figures of one call kind at one SM count.
+#[derive(Clone, Copy, Default, serde::Serialize)]
+struct Figure {
+    median_us: f64,
+    gb_per_s: f64,
+}
+
+fn figure(samples: &[f64], bytes_per_rank: f64) -> Figure {
+    let m = median(samples);
+    Figure {
+        median_us: m * 1e6,
+        gb_per_s: if m > 0.0 {
+            bytes_per_rank / m * 1e-9
+        } else {
+            0.0
+        },
+    }
+}
+
+#[derive(Clone, Default, serde::Serialize)]
+struct SmRow {
+    sms_per_rank: usize,
+    dispatch: Figure,
+    dispatch_with_layout: Figure,
+    /// The dispatch without top-k (no meta but src_idx): isolates the count exchange against
+    /// `cached`, which has none.
+    dispatch_no_topk: Figure,
+    cached: Figure,
+    combine: Figure,
+    ceiling_dispatch: Figure,
+    ceiling_combine: Figure,
+    layout_us: f64,
+}
+
+/// Runs `ep bench --backend gpu` (module docs). Returns the exit code: 0 verified, 1 mismatch.
+pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
+    let started = Instant::now();
+    if args.workload.mode != Mode::Normal {
+        return Err(BenchError::Usage(
+            "--backend gpu runs normal mode only for now (the low-latency kernels are not built yet)".into(),
+        ));
+    }
+    if args.gpu_iters == 0 || args.input_sets == 0 {
+        return Err(BenchError::Usage(
+            "--gpu-iters and --input-sets must be at least 1".into(),
+        ));
+    }
+    let sweep: Vec<usize> = match &args.sms_sweep {
+        Some(list) => list
+            .split(',')
+            .map(|s| {
+                s.trim()
+                    .parse::<usize>()
+                    .map_err(|_| BenchError::Usage(format!("--sms-sweep: {s:?} is not a number")))
+            })
+            .collect::<Result<_, _>>()?,
+        None => vec![args.workload.num_sms],
+    };
+    let dev = Device::open(0).map_err(gpu_err("opening GPU 0"))?;
+    let defaults = Defaults {
+        hidden: 7168,
+        low_latency_fp8: true,
+    };
+    let w = workload::load(&args.workload, &defaults)?;
+    let r = w.inputs.len();
+    let e = w.num_experts;
+    let fp8 = w.fp8;
+    let hidden = w.inputs[0].x.hidden();
+    let k = w.inputs[0].num_topk();
+    println!(
+        "ep bench: normal mode on GPU {} ({} SMs), {r} co-resident ranks, {}, {} input sets, {} timed calls per figure",
+        dev.ordinal(),
+        dev.num_sms(),
+        w.description,
+        args.input_sets,
+        args.gpu_iters
+    );
+    let sets: Vec<Set> = (0..args.input_sets)
+        .map(|i| {
+            upload_set(
+                &dev,
+                if i == 0 {
+                    w.inputs.clone()
+                } else {
+                    rotated(&w.inputs, i)
+                },
+                e,
+            )
+        })
+        .collect::<Result<_, _>>()?;
+    let max_recv = sets
+        .iter()
+        .flat_map(|s| {
+            (0..r).map(move |d| {
+                s.layouts
+                    .iter()
+                    .map(|l| l.num_tokens_per_rank[d] as usize)
+                    .sum::<usize>()
+            })
+        })
+        .max()
+        .unwrap_or(0);
+    let fmt = RowFormat {
+        hidden,
+        elem_bytes: if fp8 { 1 } else { 2 },
+        num_scales: if fp8 { hidden.div_ceil(128) } else { 0 },
+        num_topk: k,
+    };
+    let nvl_bytes = align128(NormalCtrl { num_ranks: r }.bytes())
+        + NormalData::data_bytes_for(
+            r,
+            max_recv as u64 + 16,
+            fmt.dispatch_record(),
+            fmt.combine_record(),
+        );
+    let recv_rows: Vec<Vec<usize>> = sets
+        .iter()
+        .map(|s| {
+            (0..r)
+                .map(|d| {
+                    s.layouts
+                        .iter()
+                        .map(|l| l.num_tokens_per_rank[d] as usize)
+                        .sum()
+                })
+                .collect()
+        })
+        .collect();
+    // DeepEP's bytes per rank, averaged over ranks and sets.
+    let mean_rows = recv_rows.iter().flatten().sum::<usize>() as f64 / (r * sets.len()) as f64;
+    let bf16_bytes = mean_rows * hidden as f64 * 2.0;
+    let dispatch_bytes = if fp8 {
+        mean_rows * hidden as f64 * (1.0 + 4.0 / 128.0)
+    } else {
+        bf16_bytes
+    };
+
+    let mut verdict = Verdict::default();
+    let mut digest: Option<(RunDigest, RunDigest)> = None;
+    let mut rows_out = Vec::new();
+    for (si, &sms) in sweep.iter().enumerate() {
+        let mut g = NormalGroup::new(dev.clone(), r, sms, nvl_bytes)
+            .map_err(gpu_err("creating the group"))?;
+        // A stuck call ends in a typed error within seconds, not the 10 s default.
+        g.set_timeout(std::time::Duration::from_secs(3));
+        // Verification, and per set: handles, ceilings' rows, layouts.
+        let mut handles: Vec<Vec<GpuDispatch>> = Vec::new();
+        let mut dst_rows: Vec<Vec<DevTensor>> = Vec::new();
+        let mut layouts: Vec<Vec<GpuLayout>> = Vec::new();
+        for (i, set) in sets.iter().enumerate() {
+            let full = si == 0 || i == 0;
+            let (host, out) = if full {
+                let v = verify_set(&mut g, set, e, &mut verdict, &format!("{sms} SMs, set {i}"))?;
+                if si == 0 && i == 0 {
+                    let digest_of = |d: &[IntranodeDispatch], c: &[CombineOutput]| {
+                        ep_core::digest::normal(d, c).map_err(|e| BenchError::Reference {
+                            what: "digest",
+                            source: Box::new(e),
+                        })
+                    };
+                    let gpu = digest_of(&v.host, &v.comb)?;
+                    let want = digest_of(&v.plan, &v.plan_comb)?;
+                    if gpu.total != want.total {
+                        verdict
+                            .failures
+                            .push("the canonical digest differs from the plan's".into());
+                    }
+                    digest = Some((gpu, want));
+                }
+                (v.host, v.out)
+            } else {
+                let idx: Vec<&DevTensor> = set.idx.iter().collect();
+                let lay = g.layout(&idx, e).map_err(gpu_err("layout"))?;
+                let out = g
+                    .dispatch(&set.inputs(), &lay, e, &GpuDispatchArgs::default())
+                    .map_err(gpu_err("dispatch"))?;
+                g.sync().map_err(gpu_err("dispatch"))?;
+                let host = out
+                    .iter()
+                    .map(|o| o.download().map(|d| d.0))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(gpu_err("download"))?;
+                (host, out)
+            };
+            let ctx = dev.context();
+            dst_rows.push(
+                (0..r)
+                    .map(|s| DevTensor::upload(ctx, &final_rows(&host, s)))
+                    .collect::<Result<_, _>>()
+                    .map_err(gpu_err("upload rows"))?,
+            );
+            let idx: Vec<&DevTensor> = set.idx.iter().collect();
+            layouts.push(g.layout(&idx, e).map_err(gpu_err("layout"))?);
+            handles.push(out);
+        }
+        g.sync().map_err(gpu_err("setup"))?;
+        let n_sets = sets.len();
+        let warm = args.warmup + 4;
+        let total = warm + args.gpu_iters;
+        let mut row = SmRow {
+            sms_per_rank: sms,
+            ..SmRow::default()
+        };
+        let blocks = sms as u32;
+        // Dispatch (layouts precomputed).
+        let mut samples = Vec::new();
+        for it in 0..total {
+            let set = &sets[it % n_sets];
+            let (_, t) = g
+                .timed(|g| {
+                    g.dispatch(
+                        &set.inputs(),
+                        &layouts[it % n_sets],
+                        e,
+                        &GpuDispatchArgs::default(),
+                    )
+                })
+                .map_err(gpu_err("timed dispatch"))?;
+            if it >= warm {
+                samples.push(t.iter().copied().fold(0.0, f64::max));
+            }
+        }
+        row.dispatch = figure(&samples, dispatch_bytes);
+        // Without top-k.
+        samples.clear();
+        for it in 0..total {
+            let set = &sets[it % n_sets];
+            let ins: Vec<GpuRankInputs<'_>> = set
+                .inputs()
+                .into_iter()
+                .map(|mut i| {
+                    i.topk_idx = None;
+                    i.topk_weights = None;
+                    i
+                })
+                .collect();
+            let (_, t) = g
+                .timed(|g| g.dispatch(&ins, &layouts[it % n_sets], e, &GpuDispatchArgs::default()))
+                .map_err(gpu_err("timed dispatch without top-k"))?;
+            if it >= warm {
+                samples.push(t.iter().copied().fold(0.0, f64::max));
+            }
+        }
+        row.dispatch_no_topk = figure(&samples, dispatch_bytes);
+        // The whole call: layout + dispatch.
+        samples.clear();
+        let mut lay_samples = Vec::new();
+        for it in 0..total {
+            let set = &sets[it % n_sets];
+            let idx: Vec<&DevTensor> = set.idx.iter().collect();
+            let (_, t) = g
+                .timed(|g| {
+                    let lay = g.layout(&idx, e)?;
+                    g.dispatch(&set.inputs(), &lay, e, &GpuDispatchArgs::default())
+                })
+                .map_err(gpu_err("timed layout + dispatch"))?;
+            let (_, tl) = g
+                .timed(|g| g.layout(&idx, e))
+                .map_err(gpu_err("timed layout"))?;
+            if it >= warm {
+                samples.push(t.iter().copied().fold(0.0, f64::max));
+                lay_samples.push(tl.iter().copied().fold(0.0, f64::max));
+            }
+        }
+        row.dispatch_with_layout = figure(&samples, dispatch_bytes);
+        row.layout_us = median(&lay_samples) * 1e6;
+        // Cached dispatch.
+        samples.clear();
+        for it in 0..total {
+            let set = &sets[it % n_sets];
+            let ins: Vec<GpuRankInputs<'_>> = set
+                .inputs()
+                .into_iter()
+                .map(|mut i| {
+                    i.topk_idx = None;
+                    i.topk_weights = None;
+                    i
+                })
+                .collect();
+            let hs: Vec<_> = handles[it % n_sets].iter().map(|o| &o.handle).collect();
+            let (_, t) = g
+                .timed(|g| g.dispatch_cached(&ins, &hs))
+                .map_err(gpu_err("timed cached dispatch"))?;
+            if it >= warm {
+                samples.push(t.iter().copied().fold(0.0, f64::max));
+            }
+        }
+        row.cached = figure(&samples, dispatch_bytes);
+        // Combine: each set's rows must be in the arena, so dispatch the set (untimed) first.
+        samples.clear();
+        for it in 0..total {
+            let i = it % n_sets;
+            let out = g
+                .dispatch(
+                    &sets[i].inputs(),
+                    &layouts[i],
+                    e,
+                    &GpuDispatchArgs::default(),
+                )
+                .map_err(gpu_err("dispatch before combine"))?;
+            g.sync().map_err(gpu_err("dispatch before combine"))?;
+            let source = if fp8 {
+                CombineSource::Rows
+            } else {
+                CombineSource::InPlace
+            };
+            let ca: Vec<GpuCombineArgs<'_>> = out
+                .iter()
+                .map(|o| GpuCombineArgs {
+                    handle: &o.handle,
+                    with_weights: true,
+                    bias: [None, None],
+                })
+                .collect();
+            let (_, t) = g
+                .timed(|g| g.combine(source, &ca))
+                .map_err(gpu_err("timed combine"))?;
+            if it >= warm {
+                samples.push(t.iter().copied().fold(0.0, f64::max));
+            }
+        }
+        row.combine = figure(&samples, bf16_bytes);
+        // Ceilings.
+        samples.clear();
+        for it in 0..total {
+            let i = it % n_sets;
+            let xs: Vec<&DevTensor> = sets[i].x.iter().collect();
+            let dr: Vec<&DevTensor> = dst_rows[i].iter().collect();
+            let drec = fmt.dispatch_record();
+            let (_, t) = g
+                .timed(|g| g.ceiling(&xs, &dr, drec, blocks))
+                .map_err(gpu_err("timed ceiling"))?;
+            if it >= warm {
+                samples.push(t.iter().copied().fold(0.0, f64::max));
+            }
+        }
+        row.ceiling_dispatch = figure(&samples, dispatch_bytes);
+        if !fp8 {
+            samples.clear();
+            let outs: Vec<DevTensor> = (0..r)
+                .map(|s| {
+                    DevTensor::empty(
+                        dev.context(),
+                        DType::Bf16,
+                        sets[0].host[s].num_tokens(),
+                        hidden,
+                    )
+                })
+                .collect::<Result<_, _>>()
+                .map_err(gpu_err("alloc"))?;
+            for it in 0..total {
+                let i = it % n_sets;
+                g.dispatch(
+                    &sets[i].inputs(),
+                    &layouts[i],
+                    e,
+                    &GpuDispatchArgs::default(),
+                )
+                .map_err(gpu_err("dispatch before ceiling"))?;
+                g.sync().map_err(gpu_err("dispatch before ceiling"))?;
+                let dr: Vec<&DevTensor> = dst_rows[i].iter().collect();
+                let o: Vec<&DevTensor> = outs.iter().collect();
+                let (_, t) = g
+                    .timed(|g| g.ceiling_combine(&dr, &o, blocks))
+                    .map_err(gpu_err("timed combine ceiling"))?;
+                if it >= warm {
+                    samples.push(t.iter().copied().fold(0.0, f64::max));
+                }
+            }
+            row.ceiling_combine = figure(&samples, bf16_bytes);
+        }
+        print_row(&row, fp8);
+        rows_out.push(row);
+    }
+    let verified = verdict.failures.is_empty();
+    if let Some((gpu, want)) = &digest {
+        println!(
+            "output digest {} (blake3, canonical format v2){}",
+            gpu.total,
+            if gpu.total == want.total {
+                ", equal to the plan's"
+            } else {
+                ", DIFFERENT from the plan's"
+            }
+        );
+    }
+    if verified {
+        println!(
+            "verified: {} outputs == plan::intranode bit for bit (layout, dispatch, identity-expert combine); timed calls not verified one by one",
+            verdict.checked
+        );
+    } else {
+        for f in &verdict.failures {
+            println!("MISMATCH {f}");
+        }
+    }
+    println!("done in {:.1} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.json {
+        let j = serde_json::json!({
+            "ep_rs_version": env!("CARGO_PKG_VERSION"),
+            "backend": "gpu",
+            "mode": "normal",
+            "gpu": format!("GPU {} ({} SMs)", dev.ordinal(), dev.num_sms()),
+            "ranks": r,
+            "workload": w.description,
+            "fp8": fp8,
+            "input_sets": sets.len(),
+            "timed_calls": args.gpu_iters,
+            "deepep_bytes_per_rank": { "dispatch": dispatch_bytes, "combine": bf16_bytes },
+            "sms": rows_out,
+            "digest": digest.as_ref().map(|d| d.0.total.to_string()),
+            "verified": verified,
+            "checked_outputs": verdict.checked,
+            "failures": verdict.failures,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&j).unwrap_or_default())
+            .map_err(|e| BenchError::Usage(format!("writing {}: {e}", path.display())))?;
+    }
+    if let Some(path) = &args.plot {
+        plot(path, &rows_out, fp8, r)?;
+    }
+    Ok(if verified { 0 } else { 1 })
+}
+
+fn print_row(row: &SmRow, fp8: bool) {
+    let ratio = |ceil: Figure, f: Figure| {
+        if f.median_us > 0.0 {
+            ceil.median_us / f.median_us
+        } else {
+            0.0
+        }
+    };
+    println!(
+        "[gpu {} SMs/rank] dispatch {}: {:.1} GB/s per rank, {:.1} us ({:.0}% of the same-run ceiling {:.1} GB/s) | with layout {:.1} us ({:.0}%) | layout {:.1} us | no top-k {:.1} us | cached {:.1} GB/s, {:.1} us ({:.0}%)",
+        row.sms_per_rank,
+        if fp8 { "FP8" } else { "BF16" },
+        row.dispatch.gb_per_s,
+        row.dispatch.median_us,
+        100.0 * ratio(row.ceiling_dispatch, row.dispatch),
+        row.ceiling_dispatch.gb_per_s,
+        row.dispatch_with_layout.median_us,
+        100.0 * ratio(row.ceiling_dispatch, row.dispatch_with_layout),
+        row.layout_us,
+        row.dispatch_no_topk.median_us,
+        row.cached.gb_per_s,
+        row.cached.median_us,
+        100.0 * ratio(row.ceiling_dispatch, row.cached),
+    );
+    println!(
+        "[gpu {} SMs/rank] combine BF16: {:.1} GB/s per rank, {:.1} us ({:.0}% of the same-run ceiling {:.1} GB/s)",
+        row.sms_per_rank,
+        row.combine.gb_per_s,
+        row.combine.median_us,
+        if row.ceiling_combine.median_us > 0.0 {
+            100.0 * ratio(row.ceiling_combine, row.combine)
+        } else {
+            f64::NAN
+        },
+        row.ceiling_combine.gb_per_s,
+    );
+}
+
+/// GB/s per rank against SMs per rank: ep-rs's calls, the same-run ceilings (dashed) and
+/// DeepEP V1's one-GPU figures (BASELINES.md; 2 ranks under MPS) as points.
+fn plot(path: &Path, rows: &[SmRow], fp8: bool, ranks: usize) -> Result<(), BenchError> {
+    let (w, h, m) = (720.0, 440.0, 60.0);
+    let max_x = rows
+        .iter()
+        .map(|r| r.sms_per_rank)
+        .max()
+        .unwrap_or(64)
+        .max(64) as f64;
+    let max_y = rows
+        .iter()
+        .flat_map(|r| {
+            [
+                r.dispatch.gb_per_s,
+                r.combine.gb_per_s,
+                r.ceiling_dispatch.gb_per_s,
+                r.ceiling_combine.gb_per_s,
+            ]
+        })
+        .fold(500.0, f64::max)
+        * 1.1;
+    let x = |v: f64| m + v / max_x * (w - 2.0 * m);
+    let y = |v: f64| h - m - v / max_y * (h - 2.0 * m);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<line x1="{m}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{m}" y1="{m}" x2="{m}" y2="{}" stroke="black"/>"#,
+        h - m,
+        w - m,
+        h - m,
+        h - m
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">SMs per rank</text>"#,
+        w / 2.0,
+        h - 20.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="16" y="{}" transform="rotate(-90 16 {})" text-anchor="middle">GB/s per rank (DeepEP bytes)</text>"#,
+        h / 2.0,
+        h / 2.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{m}" y="24">ep-rs normal mode, {ranks} co-resident ranks on one GPU ({})</text>"#,
+        if fp8 { "FP8 dispatch" } else { "BF16" }
+    );
+    for i in 0..=4 {
+        let v = max_y * f64::from(i) / 4.0;
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="end">{v:.0}</text>"#,
+            m - 6.0,
+            y(v) + 4.0
+        );
+    }
+    for r in rows {
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+            x(r.sms_per_rank as f64),
+            h - m + 16.0,
+            r.sms_per_rank
+        );
+    }
+    type Series = (&'static str, &'static str, bool, fn(&SmRow) -> f64);
+    let series: [Series; 4] = [
+        ("dispatch", "#1f77b4", false, |r| r.dispatch.gb_per_s),
+        ("combine", "#d62728", false, |r| r.combine.gb_per_s),
+        ("ceiling dispatch", "#1f77b4", true, |r| {
+            r.ceiling_dispatch.gb_per_s
+        }),
+        ("ceiling combine", "#d62728", true, |r| {
+            r.ceiling_combine.gb_per_s
+        }),
+    ];
+    for (i, (name, color, dashed, f)) in series.iter().enumerate() {
+        let pts: Vec<String> = rows
+            .iter()
+            .filter(|r| f(r) > 0.0)
+            .map(|r| format!("{:.1},{:.1}", x(r.sms_per_rank as f64), y(f(r))))
+            .collect();
+        if pts.is_empty() {
+            continue;
+        }
+        let dash = if *dashed {
+            r#" stroke-dasharray="6 4""#
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            s,
+            r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"{dash}/>"#,
+            pts.join(" ")
+        );
+        let ly = 44.0 + 16.0 * i as f64;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/><text x="{}" y="{}">{name}</text>"#,
+            w - 230.0,
+            w - 200.0,
+            w - 195.0,
+            ly + 4.0
+        );
+    }
+    for (sms, bf, f8, comb) in DEEPEP_ONE_GPU {
+        for (v, color) in [(if fp8 { f8 } else { bf }, "#1f77b4"), (comb, "#d62728")] {
+            let _ = writeln!(
+                s,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="4" fill="none" stroke="{color}"/>"#,
+                x(sms as f64),
+                y(v)
+            );
+        }
+    }
+    let _ = writeln!(
+        s,
+        r#"<circle cx="{}" cy="108" r="4" fill="none" stroke="black"/><text x="{}" y="112">DeepEP V1, 1 GPU, 2 ranks (MPS)</text>"#,
+        w - 215.0,
+        w - 195.0
+    );
+    s.push_str("</svg>\n");
+    std::fs::write(path, s)
+        .map_err(|e| BenchError::Usage(format!("writing {}: {e}", path.display())))
+}

@@ -1,0 +1,621 @@
+// Normal intranode mode on GPUs (docs/protocol.md §2): layout, direct-placement dispatch (count
+// exchange, rows stored once at their final row on the receiver), cached dispatch (ready
+// handshake), pull combine, and the copy kernel that measures the ceiling of the same bytes.
+//
+// Agents → CTAs (§1.3): the sender agent (s, c) of channel c is a cluster of two CTAs (blocks 2c
+// and 2c + 1, each half of the channel's tokens; the cluster barrier is the agent's block
+// barrier), so a kernel of 2C blocks uses the num_sms = 2C SMs of DeepEP's Config. Block 0 also
+// runs the notify agent before it sends; every cluster, after sending, runs the receive part of
+// its channel (waits done[s][c] of every source s and copies those rows' meta out), so the
+// kernel ends on a rank only when all rows destined to it have landed. Offsets, slots and signal
+// values come from ep_protocol.cuh; waits are bounded (ep_device.cuh).
+
+#include <stdint.h>
+#include <cuda_bf16.h>
+
+#include "ep_protocol.cuh"
+#include "ep_device.cuh"
+
+#define NT EP_GPU_THREADS
+#define WARPS (EP_GPU_THREADS / 32)
+#define MAXR EP_GPU_MAX_RANKS
+#define UNROLL 4
+
+typedef ep_normal_args Args;
+
+__device__ __forceinline__ uint64_t *ctrl_word(const Args &a, uint64_t r, uint64_t off) {
+    return (uint64_t *)(a.peer_ctrl[r] + off);
+}
+__device__ __forceinline__ uint8_t *data_at(const Args &a, uint64_t r, uint64_t off) {
+    return (uint8_t *)(a.peer_data[r] + off);
+}
+__device__ __forceinline__ uint32_t lanemask_lt() {
+    uint32_t m;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+    return m;
+}
+__device__ __forceinline__ int32_t ld_i32_cg(const void *p) { return __ldcg((const int32_t *)p); }
+
+// Tokens [t0, t1) of block (c, h): half h of chan(T, C, c).
+__device__ __forceinline__ void block_tokens(const Args &a, uint32_t c, uint32_t h, uint32_t *t0,
+                                             uint32_t *t1, uint32_t *mid_out) {
+    uint64_t cs, ce;
+    ep_channel_range(a.num_tokens, a.num_channels, c, &cs, &ce);
+    uint32_t mid = (uint32_t)(cs + (ce - cs + 1) / 2);
+    *t0 = h == 0 ? (uint32_t)cs : mid;
+    *t1 = h == 0 ? mid : (uint32_t)ce;
+    *mid_out = mid;
+}
+
+// One warp copies `bytes` (a multiple of 16) from src to every non-null dst[d], d < n: each 16
+// bytes loaded once, stored n times.
+__device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *const *dst,
+                                                 uint32_t n, uint64_t bytes, uint32_t lane) {
+    for (uint64_t base = (uint64_t)lane * 16; base < bytes; base += 32ull * 16 * UNROLL) {
+        int4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            uint64_t off = base + (uint64_t)u * 32 * 16;
+            if (off < bytes) v[u] = ep_ld_nc((const int4 *)(src + off));
+        }
+        for (uint32_t d = 0; d < n; ++d) {
+            uint8_t *out = dst[d];
+            if (out == nullptr) continue;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                uint64_t off = base + (uint64_t)u * 32 * 16;
+                if (off < bytes) *(int4 *)(out + off) = v[u];
+            }
+        }
+    }
+}
+
+// ---- layout ------------------------------------------------------------------------------------
+
+// get_dispatch_layout (spec §1.7) of one rank. The host zeroes num_tokens_per_rank and
+// num_tokens_per_expert first. An expert id outside [-1, E) is an error record, never a write.
+#define LAYOUT_SMEM_EXPERTS 4096
+
+extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) {
+    __shared__ int32_t s_rank[MAXR];
+    __shared__ int32_t s_expert[LAYOUT_SMEM_EXPERTS];  // per-block histogram (E <= 4096)
+    const uint32_t R = (uint32_t)a.num_ranks, K = (uint32_t)a.num_topk, L = (uint32_t)a.num_local_experts;
+    const uint32_t E = (uint32_t)a.num_experts;
+    const bool local_hist = E <= LAYOUT_SMEM_EXPERTS;
+    if (threadIdx.x < MAXR) s_rank[threadIdx.x] = 0;
+    if (local_hist)
+        for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) s_expert[e] = 0;
+    __syncthreads();
+    const int64_t *topk = (const int64_t *)a.topk_idx;
+    int32_t *per_expert = (int32_t *)a.num_tokens_per_expert;
+    uint8_t *in_rank = (uint8_t *)a.is_token_in_rank;
+    for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.num_tokens;
+         t += (uint64_t)gridDim.x * blockDim.x) {
+        uint32_t mask = 0;
+        for (uint32_t k = 0; k < K; ++k) {
+            int64_t e = topk[t * K + k];
+            if (e == -1) continue;
+            if (e < -1 || e >= (int64_t)E) {
+                ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LAYOUT, a.rank, 0, 0,
+                        (uint64_t)e, t * K + k);
+                continue;
+            }
+            atomicAdd(local_hist ? &s_expert[e] : &per_expert[e], 1);
+            mask |= 1u << (uint32_t)(e / L);
+        }
+        for (uint32_t d = 0; d < R; ++d) {
+            uint32_t bit = (mask >> d) & 1u;
+            in_rank[t * R + d] = (uint8_t)bit;
+            if (bit) atomicAdd(&s_rank[d], 1);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < R) atomicAdd(&((int32_t *)a.num_tokens_per_rank)[threadIdx.x], s_rank[threadIdx.x]);
+    if (local_hist)
+        for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
+            if (s_expert[e]) atomicAdd(&per_expert[e], s_expert[e]);
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------
+
+// The notify agent (§2.3) on block 0: count records to every rank, then rpm, the table, the
+// handle matrices, the expert list and num_recv. Returns false when a wait failed.
+__device__ bool notify(const Args &a, int32_t *s_cc, int32_t *s_n) {
+    const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
+    const uint32_t C = (uint32_t)a.num_channels, L = (uint32_t)a.num_local_experts;
+    const uint64_t T = a.num_tokens, k = a.call, p = ep_parity(k);
+    ep_err_block *err = (ep_err_block *)a.err;
+    int32_t *cpm = (int32_t *)a.channel_prefix_matrix;
+    int32_t *rpm = (int32_t *)a.rank_prefix_matrix;
+    int32_t *rcpm = (int32_t *)a.recv_channel_prefix_matrix;
+    __shared__ int s_ok;
+
+    for (uint32_t i = tid; i < C * R; i += NT) s_cc[i] = 0;
+    if (tid == 0) s_ok = 1;
+    __syncthreads();
+    const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
+    const uint64_t per = (T + C - 1) / C;
+    for (uint64_t t = tid; t < T; t += NT) {
+        uint32_t c = (uint32_t)(t / per);
+        for (uint32_t d = 0; d < R; ++d)
+            if (in_rank[t * R + d]) atomicAdd(&s_cc[c * R + d], 1);
+    }
+    __syncthreads();
+    if (tid < R) {
+        int32_t run = 0;
+        for (uint32_t c = 0; c < C; ++c) {
+            run += s_cc[c * R + tid];
+            s_cc[c * R + tid] = run;  // now inclusive
+            cpm[tid * C + c] = run;
+        }
+        s_n[tid] = run;
+    }
+    __syncthreads();
+    // Count record to every d (itself included), then notify[p][me] on d.
+    const int32_t *per_expert = (const int32_t *)a.num_tokens_per_expert;
+    const uint64_t crec_me = ep_normal_count_record(R, p, me);
+    for (uint32_t i = tid; i < R * R; i += NT) {
+        uint32_t d = i / R, e = i % R;
+        *(int32_t *)data_at(a, d, crec_me + 4u * e) = s_n[e];
+    }
+    for (uint32_t i = tid; i < R * C; i += NT) {
+        uint32_t d = i / C, c = i % C;
+        *(int32_t *)data_at(a, d, crec_me + ep_count_record_cpm(R) + 4u * c) = s_cc[c * R + d];
+    }
+    for (uint32_t i = tid; i < R * L; i += NT) {
+        uint32_t d = i / L, l = i % L;
+        *(int32_t *)data_at(a, d, crec_me + ep_count_record_experts(R) + 4u * l) = per_expert[d * L + l];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_notify(R, p, me)), k);
+    if (tid < R) {
+        uint64_t off = ep_normal_notify(R, p, tid);
+        if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, me, off))
+            s_ok = 0;
+    }
+    __syncthreads();
+    if (!s_ok) return false;
+    // Records from every s are visible (acquired by thread s, then the barrier).
+    if (tid < R) {
+        int32_t run = 0;
+        for (uint32_t s = 0; s < R; ++s) {
+            run += ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) + 4u * tid));
+            rpm[s * R + tid] = run;
+        }
+    }
+    for (uint32_t i = tid; i < R * C; i += NT) {
+        uint32_t s = i / C, c = i % C;
+        int32_t v = c == 0 ? 0
+                           : ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
+                                                          ep_count_record_cpm(R) + 4u * (c - 1)));
+        rcpm[s * C + c] = v;
+    }
+    __threadfence();
+    __syncthreads();
+    // The table (§2.1) of this rank.
+    const uint64_t tab = ep_normal_table(R, p);
+    for (uint32_t e = tid; e < R; e += NT)
+        *(int32_t *)data_at(a, me, tab + 4u * e) = me == 0 ? 0 : __ldcg(&rpm[(me - 1) * R + e]);
+    for (uint32_t s = tid; s <= R; s += NT)
+        *(int32_t *)data_at(a, me, tab + ep_table_recv_begin(R) + 4u * s) =
+            s == 0 ? 0 : __ldcg(&rpm[(s - 1) * R + me]);
+    for (uint32_t i = tid; i < R * C; i += NT) {
+        uint32_t s = i / C, c = i % C;
+        *(int32_t *)data_at(a, me, tab + ep_table_recv_chan(R) + 4u * (s * EP_MAX_CHANNELS + c)) =
+            __ldcg(&rcpm[s * C + c]);
+    }
+    // Capacity: every rank sees the same rpm, so all refuse the call alike.
+    if (tid < R) {
+        uint64_t rows = (uint64_t)__ldcg(&rpm[(R - 1) * R + tid]);
+        uint64_t cap = a.num_worst_tokens > 0 && a.num_worst_tokens < a.capacity ? a.num_worst_tokens
+                                                                                  : a.capacity;
+        if (rows > cap) {
+            ep_fail(err, EP_ERR_CAPACITY, me, EP_KERNEL_DISPATCH, tid, 0, cap, rows, rows);
+            s_ok = 0;
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (!s_ok) return false;
+    if (tid == 0) ep_st_release(ctrl_word(a, me, ep_normal_table_ready(R, p)), k);
+    // Off the senders' critical path: the expert list, then num_recv, to host-mapped memory.
+    ep_mailbox *mb = (ep_mailbox *)a.mailbox;
+    if (a.num_worst_tokens == 0) {
+        for (uint32_t l = tid; l < L; l += NT) {
+            int64_t sum = 0;
+            for (uint32_t s = 0; s < R; ++s)
+                sum += ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
+                                                    ep_count_record_experts(R) + 4u * l));
+            int64_t al = (int64_t)a.expert_alignment;
+            *(volatile uint64_t *)&mb->expert_counts[l] = (uint64_t)((sum + al - 1) / al * al);
+        }
+        __threadfence_system();
+        __syncthreads();
+        if (tid == 0) {
+            uint64_t num_recv = (uint64_t)__ldcg(&rpm[(R - 1) * R + me]);
+            *(volatile uint64_t *)&mb->num_recv = (k << 32) | num_recv;
+        }
+    }
+    return true;
+}
+
+// Dispatch (§2.3) and cached dispatch (§2.4). Grid 2C blocks, clusters of 2.
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
+    ep_normal_dispatch(const Args a) {
+    const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const uint32_t R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank, C = (uint32_t)a.num_channels;
+    const uint32_t K = (uint32_t)a.num_topk, L = (uint32_t)a.num_local_experts;
+    const uint32_t c = blockIdx.x >> 1, h = blockIdx.x & 1u;
+    const uint64_t k = a.call, p = ep_parity(k);
+    const bool cached = (a.flags & EP_FLAG_CACHED) != 0, topk = (a.flags & EP_FLAG_TOPK) != 0;
+    const uint64_t elt = (a.flags & EP_FLAG_FP8) ? 1 : 2;
+    const uint64_t S = a.num_scales, H = a.hidden;
+    const uint64_t scales_off = ep_row_scales_offset(H, elt);
+    const uint64_t meta_off = ep_row_meta_offset(H, elt, S);
+    const uint64_t idx_off = ep_row_topk_idx_offset(H, elt, S);
+    const uint64_t w_off = ep_row_topk_weights_offset(H, elt, S, K);
+    ep_err_block *err = (ep_err_block *)a.err;
+    const int32_t *rpm = (const int32_t *)a.rank_prefix_matrix;
+    const int32_t *cpm = (const int32_t *)a.channel_prefix_matrix;
+    const int32_t *rcpm = (const int32_t *)a.recv_channel_prefix_matrix;
+
+    __shared__ int s_ok;
+    __shared__ int32_t s_cc[EP_MAX_CHANNELS * MAXR];
+    __shared__ int32_t s_n[MAXR];
+    __shared__ int32_t s_slot0[MAXR];   // index in (channel, d) of this block's first token to d
+    __shared__ int32_t s_rowbase[MAXR]; // final row of that token on d
+    __shared__ int32_t s_warp[WARPS][MAXR];
+    __shared__ int32_t s_rows[NT][MAXR];
+
+    __shared__ int32_t s_before[MAXR];  // tokens of the channel's first half going to d
+    uint32_t t0, t1, mid;
+    block_tokens(a, c, h, &t0, &t1, &mid);
+    const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
+    if (tid == 0) s_ok = 1;
+    if (tid < MAXR) s_before[tid] = 0;
+    __syncthreads();
+    if (h == 1) {
+        uint64_t cs, ce;
+        ep_channel_range(a.num_tokens, C, c, &cs, &ce);
+        for (uint64_t t = cs + tid; t < mid; t += NT)
+            for (uint32_t d = 0; d < R; ++d)
+                if (in_rank[t * R + d]) atomicAdd(&s_before[d], 1);
+    }
+    __syncthreads();
+    // 1. Offsets: the count exchange, or the handle plus the ready handshake.
+    if (!cached) {
+        if (blockIdx.x == 0 && !notify(a, s_cc, s_n) && tid == 0) s_ok = 0;
+        if (tid == 0 && s_ok) {
+            uint64_t off = ep_normal_table_ready(R, p);
+            // Second-order word (its writer waits on every rank first): twice the bound.
+            if (!ep_wait_eq(ctrl_word(a, me, off), k, err, 2 * a.timeout_ns, me, EP_KERNEL_DISPATCH, me, off))
+                s_ok = 0;
+        }
+    } else {
+        if (blockIdx.x == 0 && tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_ready(R, me)), k);
+        if (tid < R) {
+            uint64_t off = ep_normal_ready(R, tid);
+            if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off))
+                s_ok = 0;
+        }
+    }
+    __syncthreads();
+    const bool ok = s_ok != 0;
+
+    if (ok && tid < R) {
+        const int32_t before = s_before[tid];
+        int32_t send_base = me == 0 ? 0 : __ldcg(&rpm[(me - 1) * R + tid]);
+        int32_t chan_start = c == 0 ? 0 : __ldcg(&cpm[tid * C + c - 1]);
+        s_slot0[tid] = before;
+        s_rowbase[tid] = (int32_t)ep_normal_final_row((uint32_t)send_base, (uint32_t)chan_start, (uint32_t)before);
+        s_n[tid] = 0;  // running count of this block
+    }
+    __syncthreads();
+
+    // 2. Send: every row record stored once, at its final row on each destination.
+    int32_t *send_head = (int32_t *)a.send_head;
+    for (uint32_t base = t0; ok && base < t1; base += NT) {
+        const uint32_t t = base + tid;
+        const bool valid = t < t1;
+        int32_t pre[MAXR];
+        uint32_t mask = 0;
+        for (uint32_t d = 0; d < R; ++d) {
+            uint32_t bit = valid ? in_rank[(uint64_t)t * R + d] : 0u;
+            mask |= bit << d;
+            uint32_t bal = __ballot_sync(0xffffffffu, bit);
+            pre[d] = __popc(bal & lanemask_lt());
+            if (lane == 0) s_warp[warp][d] = __popc(bal);
+        }
+        __syncthreads();
+        for (uint32_t d = 0; d < R; ++d) {
+            int32_t off = s_n[d] + pre[d];
+            for (uint32_t w = 0; w < warp; ++w) off += s_warp[w][d];
+            const bool bit = (mask >> d) & 1u;
+            s_rows[tid][d] = bit ? s_rowbase[d] + off : -1;
+            if (!cached && valid) send_head[(uint64_t)t * R + d] = bit ? s_slot0[d] + off : -1;
+        }
+        __syncthreads();
+        if (tid < R) {
+            int32_t tot = 0;
+            for (uint32_t w = 0; w < WARPS; ++w) tot += s_warp[w][tid];
+            s_n[tid] += tot;
+        }
+        const uint32_t n_chunk = min(t1 - base, (uint32_t)NT);
+        for (uint32_t i = warp; i < n_chunk; i += WARPS) {
+            const uint64_t tok = base + i;
+            uint8_t *rec[MAXR];
+            for (uint32_t d = 0; d < R; ++d) {
+                int32_t row = s_rows[i][d];
+                rec[d] = row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
+            }
+            warp_copy_fanout((const uint8_t *)a.x + tok * a.x_bytes, rec, R, a.x_bytes, lane);
+            for (uint32_t j = lane; j < S; j += 32) {
+                float v = ((const float *)a.x_scales)[tok * S + j];
+                for (uint32_t d = 0; d < R; ++d)
+                    if (rec[d]) *(float *)(rec[d] + scales_off + 4u * j) = v;
+            }
+            for (uint32_t d = 0; d < R; ++d) {
+                if (!rec[d]) continue;
+                if (lane == 0) {
+                    *(int32_t *)(rec[d] + meta_off) = (int32_t)tok;
+                    *(int32_t *)(rec[d] + meta_off + 4) = 0;
+                }
+                if (topk && lane < K) {
+                    int64_t e = ((const int64_t *)a.topk_idx)[tok * K + lane];
+                    int64_t lo = (int64_t)d * L;
+                    bool local = e >= lo && e < lo + (int64_t)L;
+                    *(int64_t *)(rec[d] + idx_off + 8u * lane) = local ? e - lo : -1;
+                    *(float *)(rec[d] + w_off + 4u * lane) =
+                        local ? ((const float *)a.topk_weights)[tok * K + lane] : 0.0f;
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // 3. done[me][c] on every d once both CTAs of the channel stored their rows.
+    __threadfence_system();
+    __syncthreads();
+    ep_cluster_sync();
+    if (ok && h == 0 && tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_done(R, me, c)), k);
+
+    // 4. Receive channel c: wait done[s][c] of every source, then copy the rows' meta out.
+    if (tid == 0) s_ok = ok ? 1 : 0;
+    __syncthreads();
+    if (ok && tid < R) {
+        uint64_t off = ep_normal_done(R, tid, c);
+        if (!ep_wait_eq(ctrl_word(a, me, off), k, err, 3 * a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off))
+            s_ok = 0;
+    }
+    __syncthreads();
+    if (!s_ok) return;
+    int32_t *out_src = (int32_t *)a.recv_src_idx;
+    int64_t *out_idx = (int64_t *)a.recv_topk_idx;
+    float *out_w = (float *)a.recv_topk_weights;
+    for (uint32_t s = 0; s < R; ++s) {
+        int32_t block_begin = s == 0 ? 0 : __ldcg(&rpm[(s - 1) * R + me]);
+        int32_t n_s = __ldcg(&rpm[s * R + me]) - block_begin;
+        int32_t b = block_begin + __ldcg(&rcpm[s * C + c]);
+        int32_t e = block_begin + (c + 1 < C ? __ldcg(&rcpm[s * C + c + 1]) : n_s);
+        int32_t m = b + (e - b + 1) / 2;
+        int32_t lo = h == 0 ? b : m, hi = h == 0 ? m : e;
+        for (int32_t j = lo + (int32_t)tid; j < hi; j += NT) {
+            const uint8_t *rec = data_at(a, me, ep_normal_dispatch_row(R, (uint64_t)j, a.drec));
+            if (out_src) out_src[j] = ld_i32_cg(rec + meta_off);
+            if (topk) {
+                for (uint32_t q = 0; q < K; ++q) {
+                    out_idx[(uint64_t)j * K + q] = __ldcg((const long long *)(rec + idx_off + 8u * q));
+                    out_w[(uint64_t)j * K + q] = __ldcg((const float *)(rec + w_off + 4u * q));
+                }
+            }
+        }
+    }
+    // 5. Worst-token tail rows (num_recv <= row < num_worst_tokens): zero x and scales,
+    //    src_idx -1, top-k -1 / 0.0, in the record and in the outputs.
+    if (!cached && a.num_worst_tokens > 0) {
+        const uint64_t num_recv = (uint64_t)__ldcg(&rpm[(R - 1) * R + me]);
+        for (uint64_t j = num_recv + blockIdx.x * WARPS + warp; j < a.num_worst_tokens; j += (uint64_t)gridDim.x * WARPS) {
+            uint8_t *rec = data_at(a, me, ep_normal_dispatch_row(R, j, a.drec));
+            const int4 z = make_int4(0, 0, 0, 0);
+            for (uint64_t off = (uint64_t)lane * 16; off < a.x_bytes; off += 32 * 16) *(int4 *)(rec + off) = z;
+            for (uint32_t q = lane; q < S; q += 32) *(float *)(rec + scales_off + 4u * q) = 0.0f;
+            if (lane == 0) {
+                *(int32_t *)(rec + meta_off) = -1;
+                *(int32_t *)(rec + meta_off + 4) = 0;
+                if (out_src) out_src[j] = -1;
+            }
+            if (topk && lane < K) {
+                *(int64_t *)(rec + idx_off + 8u * lane) = -1;
+                *(float *)(rec + w_off + 4u * lane) = 0.0f;
+                out_idx[j * K + lane] = -1;
+                out_w[j * K + lane] = 0.0f;
+            }
+        }
+    }
+}
+
+// ---- combine -----------------------------------------------------------------------------------
+
+#define CU 2  // int4 (8 BF16) per lane per pass
+
+// One warp reduces a token: out = bf16(f32(b0) + f32(b1) + f32(src[0]) + ... + f32(src[n-1])),
+// element by element in that order (an absent bias reads as +0.0), `bytes` = 2H. Every source's
+// 16-byte pieces of a pass are loaded before any is added (n x CU loads in flight per lane: the
+// loop is latency-bound otherwise).
+__device__ __forceinline__ void reduce_token(const uint8_t *const *src, uint32_t n, const uint8_t *b0,
+                                             const uint8_t *b1, uint8_t *out, uint64_t bytes,
+                                             uint32_t lane) {
+    for (uint64_t base = (uint64_t)lane * 16; base < bytes; base += 32ull * 16 * CU) {
+        int4 v[MAXR][CU];
+#pragma unroll
+        for (uint32_t i = 0; i < MAXR; ++i) {
+#pragma unroll
+            for (int u = 0; u < CU; ++u) {
+                uint64_t off = base + (uint64_t)u * 32 * 16;
+                if (i < n && off < bytes) v[i][u] = ep_ld_cg((const int4 *)(src[i] + off));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < CU; ++u) {
+            uint64_t off = base + (uint64_t)u * 32 * 16;
+            if (off >= bytes) continue;
+            int4 v0 = b0 ? *(const int4 *)(b0 + off) : make_int4(0, 0, 0, 0);
+            int4 v1 = b1 ? *(const int4 *)(b1 + off) : make_int4(0, 0, 0, 0);
+            const __nv_bfloat16 *p0 = (const __nv_bfloat16 *)&v0, *p1 = (const __nv_bfloat16 *)&v1;
+            float acc[8];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[q] = __bfloat162float(p0[q]) + __bfloat162float(p1[q]);
+#pragma unroll
+            for (uint32_t i = 0; i < MAXR; ++i) {
+                if (i >= n) break;
+                const __nv_bfloat16 *pv = (const __nv_bfloat16 *)&v[i][u];
+#pragma unroll
+                for (int q = 0; q < 8; ++q) acc[q] += __bfloat162float(pv[q]);
+            }
+            int4 o;
+            __nv_bfloat16 *po = (__nv_bfloat16 *)&o;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) po[q] = __float2bfloat16_rn(acc[q]);
+            *(int4 *)(out + off) = o;
+        }
+    }
+}
+
+// Combine (§2.5, §2.6): pull each token's rows from every rank holding it, reduce in f32 after
+// the biases in ascending rank order, round once to BF16. Grid 2C blocks, clusters of 2.
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
+    ep_normal_combine(const Args a) {
+    const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const uint32_t R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank, C = (uint32_t)a.num_channels;
+    const uint32_t K = (uint32_t)a.num_topk;
+    const uint32_t c = blockIdx.x >> 1, h = blockIdx.x & 1u;
+    const uint64_t k = a.call, H = a.hidden;
+    const bool in_place = (a.flags & EP_FLAG_IN_PLACE) != 0;
+    const bool weights = (a.flags & EP_FLAG_TOPK) != 0 && a.combined_weights != 0;
+    ep_err_block *err = (ep_err_block *)a.err;
+    const int32_t *rpm = (const int32_t *)a.rank_prefix_matrix;
+    const int32_t *cpm = (const int32_t *)a.channel_prefix_matrix;
+    const int32_t *send_head = (const int32_t *)a.send_head;
+    // Where expert row j of a rank lives: its dispatch record's x part (in place) or its combine
+    // record; the weights after it.
+    const uint64_t w_off = in_place ? ep_row_topk_weights_offset(H, 2, 0, K) : ep_align16(2 * H);
+
+    __shared__ int s_ok;
+    __shared__ int32_t s_rowbase[MAXR];
+    if (tid == 0) s_ok = 1;
+    if (blockIdx.x == 0 && tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_y_ready(R, me)), k);
+    __syncthreads();
+    if (tid < R) {
+        uint64_t off = ep_normal_y_ready(R, tid);
+        if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_COMBINE, tid, off))
+            s_ok = 0;
+        int32_t send_base = me == 0 ? 0 : rpm[(me - 1) * R + tid];
+        int32_t chan_start = c == 0 ? 0 : cpm[tid * C + c - 1];
+        s_rowbase[tid] = send_base + chan_start;
+    }
+    __syncthreads();
+    const bool ok = s_ok != 0;
+    uint32_t t0, t1, mid;
+    block_tokens(a, c, h, &t0, &t1, &mid);
+    const __nv_bfloat16 *b0 = (const __nv_bfloat16 *)a.bias0, *b1 = (const __nv_bfloat16 *)a.bias1;
+    for (uint32_t t = t0 + warp; ok && t < t1; t += WARPS) {
+        // The ranks holding token t, ascending.
+        const uint8_t *src[MAXR];
+        uint32_t n = 0;
+        for (uint32_t d = 0; d < R; ++d) {
+            int32_t sh = send_head[(uint64_t)t * R + d];
+            if (sh < 0) continue;
+            uint64_t row = (uint64_t)(s_rowbase[d] + sh);
+            src[n++] = data_at(a, d, in_place ? ep_normal_dispatch_row(R, row, a.drec)
+                                              : ep_normal_combine_row(R, a.data_bytes, row, a.yrec));
+        }
+        reduce_token(src, n, b0 ? (const uint8_t *)(b0 + (uint64_t)t * H) : nullptr,
+                     b1 ? (const uint8_t *)(b1 + (uint64_t)t * H) : nullptr,
+                     (uint8_t *)a.combined_x + (uint64_t)t * 2 * H, 2 * H, lane);
+        if (weights && lane < K) {
+            float w = 0.0f;
+            for (uint32_t i = 0; i < n; ++i) w += __ldcg((const float *)(src[i] + w_off + 4u * lane));
+            ((float *)a.combined_weights)[(uint64_t)t * K + lane] = w;
+        }
+    }
+    // pulled[me][c] on every d, then wait until every owner pulled from this rank.
+    __threadfence_system();
+    __syncthreads();
+    ep_cluster_sync();
+    if (ok && h == 0 && tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_pulled(R, me, c)), k);
+    if (ok && h == 0 && tid < R) {
+        uint64_t off = ep_normal_pulled(R, tid, c);
+        ep_wait_eq(ctrl_word(a, me, off), k, err, 2 * a.timeout_ns, me, EP_KERNEL_COMBINE, tid, off);
+    }
+}
+
+// ---- ceilings and timing ------------------------------------------------------------------------------------
+
+// The data movement of a dispatch alone: each of this rank's rows read once and stored to its
+// final row on every destination (dst_rows from the plan), no protocol. gridDim.x blocks.
+extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling(const Args a) {
+    const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, R = (uint32_t)a.num_ranks;
+    const int32_t *dst_rows = (const int32_t *)a.dst_rows;
+    const uint64_t per = (a.num_tokens + gridDim.x - 1) / gridDim.x;
+    const uint64_t t0 = per * blockIdx.x, t1 = min(a.num_tokens, t0 + per);
+    for (uint64_t t = t0 + warp; t < t1; t += WARPS) {
+        uint8_t *rec[MAXR];
+        for (uint32_t d = 0; d < R; ++d) {
+            int32_t row = dst_rows[t * R + d];
+            rec[d] = row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
+        }
+        warp_copy_fanout((const uint8_t *)a.x + t * a.x_bytes, rec, R, a.x_bytes, lane);
+    }
+}
+
+// The data movement of a combine alone: every token of this rank loads each of its rows from
+// the ranks holding them (dst_rows: the token's row on each rank, from the plan, -1 = none; the
+// BF16 x parts of the dispatch records) once and stores one row (their bitwise XOR: the byte
+// pattern of the combine with no arithmetic), no signals, no biases. gridDim.x blocks.
+extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling_gather(const Args a) {
+    const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, R = (uint32_t)a.num_ranks;
+    const int32_t *dst_rows = (const int32_t *)a.dst_rows;
+    const uint64_t per = (a.num_tokens + gridDim.x - 1) / gridDim.x;
+    const uint64_t t0 = per * blockIdx.x, t1 = min(a.num_tokens, t0 + per);
+    const uint64_t bytes = 2 * a.hidden;
+    for (uint64_t t = t0 + warp; t < t1; t += WARPS) {
+        const uint8_t *src[MAXR];
+        uint32_t n = 0;
+        for (uint32_t d = 0; d < R; ++d) {
+            int32_t row = dst_rows[t * R + d];
+            if (row >= 0) src[n++] = data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
+        }
+        uint8_t *out = (uint8_t *)a.combined_x + t * bytes;
+        for (uint64_t base = (uint64_t)lane * 16; base < bytes; base += 32ull * 16 * CU) {
+            int4 v[MAXR][CU];
+#pragma unroll
+            for (uint32_t i = 0; i < MAXR; ++i)
+#pragma unroll
+                for (int u = 0; u < CU; ++u) {
+                    uint64_t off = base + (uint64_t)u * 32 * 16;
+                    if (i < n && off < bytes) v[i][u] = ep_ld_cg((const int4 *)(src[i] + off));
+                }
+#pragma unroll
+            for (int u = 0; u < CU; ++u) {
+                uint64_t off = base + (uint64_t)u * 32 * 16;
+                if (off >= bytes) continue;
+                int4 o = make_int4(0, 0, 0, 0);
+#pragma unroll
+                for (uint32_t i = 0; i < MAXR; ++i) {
+                    if (i >= n) break;
+                    o.x ^= v[i][u].x; o.y ^= v[i][u].y; o.z ^= v[i][u].z; o.w ^= v[i][u].w;
+                }
+                *(int4 *)(out + off) = o;
+            }
+        }
+    }
+}
+
+// Spins for `timeout_ns` of %globaltimer: a gate that holds every rank's stream until the host
+// has enqueued all of a timed call, so the ranks start together.
+extern "C" __global__ void ep_spin(const Args a) {
+    const uint64_t t0 = ep_now_ns();
+    while (ep_now_ns() - t0 < a.timeout_ns) {
+    }
+}

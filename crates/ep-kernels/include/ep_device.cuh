@@ -1,0 +1,109 @@
+/*
+ * ep_device.cuh — the device side of the protocol vocabulary (ep_core::transport::AgentCtx) for
+ * the load/store class over NVLink / same-GPU peers: relaxed stores, store_release,
+ * load_acquire, and the bounded wait. Device only.
+ *
+ * Scope: system (`.sys`), so a release on one GPU is acquired on another GPU or by another
+ * process's kernel on the same GPU (DESIGN.md, "The memory model").
+ *
+ * Waits are bounded by %globaltimer and never trap (GPU.md: a trap under MPS resets the GPU): a
+ * wait that runs out writes the process's error record (host-mapped ep_err_block), raises its
+ * `abort` word, and returns false; every other wait sees `abort` and gives up too, so all blocks
+ * of all ranks finish and the host turns the record into a typed error.
+ */
+#ifndef EP_DEVICE_CUH
+#define EP_DEVICE_CUH
+
+#include <stdint.h>
+
+#include "ep_gpu_abi.h"
+
+__device__ __forceinline__ uint64_t ep_ld_acquire(const uint64_t *p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void ep_st_release(uint64_t *p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ep_ld_volatile(const uint64_t *p) {
+    uint64_t v;
+    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t ep_now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Records the first failure of the process (later ones only raise `abort`). */
+__device__ inline void ep_fail(ep_err_block *err, uint64_t status, uint64_t rank, uint64_t kernel,
+                               uint64_t word_rank, uint64_t word_offset, uint64_t expected,
+                               uint64_t last_seen, uint64_t detail) {
+    unsigned long long *st = (unsigned long long *)&err->status;
+    if (atomicCAS(st, 0ull, (unsigned long long)status) == 0ull) {
+        err->rank = rank;
+        err->kernel = kernel;
+        err->block = blockIdx.x;
+        err->word_rank = word_rank;
+        err->word_offset = word_offset;
+        err->expected = expected;
+        err->last_seen = last_seen;
+        err->detail = detail;
+    }
+    __threadfence_system();
+    *(volatile uint64_t *)&err->abort = 1;
+    __threadfence_system();
+}
+
+/* Whether the process gave up (another wait failed). */
+__device__ __forceinline__ bool ep_aborted(const ep_err_block *err) {
+    return ep_ld_volatile(&err->abort) != 0;
+}
+
+/*
+ * Waits until `*word == want` (acquire), at most `timeout_ns`. The word lives in `word_rank`'s
+ * normal.ctrl at `word_offset` (named in the error record). The abort word is host memory, so it
+ * is read only every 1024 polls.
+ */
+__device__ inline bool ep_wait_eq(const uint64_t *word, uint64_t want, ep_err_block *err,
+                                  uint64_t timeout_ns, uint64_t rank, uint64_t kernel,
+                                  uint64_t word_rank, uint64_t word_offset) {
+    uint64_t v = ep_ld_acquire(word);
+    if (v == want) return true;
+    uint64_t start = ep_now_ns();
+    for (uint32_t polls = 1;; ++polls) {
+        v = ep_ld_acquire(word);
+        if (v == want) return true;
+        if ((polls & 1023u) == 0u) {
+            if (ep_aborted(err)) return false;
+            if (ep_now_ns() - start > timeout_ns) {
+                ep_fail(err, EP_ERR_TIMEOUT, rank, kernel, word_rank, word_offset, want, v, 0);
+                return false;
+            }
+        }
+    }
+}
+
+/* Cluster barrier with release/acquire semantics (all threads of every CTA of the cluster). */
+__device__ __forceinline__ void ep_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* 16-byte loads that skip L1 (rows are read once) and plain 16-byte stores. */
+__device__ __forceinline__ int4 ep_ld_nc(const int4 *p) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+/* A 16-byte load of data another rank wrote (no stale L1 line: .cg caches in L2 only). */
+__device__ __forceinline__ int4 ep_ld_cg(const int4 *p) { return __ldcg(p); }
+
+#endif /* EP_DEVICE_CUH */

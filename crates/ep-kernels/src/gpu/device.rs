@@ -1,0 +1,97 @@
+//! [`Device`]: one GPU as the backend uses it — the context, every kernel of the normal-mode
+//! module loaded **eagerly** (GPU.md: with lazy loading, kernels of co-resident ranks that wait
+//! on each other never overlap), the SM count, and the process's error record.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUdevice_attribute};
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::Ptx;
+
+use super::abi::ErrBlock;
+use super::mem::HostMapped;
+use crate::error::{Error, Result};
+use crate::kernels;
+
+/// The functions of `cuda/normal.cu`.
+#[derive(Debug, Clone)]
+pub(crate) struct NormalKernels {
+    pub(crate) layout: CudaFunction,
+    pub(crate) dispatch: CudaFunction,
+    pub(crate) combine: CudaFunction,
+    pub(crate) ceiling: CudaFunction,
+    pub(crate) ceiling_gather: CudaFunction,
+    pub(crate) spin: CudaFunction,
+}
+
+/// One GPU, ready to launch the backend's kernels.
+#[derive(Debug)]
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    pub(crate) normal: NormalKernels,
+    num_sms: usize,
+    pub(crate) err: HostMapped<ErrBlock>,
+}
+
+impl Device {
+    /// Opens GPU `ordinal`: checks the driver, loads and eagerly loads every kernel.
+    pub fn open(ordinal: usize) -> Result<Arc<Self>> {
+        // SAFETY: is_culib_present only tries to dlopen libcuda; cudarc would panic later without it.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::CudaDriverMissing);
+        }
+        let bytes = kernels::normal_cubin()?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(Error::cuda("cuCtxCreate (primary context)"))?;
+        // SAFETY: the backend passes raw device addresses to its kernels and orders streams
+        // itself with events; cudarc's per-slice event tracking would only add waits.
+        unsafe { ctx.disable_event_tracking() };
+        let module = ctx
+            .load_module(Ptx::from_binary(bytes.to_vec()))
+            .map_err(Error::cuda("cuModuleLoadData(normal)"))?;
+        let get = |name: &'static str| -> Result<CudaFunction> {
+            let f = module
+                .load_function(name)
+                .map_err(Error::cuda("cuModuleGetFunction(normal)"))?;
+            // SAFETY: `f` is a function of a module loaded in this context.
+            unsafe { sys::cuFuncLoad(f.cu_function()) }
+                .result()
+                .map_err(Error::cuda("cuFuncLoad"))?;
+            Ok(f)
+        };
+        let normal = NormalKernels {
+            layout: get("ep_normal_layout")?,
+            dispatch: get("ep_normal_dispatch")?,
+            combine: get("ep_normal_combine")?,
+            ceiling: get("ep_copy_ceiling")?,
+            ceiling_gather: get("ep_copy_ceiling_gather")?,
+            spin: get("ep_spin")?,
+        };
+        let num_sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
+            as usize;
+        let err = HostMapped::new(&ctx)?;
+        Ok(Arc::new(Self {
+            ctx,
+            normal,
+            num_sms,
+            err,
+        }))
+    }
+
+    /// The CUDA context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Streaming multiprocessors of the GPU.
+    pub fn num_sms(&self) -> usize {
+        self.num_sms
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+}

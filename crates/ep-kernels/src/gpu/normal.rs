@@ -1,0 +1,1405 @@
+//! Normal intranode mode on one GPU with `R` co-resident ranks (docs/protocol.md §2): each rank
+//! has its own arena (`normal.ctrl` + `normal.data`, laid out by `ep_core::protocol::layout`),
+//! its own stream and its own kernels, which run concurrently and see each other only through
+//! the table of peer pointers in their arguments.
+//!
+//! Calls take and return device tensors ([`DevTensor`]) of every local rank. Received rows are
+//! views into the rank's arena (row stride = the dispatch record), valid until the next dispatch
+//! on the group; the received meta outputs (`recv_src_idx`, `recv_topk_*`) likewise live in
+//! per-rank buffers reused by the next dispatch. Handles own their tensors.
+//!
+//! Host synchronisation: a non-worst-token dispatch waits (bounded) for each rank's notify block
+//! to publish `num_recv` and the expert list in host-mapped memory — the only host sync of a
+//! call; with `num_worst_tokens > 0` there is none. Errors from the device (a wait that timed
+//! out, rows that do not fit, a bad expert id) surface at the next call or [`NormalGroup::sync`];
+//! a timeout poisons the group until [`NormalGroup::reset`].
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use ep_core::protocol::layout::{NormalCtrl, NormalData, REGION_ALIGN, RowFormat, align128};
+
+use super::abi::{self, ErrBlock, Mailbox, NormalArgs};
+use super::device::Device;
+use super::mem::{DevBuf, HostMapped};
+use super::tensor::{DType, DevTensor};
+use crate::error::{Error, Result};
+
+/// Ranks a normal-mode kernel can address.
+pub const MAX_RANKS: usize = abi::EP_GPU_MAX_RANKS as usize;
+/// Threads per block of the normal-mode kernels.
+const THREADS: u32 = abi::EP_GPU_THREADS as u32;
+const _: () = assert!(
+    ep_core::protocol::layout::MAX_LOCAL_EXPERTS < std::mem::size_of::<Mailbox>() / 8,
+    "the mailbox holds every local expert's count"
+);
+
+/// Top-k a kernel handles (one lane per slot).
+pub const MAX_TOPK: usize = 32;
+
+/// One rank's resources.
+#[derive(Debug)]
+struct Rank {
+    stream: Arc<CudaStream>,
+    ctrl: Arc<DevBuf>,
+    data: Arc<DevBuf>,
+    mailbox: HostMapped<Mailbox>,
+    /// `recv_src_idx`, `recv_topk_idx`, `recv_topk_weights` at capacity, reused per dispatch.
+    meta: Option<(usize, DevTensor, DevTensor, DevTensor)>,
+}
+
+/// What [`NormalGroup::layout`] gives one rank (spec §1.7), on the device.
+#[derive(Clone, Debug)]
+pub struct GpuLayout {
+    /// `[1, R]` i32.
+    pub num_tokens_per_rank: DevTensor,
+    /// `[1, E]` i32.
+    pub num_tokens_per_expert: DevTensor,
+    /// `[T, R]` u8 (bool).
+    pub is_token_in_rank: DevTensor,
+}
+
+/// One rank's dispatch inputs, on the device.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuRankInputs<'a> {
+    /// `[T, H]` BF16, or e4m3 bytes with `x_scales`.
+    pub x: &'a DevTensor,
+    /// `[T, ceil(H / 128)]` f32 for FP8 rows.
+    pub x_scales: Option<&'a DevTensor>,
+    /// `[T, K]` i64 expert ids (`-1` masked); `None`: no top-k dispatched.
+    pub topk_idx: Option<&'a DevTensor>,
+    /// `[T, K]` f32.
+    pub topk_weights: Option<&'a DevTensor>,
+}
+
+/// Options of a GPU dispatch (spec §1.8); the channel count is the group's `num_sms / 2`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuDispatchArgs {
+    /// Rounds the expert list (≥ 1).
+    pub expert_alignment: usize,
+    /// `> 0`: outputs sized to this many rows, no host sync.
+    pub num_worst_tokens: usize,
+}
+
+impl Default for GpuDispatchArgs {
+    fn default() -> Self {
+        Self {
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+        }
+    }
+}
+
+/// The intranode handle on the device (spec §2.2).
+#[derive(Clone, Debug)]
+pub struct GpuHandle {
+    /// `[R, R]` i32, inclusive.
+    pub rank_prefix_matrix: DevTensor,
+    /// `[R, C]` i32, sender side, inclusive.
+    pub channel_prefix_matrix: DevTensor,
+    /// `[R, C]` i32, receiver side, exclusive.
+    pub recv_channel_prefix_matrix: DevTensor,
+    /// `[T, R]` i32 (slot of token `t` in `(channel, d)`, or -1).
+    pub send_head: DevTensor,
+    /// `[T, R]` u8 (from the layout).
+    pub is_token_in_rank: DevTensor,
+    /// Rows received (`None` in worst-token mode: not known on the host).
+    pub num_recv_tokens: Option<usize>,
+    /// Output rows (`num_recv_tokens`, or `num_worst_tokens`).
+    pub num_rows: usize,
+    /// Tokens of this rank.
+    pub num_tokens: usize,
+}
+
+/// What one rank receives from a GPU dispatch.
+#[derive(Clone, Debug)]
+pub struct GpuDispatch {
+    /// `[rows, H]` view into the arena (BF16 or e4m3), row stride = the dispatch record.
+    pub recv_x: DevTensor,
+    /// `[rows, S]` f32 view into the arena (FP8 only).
+    pub recv_x_scales: Option<DevTensor>,
+    /// `[rows, K]` i64 local expert ids (with top-k).
+    pub recv_topk_idx: Option<DevTensor>,
+    /// `[rows, K]` f32 (with top-k).
+    pub recv_topk_weights: Option<DevTensor>,
+    /// `[1, rows]` i32 source token of each row.
+    pub recv_src_idx: DevTensor,
+    /// `[L]` aligned received counts per local expert (empty in worst-token mode).
+    pub num_recv_tokens_per_expert_list: Vec<i32>,
+    /// For combine and cached dispatch.
+    pub handle: GpuHandle,
+}
+
+/// Where a combine finds the expert outputs of a rank (docs/protocol.md §2.5, §2.6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CombineSource {
+    /// The BF16 x parts of the last dispatch's rows (the expert wrote over its input), with the
+    /// dispatched weights.
+    InPlace,
+    /// The combine rows, written through [`NormalGroup::combine_rows`] or
+    /// [`NormalGroup::write_combine_rows`].
+    Rows,
+}
+
+/// One rank's combine arguments.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuCombineArgs<'a> {
+    /// The rank's handle from the dispatch.
+    pub handle: &'a GpuHandle,
+    /// Whether to combine the top-k weights (`[T, K]` out).
+    pub with_weights: bool,
+    /// 0–2 BF16 `[T, H]` biases.
+    pub bias: [Option<&'a DevTensor>; 2],
+}
+
+/// What combine gives one rank.
+#[derive(Clone, Debug)]
+pub struct GpuCombined {
+    /// `[T, H]` BF16.
+    pub combined_x: DevTensor,
+    /// `[T, K]` f32 when weights were combined.
+    pub combined_topk_weights: Option<DevTensor>,
+}
+
+/// The row format of the last dispatch (what the arena holds).
+#[derive(Clone, Copy, Debug)]
+struct LastDispatch {
+    fmt: RowFormat,
+    num_topk: usize,
+}
+
+/// `R` co-resident ranks on one GPU running normal mode (module docs).
+#[derive(Debug)]
+pub struct NormalGroup {
+    dev: Arc<Device>,
+    ranks: Vec<Rank>,
+    num_sms: usize,
+    call: u64,
+    timeout: Duration,
+    poison: Option<String>,
+    last: Option<LastDispatch>,
+    /// Test hook: a rank whose kernels are not launched (a rank that never arrives).
+    absent: Option<usize>,
+    /// The stream that gates timed calls ([`NormalGroup::timed`]).
+    gate: Option<Arc<CudaStream>>,
+}
+
+fn launch_cfg(blocks: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl NormalGroup {
+    /// `num_ranks` co-resident ranks, each with `num_nvl_bytes` of arena and `num_sms` SMs
+    /// (`num_sms / 2` channels). Fails unless every rank's kernel can be resident at once:
+    /// `num_ranks × num_sms ≤` the GPU's SMs.
+    pub fn new(
+        dev: Arc<Device>,
+        num_ranks: usize,
+        num_sms: usize,
+        num_nvl_bytes: u64,
+    ) -> Result<Self> {
+        if num_ranks == 0 || num_ranks > MAX_RANKS {
+            return Err(Error::Unsupported(format!(
+                "{num_ranks} ranks: the normal-mode kernels address 1 to {MAX_RANKS} ranks"
+            )));
+        }
+        if num_sms < 2
+            || !num_sms.is_multiple_of(2)
+            || num_sms / 2 > ep_core::protocol::layout::MAX_CHANNELS
+        {
+            return Err(Error::Unsupported(format!(
+                "num_sms {num_sms}: use an even number from 2 to {} (two SMs per channel)",
+                2 * ep_core::protocol::layout::MAX_CHANNELS
+            )));
+        }
+        if num_ranks * num_sms > dev.num_sms() {
+            return Err(Error::NotEnoughSms {
+                ranks: num_ranks,
+                sms_per_rank: num_sms,
+                device_sms: dev.num_sms(),
+            });
+        }
+        let ctrl_bytes = align128(NormalCtrl { num_ranks }.bytes());
+        let min = ctrl_bytes
+            + NormalData {
+                num_ranks,
+                data_bytes: 0,
+            }
+            .rows_base()
+            + 256;
+        if num_nvl_bytes < min {
+            return Err(Error::ArenaTooSmall {
+                needed: min,
+                available: num_nvl_bytes,
+            });
+        }
+        let ctx = dev.context().clone();
+        let mut ranks = Vec::with_capacity(num_ranks);
+        for _ in 0..num_ranks {
+            let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
+            let ctrl = Arc::new(DevBuf::zeroed(&ctx, ctrl_bytes as usize)?);
+            let data = Arc::new(DevBuf::new(&ctx, (num_nvl_bytes - ctrl_bytes) as usize)?);
+            debug_assert!(data.ptr() % REGION_ALIGN == 0);
+            ranks.push(Rank {
+                stream,
+                ctrl,
+                data,
+                mailbox: HostMapped::new(&ctx)?,
+                meta: None,
+            });
+        }
+        Ok(Self {
+            dev,
+            ranks,
+            num_sms,
+            call: 0,
+            timeout: Duration::from_secs(10),
+            poison: None,
+            last: None,
+            absent: None,
+            gate: None,
+        })
+    }
+
+    /// Ranks of the group.
+    pub fn num_ranks(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// SMs per rank.
+    pub fn num_sms(&self) -> usize {
+        self.num_sms
+    }
+
+    /// Channels `C = num_sms / 2`.
+    pub fn num_channels(&self) -> usize {
+        self.num_sms / 2
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// Rank `r`'s stream (every call of the group enqueues rank `r`'s work on it).
+    pub fn stream(&self, r: usize) -> &Arc<CudaStream> {
+        &self.ranks[r].stream
+    }
+
+    /// The number of the last call.
+    pub fn last_call(&self) -> u64 {
+        self.call
+    }
+
+    /// Bound of every device wait (and of the host's wait for `num_recv`).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    fn data_layout(&self) -> NormalData {
+        NormalData {
+            num_ranks: self.num_ranks(),
+            data_bytes: self.ranks[0].data.len() as u64,
+        }
+    }
+
+    /// Rows of `rec` bytes the dispatch region holds.
+    pub fn dispatch_capacity(&self, rec: u64) -> u64 {
+        self.data_layout().dispatch_capacity(rec)
+    }
+
+    fn check_ready(&mut self) -> Result<()> {
+        if let Some(cause) = &self.poison {
+            return Err(Error::Poisoned {
+                cause: cause.clone(),
+            });
+        }
+        self.check_device_error()
+    }
+
+    /// Turns the process's error record into a typed error (after syncing every stream).
+    /// Timeouts poison the group; refused inputs (capacity, expert ids) do not: the record is
+    /// cleared and the group stays usable.
+    fn check_device_error(&mut self) -> Result<()> {
+        let e = self.dev.err.read();
+        if e.status == 0 {
+            return Ok(());
+        }
+        for r in &self.ranks {
+            r.stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        }
+        let e = self.dev.err.read();
+        let err = self.decode(&e);
+        if e.status == abi::EP_ERR_TIMEOUT {
+            self.poison = Some(err.to_string());
+        } else {
+            self.dev.err.write(ErrBlock::default());
+        }
+        Err(err)
+    }
+
+    fn decode(&self, e: &ErrBlock) -> Error {
+        let kernel = match e.kernel {
+            abi::EP_KERNEL_DISPATCH => "dispatch",
+            abi::EP_KERNEL_COMBINE => "combine",
+            abi::EP_KERNEL_LAYOUT => "layout",
+            _ => "?",
+        };
+        match e.status {
+            abi::EP_ERR_TIMEOUT => {
+                let ctrl = NormalCtrl {
+                    num_ranks: self.num_ranks(),
+                };
+                Error::DeviceWaitTimeout {
+                    rank: e.rank as usize,
+                    kernel,
+                    block: e.block as usize,
+                    word: ctrl_word_name(ctrl, e.word_offset),
+                    writer: ctrl.writer(e.word_offset, e.word_rank as usize),
+                    expected: e.expected,
+                    last_seen: e.last_seen,
+                    timeout: self.timeout,
+                }
+            }
+            abi::EP_ERR_CAPACITY => Error::DeviceCapacity {
+                rank: e.word_rank as usize,
+                rows: e.last_seen,
+                capacity: e.expected,
+            },
+            abi::EP_ERR_EXPERT => Error::ExpertOutOfRange {
+                rank: e.rank as usize,
+                index: e.detail,
+                expert: e.last_seen as i64,
+            },
+            s => Error::Unsupported(format!("unknown device error status {s}")),
+        }
+    }
+
+    /// Waits for every rank's stream and reports any device error ([`Error::Poisoned`] once a
+    /// timeout poisoned the group).
+    pub fn sync(&mut self) -> Result<()> {
+        if let Some(cause) = &self.poison {
+            return Err(Error::Poisoned {
+                cause: cause.clone(),
+            });
+        }
+        for r in &self.ranks {
+            r.stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        }
+        self.check_device_error()
+    }
+
+    /// Collective reset after a device timeout (docs/protocol.md §7.2): waits for every rank,
+    /// zeroes every control word, clears the error record. The call counter goes on.
+    pub fn reset(&mut self) -> Result<()> {
+        for r in &self.ranks {
+            r.stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        }
+        for r in &self.ranks {
+            r.ctrl.memset_async(&r.stream, 0, 0, r.ctrl.len())?;
+            r.stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        }
+        self.dev.err.write(ErrBlock::default());
+        self.poison = None;
+        self.last = None;
+        Ok(())
+    }
+
+    fn base_args(&self, rank: usize) -> NormalArgs {
+        let mut a = NormalArgs {
+            rank: rank as u64,
+            num_ranks: self.num_ranks() as u64,
+            num_channels: self.num_channels() as u64,
+            data_bytes: self.ranks[0].data.len() as u64,
+            call: self.call,
+            err: self.dev.err.dev_ptr(),
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            mailbox: self.ranks[rank].mailbox.dev_ptr(),
+            ..NormalArgs::default()
+        };
+        for (d, r) in self.ranks.iter().enumerate() {
+            a.peer_ctrl[d] = r.ctrl.ptr();
+            a.peer_data[d] = r.data.ptr();
+        }
+        a
+    }
+
+    /// Test hook: `Some(r)` stops launching rank `r`'s kernels, as if that rank never arrived
+    /// (its peers' waits must then time out, naming it).
+    #[doc(hidden)]
+    pub fn set_absent_rank_for_test(&mut self, rank: Option<usize>) {
+        self.absent = rank;
+    }
+
+    /// Test support: fills every rank's `normal.data` with `byte` (poisons received rows, count
+    /// records and tables before a call, so a row the kernels failed to write shows).
+    #[doc(hidden)]
+    pub fn fill_arenas_for_test(&mut self, byte: u8) -> Result<()> {
+        for r in &self.ranks {
+            r.data.memset_async(&r.stream, byte, 0, r.data.len())?;
+            r.stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        }
+        Ok(())
+    }
+
+    fn launch(
+        &self,
+        rank: usize,
+        f: &cudarc::driver::CudaFunction,
+        blocks: u32,
+        args: &NormalArgs,
+    ) -> Result<()> {
+        if self.absent == Some(rank) {
+            return Ok(());
+        }
+        let mut b = self.ranks[rank].stream.launch_builder(f);
+        b.arg(args);
+        // SAFETY: the kernel takes one `ep_normal_args` by value (generated from the same table
+        // as `NormalArgs`); every address in it is a live device allocation of this group or a
+        // tensor the caller keeps alive until the stream passes the kernel (the group's calls
+        // return owned tensors or views of its own arenas), and writes stay within the shapes
+        // validated by the caller of `launch`.
+        unsafe { b.launch(launch_cfg(blocks)) }
+            .map(|_| ())
+            .map_err(Error::cuda("cuLaunchKernel"))
+    }
+
+    /// `get_dispatch_layout` of every rank on the device (spec §1.7). `topk_idx[r]` is `[T, K]`
+    /// i64.
+    pub fn layout(
+        &mut self,
+        topk_idx: &[&DevTensor],
+        num_experts: usize,
+    ) -> Result<Vec<GpuLayout>> {
+        self.check_ready()?;
+        let r = self.num_ranks();
+        check_rank_count(r, topk_idx.len())?;
+        if num_experts == 0 || !num_experts.is_multiple_of(r) {
+            return Err(Error::Unsupported(format!(
+                "{num_experts} experts over {r} ranks: the experts must divide evenly (and be at least 1)"
+            )));
+        }
+        let mut out = Vec::with_capacity(r);
+        for (s, t) in topk_idx.iter().enumerate() {
+            t.expect(&format!("topk_idx of rank {s}"), DType::I64, None, None)?;
+            check_device(t, &self.dev, s)?;
+            if t.cols() > MAX_TOPK || !t.is_contiguous() {
+                return Err(Error::Unsupported(format!(
+                    "topk_idx of rank {s}: {} columns (at most {MAX_TOPK}), contiguous rows needed",
+                    t.cols()
+                )));
+            }
+            let st = &self.ranks[s].stream;
+            let per_rank = DevTensor::on_stream(st, DType::I32, 1, r)?;
+            let per_expert = DevTensor::on_stream(st, DType::I32, 1, num_experts)?;
+            let in_rank = DevTensor::on_stream(st, DType::U8, t.rows(), r)?;
+            per_rank.buffer().memset_async(st, 0, 0, 4 * r)?;
+            per_expert
+                .buffer()
+                .memset_async(st, 0, 0, 4 * num_experts)?;
+            let mut a = self.base_args(s);
+            a.num_tokens = t.rows() as u64;
+            a.num_topk = t.cols() as u64;
+            a.num_experts = num_experts as u64;
+            a.num_local_experts = (num_experts / r) as u64;
+            a.topk_idx = t.ptr();
+            a.num_tokens_per_rank = per_rank.ptr();
+            a.num_tokens_per_expert = per_expert.ptr();
+            a.is_token_in_rank = in_rank.ptr();
+            let blocks = (t.rows() as u32).div_ceil(THREADS).clamp(1, 132);
+            self.launch(s, &self.dev.normal.layout, blocks, &a)?;
+            out.push(GpuLayout {
+                num_tokens_per_rank: per_rank,
+                num_tokens_per_expert: per_expert,
+                is_token_in_rank: in_rank,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The row format of `inputs` (checked equal across ranks) and each rank's token count.
+    fn check_inputs(
+        &self,
+        inputs: &[GpuRankInputs<'_>],
+        with_topk: bool,
+    ) -> Result<(RowFormat, Vec<usize>)> {
+        let first = inputs[0].x;
+        let fp8 = match first.dtype() {
+            DType::Bf16 => false,
+            DType::F8E4M3 => true,
+            d => {
+                return Err(Error::TensorMismatch {
+                    what: "x of rank 0".into(),
+                    expected: "Bf16 or F8E4M3".into(),
+                    found: format!("{d:?}"),
+                });
+            }
+        };
+        let hidden = first.cols();
+        let num_scales = if fp8 { hidden.div_ceil(128) } else { 0 };
+        let elem = if fp8 { 1 } else { 2 };
+        if hidden == 0 || !(hidden * elem).is_multiple_of(16) {
+            return Err(Error::Unsupported(format!(
+                "hidden {hidden}: rows must be a multiple of 16 bytes (hidden a multiple of {})",
+                16 / elem
+            )));
+        }
+        let num_topk = if with_topk {
+            inputs[0].topk_idx.map_or(0, DevTensor::cols)
+        } else {
+            0
+        };
+        let mut tokens = Vec::with_capacity(inputs.len());
+        for (s, inp) in inputs.iter().enumerate() {
+            let t = inp.x.rows();
+            inp.x
+                .expect(&format!("x of rank {s}"), first.dtype(), None, Some(hidden))?;
+            check_device(inp.x, &self.dev, s)?;
+            if !inp.x.is_contiguous() {
+                return Err(Error::Unsupported(format!(
+                    "x of rank {s}: rows must be contiguous"
+                )));
+            }
+            if fp8 {
+                let sc = inp.x_scales.ok_or_else(|| Error::TensorMismatch {
+                    what: format!("x_scales of rank {s}"),
+                    expected: format!("F32 [{t}, {num_scales}]"),
+                    found: "none".into(),
+                })?;
+                sc.expect(
+                    &format!("x_scales of rank {s}"),
+                    DType::F32,
+                    Some(t),
+                    Some(num_scales),
+                )?;
+                check_device(sc, &self.dev, s)?;
+            }
+            if with_topk {
+                let idx = inp.topk_idx.ok_or_else(|| Error::TensorMismatch {
+                    what: format!("topk_idx of rank {s}"),
+                    expected: format!("I64 [{t}, {num_topk}]"),
+                    found: "none".into(),
+                })?;
+                idx.expect(
+                    &format!("topk_idx of rank {s}"),
+                    DType::I64,
+                    Some(t),
+                    Some(num_topk),
+                )?;
+                let w = inp.topk_weights.ok_or_else(|| Error::TensorMismatch {
+                    what: format!("topk_weights of rank {s}"),
+                    expected: format!("F32 [{t}, {num_topk}]"),
+                    found: "none".into(),
+                })?;
+                w.expect(
+                    &format!("topk_weights of rank {s}"),
+                    DType::F32,
+                    Some(t),
+                    Some(num_topk),
+                )?;
+                check_device(idx, &self.dev, s)?;
+                check_device(w, &self.dev, s)?;
+            }
+            tokens.push(t);
+        }
+        if num_topk > MAX_TOPK {
+            return Err(Error::Unsupported(format!(
+                "top-k {num_topk}: at most {MAX_TOPK}"
+            )));
+        }
+        let fmt = RowFormat {
+            hidden,
+            elem_bytes: elem,
+            num_scales,
+            num_topk,
+        };
+        Ok((fmt, tokens))
+    }
+
+    fn meta_buffers(
+        &mut self,
+        rank: usize,
+        cap: usize,
+        k: usize,
+    ) -> Result<(DevTensor, DevTensor, DevTensor)> {
+        let r = &mut self.ranks[rank];
+        let fits = r
+            .meta
+            .as_ref()
+            .is_some_and(|(c, _, idx, _)| *c >= cap && idx.cols() == k.max(1));
+        if !fits {
+            // The previous buffers may still be read by earlier work: drop them only after the
+            // stream passed it (DevBuf::drop of cuMemAlloc memory waits for the device).
+            let ctx = self.dev.context();
+            r.meta = Some((
+                cap,
+                DevTensor::empty(ctx, DType::I32, 1, cap)?,
+                DevTensor::empty(ctx, DType::I64, cap, k.max(1))?,
+                DevTensor::empty(ctx, DType::F32, cap, k.max(1))?,
+            ));
+        }
+        let (_, a, b, c) = r.meta.as_ref().expect("set above");
+        Ok((a.clone(), b.clone(), c.clone()))
+    }
+
+    /// Normal dispatch of every rank (spec §1.8, docs/protocol.md §2.3): layout counts in,
+    /// every row stored once at its final row on each destination. `inputs[r]` and
+    /// `layouts[r]` are rank `r`'s.
+    pub fn dispatch(
+        &mut self,
+        inputs: &[GpuRankInputs<'_>],
+        layouts: &[GpuLayout],
+        num_experts: usize,
+        args: &GpuDispatchArgs,
+    ) -> Result<Vec<GpuDispatch>> {
+        self.check_ready()?;
+        let r = self.num_ranks();
+        check_rank_count(r, inputs.len())?;
+        check_rank_count(r, layouts.len())?;
+        if num_experts == 0 || !num_experts.is_multiple_of(r) {
+            return Err(Error::Unsupported(format!(
+                "{num_experts} experts over {r} ranks: the experts must divide evenly"
+            )));
+        }
+        let l = num_experts / r;
+        if l > ep_core::protocol::layout::MAX_LOCAL_EXPERTS {
+            return Err(Error::Unsupported(format!(
+                "{l} local experts: at most {} (use more ranks or fewer experts)",
+                ep_core::protocol::layout::MAX_LOCAL_EXPERTS
+            )));
+        }
+        if args.expert_alignment == 0 {
+            return Err(Error::Unsupported(
+                "expert_alignment 0: use 1 for no alignment".into(),
+            ));
+        }
+        let with_topk = inputs[0].topk_idx.is_some();
+        if args.num_worst_tokens > 0 && !with_topk {
+            return Err(Error::Unsupported(
+                "num_worst_tokens needs topk_idx (spec §1.8): pass top-k or use 0".into(),
+            ));
+        }
+        let (fmt, tokens) = self.check_inputs(inputs, with_topk)?;
+        for (s, lay) in layouts.iter().enumerate() {
+            lay.num_tokens_per_rank.expect(
+                &format!("num_tokens_per_rank of rank {s}"),
+                DType::I32,
+                Some(1),
+                Some(r),
+            )?;
+            lay.num_tokens_per_expert.expect(
+                &format!("num_tokens_per_expert of rank {s}"),
+                DType::I32,
+                Some(1),
+                Some(num_experts),
+            )?;
+            lay.is_token_in_rank.expect(
+                &format!("is_token_in_rank of rank {s}"),
+                DType::U8,
+                Some(tokens[s]),
+                Some(r),
+            )?;
+        }
+        let drec = fmt.dispatch_record();
+        let cap = self.dispatch_capacity(drec);
+        if args.num_worst_tokens as u64 > cap {
+            return Err(Error::DeviceCapacity {
+                rank: 0,
+                rows: args.num_worst_tokens as u64,
+                capacity: cap,
+            });
+        }
+        let c = self.num_channels();
+        self.call += 1;
+        let k = fmt.num_topk;
+        let mut handles = Vec::with_capacity(r);
+        let mut metas = Vec::with_capacity(r);
+        // Every allocation (and release) before the first launch: a synchronous one would
+        // wait for kernels already launched, which wait for ranks not launched yet.
+        for (s, &t) in tokens.iter().enumerate() {
+            let meta = self.meta_buffers(s, cap as usize, k)?;
+            let st = self.ranks[s].stream.clone();
+            handles.push((
+                DevTensor::on_stream(&st, DType::I32, r, r)?,
+                DevTensor::on_stream(&st, DType::I32, r, c)?,
+                DevTensor::on_stream(&st, DType::I32, r, c)?,
+                DevTensor::on_stream(&st, DType::I32, t, r)?,
+            ));
+            metas.push(meta);
+        }
+        for s in 0..r {
+            let (rpm, cpm, rcpm, send_head) = &handles[s];
+            let meta = &metas[s];
+            let inp = &inputs[s];
+            let mut a = self.base_args(s);
+            a.num_tokens = tokens[s] as u64;
+            a.num_topk = k as u64;
+            a.num_experts = num_experts as u64;
+            a.num_local_experts = l as u64;
+            a.x_bytes = (fmt.hidden * fmt.elem_bytes) as u64;
+            a.num_scales = fmt.num_scales as u64;
+            a.hidden = fmt.hidden as u64;
+            a.drec = drec;
+            a.capacity = cap;
+            a.expert_alignment = args.expert_alignment as u64;
+            a.num_worst_tokens = args.num_worst_tokens as u64;
+            a.flags = if with_topk { abi::EP_FLAG_TOPK } else { 0 }
+                | if fmt.elem_bytes == 1 {
+                    abi::EP_FLAG_FP8
+                } else {
+                    0
+                };
+            a.x = inp.x.ptr();
+            a.x_scales = inp.x_scales.map_or(0, DevTensor::ptr);
+            a.topk_idx = inp.topk_idx.map_or(0, DevTensor::ptr);
+            a.topk_weights = inp.topk_weights.map_or(0, DevTensor::ptr);
+            a.is_token_in_rank = layouts[s].is_token_in_rank.ptr();
+            a.num_tokens_per_rank = layouts[s].num_tokens_per_rank.ptr();
+            a.num_tokens_per_expert = layouts[s].num_tokens_per_expert.ptr();
+            a.rank_prefix_matrix = rpm.ptr();
+            a.channel_prefix_matrix = cpm.ptr();
+            a.recv_channel_prefix_matrix = rcpm.ptr();
+            a.send_head = send_head.ptr();
+            a.recv_src_idx = meta.0.ptr();
+            a.recv_topk_idx = meta.1.ptr();
+            a.recv_topk_weights = meta.2.ptr();
+            self.launch(s, &self.dev.normal.dispatch, 2 * c as u32, &a)?;
+        }
+        self.last = Some(LastDispatch { fmt, num_topk: k });
+        // The only host sync: num_recv and the expert list from each notify block.
+        let mut recv = vec![(None, Vec::new()); r];
+        if args.num_worst_tokens == 0 {
+            let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+            for (s, slot) in recv.iter_mut().enumerate() {
+                let v = loop {
+                    let v = self.ranks[s].mailbox.word(0);
+                    if v >> 32 == self.call {
+                        break v;
+                    }
+                    if self.dev.err.read().status != 0 {
+                        self.check_device_error()?;
+                    }
+                    if Instant::now() > deadline {
+                        self.poison = Some(format!(
+                            "rank {s}'s notify of call {} never published num_recv",
+                            self.call
+                        ));
+                        return Err(Error::HostWaitTimeout {
+                            rank: s,
+                            what: format!("num_recv of call {} from the notify block", self.call),
+                            timeout: self.timeout,
+                        });
+                    }
+                    std::hint::spin_loop();
+                };
+                let mb = self.ranks[s].mailbox.read();
+                *slot = (
+                    Some((v & 0xffff_ffff) as usize),
+                    mb.expert_counts[..l].iter().map(|&x| x as i32).collect(),
+                );
+            }
+        }
+        let mut out = Vec::with_capacity(r);
+        for (s, ((rpm, cpm, rcpm, send_head), (src, idx, w))) in
+            handles.into_iter().zip(metas).enumerate()
+        {
+            let (num_recv, experts) = recv[s].clone();
+            let rows = num_recv.unwrap_or(args.num_worst_tokens);
+            let data = self.ranks[s].data.clone();
+            let base = self.data_layout().rows_base();
+            let xdt = if fmt.elem_bytes == 1 {
+                DType::F8E4M3
+            } else {
+                DType::Bf16
+            };
+            let recv_x = DevTensor::strided(data.clone(), base, xdt, rows, fmt.hidden, drec)?;
+            let recv_x_scales = (fmt.elem_bytes == 1)
+                .then(|| {
+                    DevTensor::strided(
+                        data,
+                        base + fmt.scales_offset(),
+                        DType::F32,
+                        rows,
+                        fmt.num_scales,
+                        drec,
+                    )
+                })
+                .transpose()?;
+            let cut = |t: &DevTensor, cols: usize| {
+                DevTensor::strided(t.buffer().clone(), 0, t.dtype(), rows, cols, t.row_stride())
+            };
+            out.push(GpuDispatch {
+                recv_x,
+                recv_x_scales,
+                recv_topk_idx: with_topk.then(|| cut(&idx, k)).transpose()?,
+                recv_topk_weights: with_topk.then(|| cut(&w, k)).transpose()?,
+                recv_src_idx: DevTensor::strided(
+                    src.buffer().clone(),
+                    0,
+                    DType::I32,
+                    1,
+                    rows,
+                    4 * rows as u64,
+                )?,
+                num_recv_tokens_per_expert_list: experts,
+                handle: GpuHandle {
+                    rank_prefix_matrix: rpm,
+                    channel_prefix_matrix: cpm,
+                    recv_channel_prefix_matrix: rcpm,
+                    send_head,
+                    is_token_in_rank: layouts[s].is_token_in_rank.clone(),
+                    num_recv_tokens: num_recv,
+                    num_rows: rows,
+                    num_tokens: tokens[s],
+                },
+            });
+        }
+        Ok(out)
+    }
+
+    /// Cached dispatch (spec §1.8 with a handle, docs/protocol.md §2.4): no count exchange, the
+    /// offsets come from each rank's handle; no top-k. The handles must come from a dispatch of
+    /// this group with the same channel count.
+    pub fn dispatch_cached(
+        &mut self,
+        inputs: &[GpuRankInputs<'_>],
+        handles: &[&GpuHandle],
+    ) -> Result<Vec<GpuDispatch>> {
+        self.check_ready()?;
+        let r = self.num_ranks();
+        check_rank_count(r, inputs.len())?;
+        check_rank_count(r, handles.len())?;
+        let (fmt, tokens) = self.check_inputs(inputs, false)?;
+        let c = self.num_channels();
+        let drec = fmt.dispatch_record();
+        let cap = self.dispatch_capacity(drec);
+        for (s, h) in handles.iter().enumerate() {
+            h.channel_prefix_matrix.expect(
+                &format!("handle of rank {s}: channel_prefix_matrix"),
+                DType::I32,
+                Some(r),
+                Some(c),
+            )?;
+            h.rank_prefix_matrix.expect(
+                &format!("handle of rank {s}: rank_prefix_matrix"),
+                DType::I32,
+                Some(r),
+                Some(r),
+            )?;
+            h.is_token_in_rank.expect(
+                &format!("handle of rank {s}: is_token_in_rank"),
+                DType::U8,
+                Some(tokens[s]),
+                Some(r),
+            )?;
+            let rows = h.num_recv_tokens.ok_or_else(|| {
+                Error::Unsupported(
+                    "a cached dispatch needs a handle from a dispatch without num_worst_tokens"
+                        .into(),
+                )
+            })?;
+            if rows as u64 > cap {
+                return Err(Error::DeviceCapacity {
+                    rank: s,
+                    rows: rows as u64,
+                    capacity: cap,
+                });
+            }
+        }
+        self.call += 1;
+        let mut metas = Vec::with_capacity(r);
+        for s in 0..r {
+            metas.push(self.meta_buffers(s, cap as usize, 0)?);
+        }
+        for s in 0..r {
+            let meta = &metas[s];
+            let h = handles[s];
+            let mut a = self.base_args(s);
+            a.num_tokens = tokens[s] as u64;
+            a.x_bytes = (fmt.hidden * fmt.elem_bytes) as u64;
+            a.num_scales = fmt.num_scales as u64;
+            a.hidden = fmt.hidden as u64;
+            a.drec = drec;
+            a.capacity = cap;
+            a.flags = abi::EP_FLAG_CACHED
+                | if fmt.elem_bytes == 1 {
+                    abi::EP_FLAG_FP8
+                } else {
+                    0
+                };
+            a.x = inputs[s].x.ptr();
+            a.x_scales = inputs[s].x_scales.map_or(0, DevTensor::ptr);
+            a.is_token_in_rank = h.is_token_in_rank.ptr();
+            a.rank_prefix_matrix = h.rank_prefix_matrix.ptr();
+            a.channel_prefix_matrix = h.channel_prefix_matrix.ptr();
+            a.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix.ptr();
+            a.recv_src_idx = meta.0.ptr();
+            self.launch(s, &self.dev.normal.dispatch, 2 * c as u32, &a)?;
+        }
+        self.last = Some(LastDispatch { fmt, num_topk: 0 });
+        let base = self.data_layout().rows_base();
+        let mut out = Vec::with_capacity(r);
+        for (s, (src, _, _)) in metas.into_iter().enumerate() {
+            let h = handles[s];
+            let rows = h.num_rows;
+            let data = self.ranks[s].data.clone();
+            let xdt = if fmt.elem_bytes == 1 {
+                DType::F8E4M3
+            } else {
+                DType::Bf16
+            };
+            out.push(GpuDispatch {
+                recv_x: DevTensor::strided(data.clone(), base, xdt, rows, fmt.hidden, drec)?,
+                recv_x_scales: (fmt.elem_bytes == 1)
+                    .then(|| {
+                        DevTensor::strided(
+                            data,
+                            base + fmt.scales_offset(),
+                            DType::F32,
+                            rows,
+                            fmt.num_scales,
+                            drec,
+                        )
+                    })
+                    .transpose()?,
+                recv_topk_idx: None,
+                recv_topk_weights: None,
+                recv_src_idx: DevTensor::strided(
+                    src.buffer().clone(),
+                    0,
+                    DType::I32,
+                    1,
+                    rows,
+                    4 * rows as u64,
+                )?,
+                num_recv_tokens_per_expert_list: Vec::new(),
+                handle: h.clone(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Rank `rank`'s combine rows as views for the expert to write into (zero-copy combine
+    /// input, docs/protocol.md §2.6): `[rows, H]` BF16 and, with `num_topk > 0`, `[rows, K]` f32
+    /// weights, both with the combine record as row stride.
+    pub fn combine_rows(
+        &self,
+        rank: usize,
+        rows: usize,
+        hidden: usize,
+        num_topk: usize,
+    ) -> Result<(DevTensor, Option<DevTensor>)> {
+        let fmt = RowFormat {
+            hidden,
+            elem_bytes: 2,
+            num_scales: 0,
+            num_topk,
+        };
+        let yrec = fmt.combine_record();
+        let d = self.data_layout();
+        if rows as u64 > d.combine_capacity(yrec) {
+            return Err(Error::DeviceCapacity {
+                rank,
+                rows: rows as u64,
+                capacity: d.combine_capacity(yrec),
+            });
+        }
+        let base = d.combine_row(0, yrec);
+        let data = self.ranks[rank].data.clone();
+        let y = DevTensor::strided(data.clone(), base, DType::Bf16, rows, hidden, yrec)?;
+        let w = (num_topk > 0)
+            .then(|| {
+                DevTensor::strided(
+                    data,
+                    base + ep_core::protocol::layout::align16(2 * hidden as u64),
+                    DType::F32,
+                    rows,
+                    num_topk,
+                    yrec,
+                )
+            })
+            .transpose()?;
+        Ok((y, w))
+    }
+
+    /// Copies expert outputs `y` (`[rows, H]` BF16) and weights (`[rows, K]` f32) of rank
+    /// `rank` into its combine rows, on its stream (the copying path of combine).
+    pub fn write_combine_rows(
+        &self,
+        rank: usize,
+        y: &DevTensor,
+        weights: Option<&DevTensor>,
+    ) -> Result<()> {
+        let k = weights.map_or(0, DevTensor::cols);
+        let (dy, dw) = self.combine_rows(rank, y.rows(), y.cols(), k)?;
+        y.expect("combine input x", DType::Bf16, None, None)?;
+        copy_2d(&self.ranks[rank].stream, y, &dy)?;
+        if let (Some(w), Some(dw)) = (weights, dw) {
+            w.expect(
+                "combine input topk_weights",
+                DType::F32,
+                Some(y.rows()),
+                None,
+            )?;
+            copy_2d(&self.ranks[rank].stream, w, &dw)?;
+        }
+        Ok(())
+    }
+
+    /// Combine of every rank (spec §1.8, docs/protocol.md §2.5): each rank pulls its tokens'
+    /// rows from every rank holding them and reduces in DeepEP's order.
+    pub fn combine(
+        &mut self,
+        source: CombineSource,
+        args: &[GpuCombineArgs<'_>],
+    ) -> Result<Vec<GpuCombined>> {
+        self.check_ready()?;
+        let r = self.num_ranks();
+        check_rank_count(r, args.len())?;
+        let c = self.num_channels();
+        let last = self
+            .last
+            .ok_or_else(|| Error::Unsupported("combine before any dispatch".into()))?;
+        let hidden = last.fmt.hidden;
+        let k = last.num_topk;
+        if source == CombineSource::InPlace && last.fmt.elem_bytes != 2 {
+            return Err(Error::Unsupported(
+                "an in-place combine needs BF16 dispatch rows (FP8 rows have no room for BF16 outputs): write the outputs with write_combine_rows and combine from Rows".into(),
+            ));
+        }
+        for (s, a) in args.iter().enumerate() {
+            let h = a.handle;
+            h.send_head.expect(
+                &format!("handle of rank {s}: send_head"),
+                DType::I32,
+                None,
+                Some(r),
+            )?;
+            h.channel_prefix_matrix.expect(
+                &format!("handle of rank {s}: channel_prefix_matrix"),
+                DType::I32,
+                Some(r),
+                Some(c),
+            )?;
+            h.rank_prefix_matrix.expect(
+                &format!("handle of rank {s}: rank_prefix_matrix"),
+                DType::I32,
+                Some(r),
+                Some(r),
+            )?;
+            if a.with_weights && k == 0 {
+                return Err(Error::Unsupported(format!(
+                    "rank {s}: weights asked for, but the last dispatch carried no top-k"
+                )));
+            }
+            for (i, b) in a.bias.iter().enumerate() {
+                if let Some(b) = b {
+                    b.expect(
+                        &format!("bias {i} of rank {s}"),
+                        DType::Bf16,
+                        Some(h.num_tokens),
+                        Some(hidden),
+                    )?;
+                    check_device(b, &self.dev, s)?;
+                    if !b.is_contiguous() {
+                        return Err(Error::Unsupported(format!(
+                            "bias {i} of rank {s}: rows must be contiguous"
+                        )));
+                    }
+                }
+            }
+        }
+        self.call += 1;
+        let fmt = RowFormat {
+            hidden,
+            elem_bytes: 2,
+            num_scales: 0,
+            num_topk: k,
+        };
+        // Every allocation before the first launch (see `dispatch`).
+        let mut out = Vec::with_capacity(r);
+        for (s, a) in args.iter().enumerate() {
+            let st = &self.ranks[s].stream;
+            let t = a.handle.num_tokens;
+            out.push(GpuCombined {
+                combined_x: DevTensor::on_stream(st, DType::Bf16, t, hidden)?,
+                combined_topk_weights: a
+                    .with_weights
+                    .then(|| DevTensor::on_stream(st, DType::F32, t, k))
+                    .transpose()?,
+            });
+        }
+        for (s, a) in args.iter().enumerate() {
+            let t = a.handle.num_tokens;
+            let (x, w) = (&out[s].combined_x, &out[s].combined_topk_weights);
+            let mut g = self.base_args(s);
+            g.num_tokens = t as u64;
+            g.num_topk = k as u64;
+            g.hidden = hidden as u64;
+            g.drec = last.fmt.dispatch_record();
+            g.yrec = fmt.combine_record();
+            g.flags = if a.with_weights { abi::EP_FLAG_TOPK } else { 0 }
+                | if source == CombineSource::InPlace {
+                    abi::EP_FLAG_IN_PLACE
+                } else {
+                    0
+                };
+            g.rank_prefix_matrix = a.handle.rank_prefix_matrix.ptr();
+            g.channel_prefix_matrix = a.handle.channel_prefix_matrix.ptr();
+            g.send_head = a.handle.send_head.ptr();
+            g.combined_x = x.ptr();
+            g.combined_weights = w.as_ref().map_or(0, DevTensor::ptr);
+            g.bias0 = a.bias[0].map_or(0, DevTensor::ptr);
+            g.bias1 = a.bias[1].map_or(0, DevTensor::ptr);
+            self.launch(s, &self.dev.normal.combine, 2 * c as u32, &g)?;
+        }
+        Ok(out)
+    }
+
+    /// The ceiling of a dispatch's data movement (BASELINES.md): on every rank, `blocks` blocks
+    /// load each row of `x[r]` once and store it to each of its final rows `dst_rows[r]`
+    /// (`[T, R]` i32, `-1` = not sent) on the destinations' arenas, records of `drec` bytes.
+    /// No protocol, no signals.
+    pub fn ceiling(
+        &mut self,
+        x: &[&DevTensor],
+        dst_rows: &[&DevTensor],
+        drec: u64,
+        blocks: u32,
+    ) -> Result<()> {
+        self.check_ready()?;
+        let r = self.num_ranks();
+        check_rank_count(r, x.len())?;
+        check_rank_count(r, dst_rows.len())?;
+        for s in 0..r {
+            let row_bytes = (x[s].cols() * x[s].dtype().size()) as u64;
+            dst_rows[s].expect(
+                &format!("dst_rows of rank {s}"),
+                DType::I32,
+                Some(x[s].rows()),
+                Some(r),
+            )?;
+            if !row_bytes.is_multiple_of(16) || row_bytes > drec || !x[s].is_contiguous() {
+                return Err(Error::Unsupported(format!(
+                    "ceiling rows of rank {s}: {row_bytes} bytes"
+                )));
+            }
+            let mut a = self.base_args(s);
+            a.num_tokens = x[s].rows() as u64;
+            a.x_bytes = row_bytes;
+            a.drec = drec;
+            a.x = x[s].ptr();
+            a.dst_rows = dst_rows[s].ptr();
+            self.launch(s, &self.dev.normal.ceiling, blocks, &a)?;
+        }
+        Ok(())
+    }
+}
+
+impl NormalGroup {
+    /// The ceiling of a combine's data movement: every token of rank `r` reduces its rows of
+    /// the last dispatch (BF16 x parts; `src_rows[r]` `[T, R]` i32, the token's row on each
+    /// rank or -1) into `out[r]` (`[T, H]` BF16), `blocks` blocks per rank, no signals.
+    pub fn ceiling_combine(
+        &mut self,
+        src_rows: &[&DevTensor],
+        out: &[&DevTensor],
+        blocks: u32,
+    ) -> Result<()> {
+        self.check_ready()?;
+        let r = self.num_ranks();
+        check_rank_count(r, src_rows.len())?;
+        check_rank_count(r, out.len())?;
+        let last = self.last.ok_or_else(|| {
+            Error::Unsupported(
+                "a combine ceiling reads the rows of a dispatch: dispatch first".into(),
+            )
+        })?;
+        if last.fmt.elem_bytes != 2 {
+            return Err(Error::Unsupported(
+                "the combine ceiling reads BF16 dispatch rows".into(),
+            ));
+        }
+        for s in 0..r {
+            out[s].expect(
+                &format!("ceiling output of rank {s}"),
+                DType::Bf16,
+                None,
+                Some(last.fmt.hidden),
+            )?;
+            src_rows[s].expect(
+                &format!("src_rows of rank {s}"),
+                DType::I32,
+                Some(out[s].rows()),
+                Some(r),
+            )?;
+            let mut a = self.base_args(s);
+            a.num_tokens = out[s].rows() as u64;
+            a.hidden = last.fmt.hidden as u64;
+            a.drec = last.fmt.dispatch_record();
+            a.dst_rows = src_rows[s].ptr();
+            a.combined_x = out[s].ptr();
+            self.launch(s, &self.dev.normal.ceiling_gather, blocks, &a)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `f`, which enqueues work on every rank's stream, with every rank released at the
+    /// same moment (their streams wait behind a short spin on a gate stream while the host
+    /// enqueues), and returns each rank's device time from that release to the end of its work,
+    /// in seconds (CUDA events).
+    pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
+        if self.gate.is_none() {
+            let g = self
+                .dev
+                .context()
+                .new_stream()
+                .map_err(Error::cuda("cuStreamCreate"))?;
+            self.gate = Some(g);
+        }
+        let gate = self.gate.clone().expect("set above");
+        let mut spin = self.base_args(0);
+        spin.timeout_ns = 300_000;
+        let mut b = gate.launch_builder(&self.dev.normal.spin);
+        b.arg(&spin);
+        // SAFETY: ep_spin reads only its argument and the clock.
+        unsafe { b.launch(launch_cfg(1)) }.map_err(Error::cuda("cuLaunchKernel(ep_spin)"))?;
+        let open = gate
+            .record_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            ))
+            .map_err(Error::cuda("cuEventRecord"))?;
+        let mut starts = Vec::with_capacity(self.num_ranks());
+        for r in &self.ranks {
+            r.stream
+                .wait(&open)
+                .map_err(Error::cuda("cuStreamWaitEvent"))?;
+            starts.push(
+                r.stream
+                    .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(Error::cuda("cuEventRecord"))?,
+            );
+        }
+        let out = f(self)?;
+        let mut ends = Vec::with_capacity(self.num_ranks());
+        for r in &self.ranks {
+            ends.push(
+                r.stream
+                    .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(Error::cuda("cuEventRecord"))?,
+            );
+        }
+        self.sync()?;
+        let mut secs = Vec::with_capacity(ends.len());
+        for (s, e) in starts.iter().zip(&ends) {
+            secs.push(
+                f64::from(s.elapsed_ms(e).map_err(Error::cuda("cuEventElapsedTime"))?) * 1e-3,
+            );
+        }
+        Ok((out, secs))
+    }
+}
+
+fn check_rank_count(expected: usize, found: usize) -> Result<()> {
+    if expected != found {
+        return Err(Error::RankCountMismatch { expected, found });
+    }
+    Ok(())
+}
+
+fn check_device(t: &DevTensor, dev: &Device, rank: usize) -> Result<()> {
+    if t.device() != dev.ordinal() {
+        return Err(Error::WrongDevice {
+            rank,
+            expected: dev.ordinal(),
+            found: t.device(),
+        });
+    }
+    Ok(())
+}
+
+/// A 2-D copy of `src` into `dst` (same shape and dtype, any row strides) on `stream`.
+fn copy_2d(stream: &CudaStream, src: &DevTensor, dst: &DevTensor) -> Result<()> {
+    if src.shape() != dst.shape() || src.dtype() != dst.dtype() {
+        return Err(Error::TensorMismatch {
+            what: "2-D copy".into(),
+            expected: format!("{:?} {:?}", dst.dtype(), dst.shape()),
+            found: format!("{:?} {:?}", src.dtype(), src.shape()),
+        });
+    }
+    if src.rows() == 0 {
+        return Ok(());
+    }
+    use cudarc::driver::sys;
+    let p = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
+        srcDevice: src.ptr(),
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src.row_stride() as usize,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst.ptr(),
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst.row_stride() as usize,
+        WidthInBytes: src.cols() * src.dtype().size(),
+        Height: src.rows(),
+    };
+    // SAFETY: both views were bounds-checked against their buffers when made, and the shapes
+    // are equal, so the copy stays inside both; the buffers outlive the enqueued copy (callers
+    // hold the tensors until the stream is synchronised or passed).
+    unsafe { sys::cuMemcpy2DAsync_v2(&p, stream.cu_stream()) }
+        .result()
+        .map_err(Error::cuda("cuMemcpy2DAsync"))
+}
+
+/// `notify[p][s]`, `done[s][c]`, ... for a control-word offset.
+fn ctrl_word_name(ctrl: NormalCtrl, off: u64) -> String {
+    let r = ctrl.num_ranks;
+    for s in 0..r {
+        for p in 0..2 {
+            if ctrl.notify(p, s) == off {
+                return format!("notify[{p}][{s}]");
+            }
+        }
+        if ctrl.ready(s) == off {
+            return format!("ready[{s}]");
+        }
+        if ctrl.y_ready(s) == off {
+            return format!("y_ready[{s}]");
+        }
+        for c in 0..ep_core::protocol::layout::MAX_CHANNELS {
+            if ctrl.done(s, c) == off {
+                return format!("done[{s}][{c}]");
+            }
+            if ctrl.pulled(s, c) == off {
+                return format!("pulled[{s}][{c}]");
+            }
+        }
+    }
+    for p in 0..2 {
+        if ctrl.table_ready(p) == off {
+            return format!("table_ready[{p}]");
+        }
+    }
+    format!("control word at offset {off}")
+}
