@@ -53,7 +53,10 @@ fn main() {
     // once (`EP_KERNELS_NO_NVCC=1` builds without kernels and without that recheck). The root
     // directory itself cannot be watched: Cargo scans a watched directory recursively, `target/`
     // included, and would rebuild every time.
-    let venv = manifest.parent().and_then(Path::parent).map(|ws| ws.join(".venv-cuda"));
+    let venv = manifest
+        .parent()
+        .and_then(Path::parent)
+        .map(|ws| ws.join(".venv-cuda"));
     if let Some(venv) = venv.filter(|v| {
         v.exists() || (nvcc.is_err() && std::env::var_os("EP_KERNELS_NO_NVCC").is_none())
     }) {

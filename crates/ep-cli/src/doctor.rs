@@ -40,7 +40,7 @@ pub(crate) struct DoctorArgs {
     json: bool,
     /// Read /proc, /sys, /etc, /dev under DIR instead of / (a captured or fixture tree); live
     /// libraries and tools are then not queried.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", value_parser = ep_cli::args::existing_dir)]
     sysroot: Option<PathBuf>,
     /// Exit with status 2 unless CAP is usable (repeatable): intranode-nvlink,
     /// low-latency-nvlink, ibgda-gpu-initiated, ibgda-cpu-assisted. Without it, the status is
@@ -52,14 +52,14 @@ pub(crate) struct DoctorArgs {
     #[arg(long)]
     probe: bool,
     /// Processes (GPUs) the probe starts [default: the GPU count, at most 2].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = ep_cli::args::at_least_one_u32)]
     probe_ranks: Option<u32>,
     /// Print the NVSHMEM environment plan for the configuration given by the options below,
     /// and exit.
     #[arg(long)]
     plan: bool,
     /// EP ranks of the planned buffer [default: 8; with --probe, the probe's ranks].
-    #[arg(long, value_name = "R")]
+    #[arg(long, value_name = "R", value_parser = ep_cli::args::at_least_one)]
     ranks: Option<usize>,
     /// Low-latency mode.
     #[arg(long)]
@@ -87,7 +87,7 @@ pub(crate) struct DoctorArgs {
     #[arg(long, value_name = "BYTES")]
     rdma_bytes: Option<u64>,
     /// The `libnvshmem_host.so.3` (or its install directory) to use instead of searching.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", value_parser = ep_cli::args::existing_path)]
     nvshmem: Option<PathBuf>,
 }
 
@@ -507,8 +507,16 @@ fn build_plan(
             args.nic_handler
         )
     })?;
-    let plan = nvshmem_env_plan(&cfg, &user_env, handler)
-        .with_context(|| format!("planning the NVSHMEM environment for {cfg:?}"))?;
+    let plan = nvshmem_env_plan(&cfg, &user_env, handler).with_context(|| {
+        format!(
+            "planning the NVSHMEM environment for {ranks} rank(s), {} mode",
+            if cfg.low_latency_mode {
+                "low-latency"
+            } else {
+                "normal"
+            }
+        )
+    })?;
     Ok((cfg, plan))
 }
 

@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use ep_cli::io::{self, Outputs};
+use ep_cli::preflight;
 use ep_cli::workload::{self, Defaults, Mode, Workload, WorkloadArgs};
 use ep_core::oracle;
 use ep_core::plan::combine::{CombineArgs, CombineOutput};
@@ -58,12 +59,23 @@ pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
     let ll_mode = w.mode == Mode::LowLatency;
     let mode_name = w.mode.name();
     let start = Instant::now();
+    // Low-latency dispatch is FP8 unless --no-fp8, as in ep bench (one default, one digest);
+    // the small default hidden size is a multiple of FP8 low-latency's 512.
     let defaults = Defaults {
-        hidden: 256,
-        low_latency_fp8: false,
+        hidden: 512,
+        low_latency_fp8: true,
     };
+    let need = preflight::before_load(w, &defaults, preflight::Command::Layout, None)?;
     let workload = workload::load(w, &defaults).context("loading the workload")?;
+    let need = need.or(preflight::after_load(
+        &workload,
+        w,
+        preflight::Command::Layout,
+    )?);
     println!("ep layout: {}", workload.description);
+    if let (Some(dir), Some(need)) = (&w.dump, &need) {
+        println!("{}", preflight::dump_line(need, dir));
+    }
     if let Some(dir) = &w.dump_inputs {
         println!("inputs written to {}", dir.display());
     }

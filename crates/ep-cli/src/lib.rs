@@ -7,11 +7,17 @@
 //!   `manifest.json` (`dump_outputs`).
 //! - [`bench`]: `ep bench`, dispatch and combine on a backend, verified against the oracle and
 //!   timed, with DeepEP's byte counts and the cost model's prediction.
+//! - [`args`]: value parsers that turn impossible option values into usage errors.
+//! - [`interrupt`]: SIGINT/SIGTERM stop a run at its next step, cleanly.
+//! - [`preflight`]: the checks before any work (usage limits, memory, output paths).
 //! - [`alloc`]: the caching allocator the `ep` binary installs.
 
 pub mod alloc;
+pub mod args;
 pub mod bench;
+pub mod interrupt;
 pub mod io;
+pub mod preflight;
 pub mod workload;
 
 mod ranks;

@@ -30,7 +30,8 @@ struct Cli {
 enum Command {
     /// Run dispatch and combine on a backend (the simulator by default), verify every result
     /// against the oracle, and print DeepEP-style bandwidth and latency beside the cost model's
-    /// prediction. Exit codes: 0 verified, 1 mismatch, 2 usage error, 3 other errors.
+    /// prediction. Exit codes: 0 verified, 1 mismatch, 2 usage error, 3 other errors, 130/143
+    /// stopped by SIGINT/SIGTERM.
     Bench(ep_cli::bench::BenchArgs),
     /// Generate a seeded workload (or read one from .npy files), plan every rank's
     /// dispatch/combine, check against the oracle, print the output digest, dump on request.
@@ -45,13 +46,16 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
-        Command::Bench(args) => match ep_cli::bench::run_any(&args) {
-            Ok(code) => Ok(code),
-            Err(e) => {
-                eprintln!("ep bench: {}", ep_cli::bench::error_chain(&e));
-                std::process::exit(e.exit_code());
+        Command::Bench(args) => {
+            ep_cli::interrupt::install();
+            match ep_cli::bench::run_any(&args) {
+                Ok(code) => Ok(code),
+                Err(e) => {
+                    eprintln!("ep bench: {}", ep_cli::bench::error_chain(&e));
+                    std::process::exit(e.exit_code());
+                }
             }
-        },
+        }
         Command::Layout(args) => layout::run(&args),
         Command::Doctor(args) => doctor::run(&args),
         Command::NvshmemProbe => doctor::probe_child(),
@@ -60,7 +64,21 @@ fn main() {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("ep: {e:#}");
-            std::process::exit(3);
+            std::process::exit(exit_code(&e));
         }
+    }
+}
+
+/// The exit code of a failed `ep layout` or `ep doctor`: 2 for usage errors (options that
+/// cannot work), 3 for run-time errors, as `ep bench`'s `BenchError::exit_code`.
+#[must_use]
+fn exit_code(e: &anyhow::Error) -> i32 {
+    use ep_cli::workload::OptionsError;
+    if let Some(p) = e.downcast_ref::<ep_cli::preflight::PreflightError>() {
+        return p.exit_code();
+    }
+    match e.downcast_ref::<OptionsError>() {
+        Some(OptionsError::ExpertsRequired | OptionsError::Generate(_)) => 2,
+        _ => 3,
     }
 }

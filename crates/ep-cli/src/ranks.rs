@@ -1,6 +1,7 @@
 //! Work over ranks spread on the host's cores (the verification of `ep bench`, the generation
 //! of a workload): one helper for the scoped-thread loops, results always in rank order, a panic
-//! in the work resumed on the caller.
+//! in the work resumed on the caller. A thread the system refuses (`ulimit -u`, `-v`) is no
+//! error: its share of the work runs on the calling thread.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -20,22 +21,25 @@ pub(crate) fn per_rank<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<
         return (0..n).map(f).collect();
     }
     let (f, next) = (&f, &AtomicUsize::new(0));
+    let work = move || {
+        let mut mine = Vec::new();
+        loop {
+            let d = next.fetch_add(1, Ordering::Relaxed);
+            if d >= n {
+                break mine;
+            }
+            mine.push((d, f(d)));
+        }
+    };
     let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
     std::thread::scope(|sc| {
-        let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                sc.spawn(move || {
-                    let mut mine = Vec::new();
-                    loop {
-                        let d = next.fetch_add(1, Ordering::Relaxed);
-                        if d >= n {
-                            break mine;
-                        }
-                        mine.push((d, f(d)));
-                    }
-                })
-            })
+        // The caller takes ranks too, so ranks of refused threads are still done.
+        let handles: Vec<_> = (1..threads)
+            .filter_map(|_| std::thread::Builder::new().spawn_scoped(sc, work).ok())
             .collect();
+        for (d, v) in work() {
+            out[d] = Some(v);
+        }
         for h in handles {
             let part = h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
             for (d, v) in part {
@@ -52,37 +56,65 @@ pub(crate) fn per_item_mut<T: Send, R: Send>(
     items: &mut [T],
     f: impl Fn(usize, &mut T) -> R + Sync,
 ) -> Vec<R> {
-    let chunk = items.len().div_ceil(threads_for(items.len())).max(1);
+    let threads = threads_for(items.len());
+    let chunk = items.len().div_ceil(threads).max(1);
     let f = &f;
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = items
-            .chunks_mut(chunk)
-            .enumerate()
-            .map(|(c, part)| {
-                sc.spawn(move || {
-                    part.iter_mut()
-                        .enumerate()
-                        .map(|(i, x)| f(c * chunk + i, x))
-                        .collect::<Vec<_>>()
-                })
-            })
+    let queue = std::sync::Mutex::new(items.chunks_mut(chunk).enumerate().collect::<Vec<_>>());
+    let queue = &queue;
+    let work = move || {
+        let mut mine = Vec::new();
+        loop {
+            let next = queue
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .pop();
+            let Some((c, part)) = next else { break mine };
+            let out: Vec<R> = part
+                .iter_mut()
+                .enumerate()
+                .map(|(i, x)| f(c * chunk + i, x))
+                .collect();
+            mine.push((c, out));
+        }
+    };
+    let mut runs = std::thread::scope(|sc| {
+        let handles: Vec<_> = (1..threads)
+            .filter_map(|_| std::thread::Builder::new().spawn_scoped(sc, work).ok())
             .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
-    })
+        let mut runs = work();
+        for h in handles {
+            runs.extend(h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)));
+        }
+        runs
+    });
+    runs.sort_by_key(|(c, _)| *c);
+    runs.into_iter().flat_map(|(_, v)| v).collect()
 }
 
-/// `a()` on this thread and `b()` on another, at once.
+/// `a()` on this thread and `b()` on another, at once (`b()` after `a()` here when the system
+/// refuses the thread).
 pub(crate) fn join<A, B: Send>(a: impl FnOnce() -> A, b: impl FnOnce() -> B + Send) -> (A, B) {
+    let b = std::sync::Mutex::new(Some(b));
+    let b = &b;
+    let take = move || {
+        b.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    };
     std::thread::scope(|sc| {
-        let hb = sc.spawn(b);
+        let hb = std::thread::Builder::new()
+            .spawn_scoped(sc, move || take().map(|b| b()))
+            .ok();
         let ra = a();
-        (
-            ra,
-            hb.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
-        )
+        let rb = match hb.map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))) {
+            Some(Some(rb)) => rb,
+            // Refused (or not yet taken): run it here.
+            _ => match take() {
+                Some(b) => b(),
+                None => unreachable!("b runs exactly once: the thread took it and returned it"),
+            },
+        };
+        (ra, rb)
     })
 }
 

@@ -51,7 +51,7 @@ pub struct WorkloadArgs {
     /// Tokens per rank [default: 4096 normal, 128 low-latency; with --inputs: from the files].
     #[arg(long)]
     pub tokens: Option<usize>,
-    /// Hidden size [default: 7168 for ep bench, 256 for ep layout, whose layout does not depend
+    /// Hidden size [default: 7168 for ep bench, 512 for ep layout, whose layout does not depend
     /// on it; with --inputs: from the files].
     #[arg(long)]
     pub hidden: Option<usize>,
@@ -71,12 +71,12 @@ pub struct WorkloadArgs {
     /// Zipf law with exponent S) or hot:F (a fraction F of tokens put expert 0 first).
     #[arg(long, default_value = "uniform", conflicts_with = "inputs")]
     pub routing: Routing,
-    /// FP8: low-latency dispatch casts to e4m3 with per-128-channel scales (ep bench: the
-    /// default, as DeepEP benchmarks it); normal mode dispatches FP8 inputs (generated with
-    /// DeepEP's per_token_cast_to_fp8, or x_fp8.npy).
+    /// FP8: low-latency dispatch casts to e4m3 with per-128-channel scales (the default of
+    /// low-latency mode, as DeepEP benchmarks it); normal mode dispatches FP8 inputs (generated
+    /// with DeepEP's per_token_cast_to_fp8, or x_fp8.npy).
     #[arg(long, conflicts_with = "no_fp8")]
     pub fp8: bool,
-    /// BF16 low-latency dispatch (turns off ep bench's FP8 default).
+    /// BF16 low-latency dispatch (turns off low-latency mode's FP8 default).
     #[arg(long)]
     pub no_fp8: bool,
     /// SMs given to normal mode: its channels are SMs / 2, as DeepEP's Config(24, 8, 256) in
@@ -138,7 +138,7 @@ pub enum OptionsError {
     /// Inputs that cannot be read, or that disagree with the options given beside them.
     #[error(transparent)]
     Io(#[from] IoError),
-    /// The workload spec is invalid (ep-core says why).
+    /// The workload spec is invalid (ep-core says why): a usage error.
     #[error("cannot generate the workload")]
     Generate(#[source] ep_core::Error),
     /// `--dump-inputs` failed.

@@ -64,7 +64,11 @@ fn replaying_dumped_inputs_gives_identical_outputs_and_digest() {
             &["--hidden", "256", "--fp8"],
             &["--mode", "normal"],
         ),
-        ("ll-bf16", &["--hidden", "128"], &["--mode", "low-latency"]),
+        (
+            "ll-bf16",
+            &["--hidden", "128"],
+            &["--mode", "low-latency", "--no-fp8"],
+        ),
         (
             "ll-fp8",
             &["--hidden", "512"],

@@ -351,6 +351,26 @@ pub enum Error {
         /// Its error or panic message.
         detail: String,
     },
+    /// The executor could not start an agent's thread (the operating system refused it: a
+    /// process/thread limit such as `ulimit -u`, or the address-space limit `ulimit -v`). The
+    /// phase was aborted at once: the agents already started were woken and stopped.
+    #[error(
+        "could not start the thread of rank {rank} agent {agent} ({started} of {total} agents of \
+         the phase were running; all were stopped): {detail}; raise the thread limit (ulimit -u) \
+         or the address-space limit (ulimit -v), or run fewer ranks or experts"
+    )]
+    AgentSpawnFailed {
+        /// Rank of the agent that could not start.
+        rank: usize,
+        /// The agent (index and role).
+        agent: String,
+        /// Agents of the phase already running when the spawn failed.
+        started: usize,
+        /// Agents in the phase.
+        total: usize,
+        /// The operating system's error.
+        detail: String,
+    },
     /// A QP entered the error state (the peer or the link failed): posts kept succeeding locally
     /// but nothing more was delivered, and the agent's `quiet` found the error completions. Which
     /// rank to suspect is `peer`.

@@ -518,6 +518,8 @@ pub struct ThreadSim {
     sh: Shared,
     next_addr: u64,
     records: Vec<PhaseRecord>,
+    /// Agent threads a phase may start before a spawn is refused (test hook).
+    spawn_limit: Option<usize>,
 }
 
 impl std::fmt::Debug for ThreadSim {
@@ -556,7 +558,15 @@ impl ThreadSim {
             },
             next_addr: 0,
             records: Vec::new(),
+            spawn_limit: None,
         }
+    }
+
+    /// Fault injection for tests: from now on, a phase starts at most `limit` agent threads and
+    /// the next spawn fails as the operating system refuses one under `ulimit -u` or `ulimit -v`
+    /// (`None` lifts it). The phase must then end at once in [`Error::AgentSpawnFailed`].
+    pub fn limit_agent_threads(&mut self, limit: Option<usize>) {
+        self.spawn_limit = limit;
     }
 
     /// Injects faults ([`crate::fault`] says how threads mode reads them); replaces earlier ones.
@@ -694,28 +704,36 @@ impl Transport for ThreadSim {
         let sh = &self.sh;
         let call = phase.call;
         let start = Instant::now();
+        let total = phase.agents.len();
+        let spawn_limit = self.spawn_limit;
+        let mut spawn_failed = None;
         let results: Vec<(Result<()>, Recorder)> = thread::scope(|s| {
-            let handles: Vec<_> = phase
-                .agents
-                .into_iter()
-                .map(|a| {
-                    let index = per_rank[a.rank];
-                    per_rank[a.rank] += 1;
-                    let me = AgentId {
-                        rank: a.rank,
-                        index,
-                    };
-                    let mut ctx = ThreadCtx {
-                        me,
-                        role: a.role,
-                        block: a.block,
-                        call,
-                        sh,
-                        rec: Recorder::default(),
-                        trouble: Vec::new(),
-                    };
-                    let body = a.body;
-                    let h = s.spawn(move || {
+            let mut handles = Vec::with_capacity(total);
+            for a in phase.agents {
+                let index = per_rank[a.rank];
+                per_rank[a.rank] += 1;
+                let me = AgentId {
+                    rank: a.rank,
+                    index,
+                };
+                let mut ctx = ThreadCtx {
+                    me,
+                    role: a.role,
+                    block: a.block,
+                    call,
+                    sh,
+                    rec: Recorder::default(),
+                    trouble: Vec::new(),
+                };
+                let body = a.body;
+                let agent = format!("{me} ({})", ctx.role);
+                let spawned = if spawn_limit.is_some_and(|n| handles.len() >= n) {
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::OutOfMemory,
+                        "refused by ThreadSim::limit_agent_threads (test hook)",
+                    ))
+                } else {
+                    thread::Builder::new().spawn_scoped(s, move || {
                         let r = body(&mut ctx);
                         // A dead rank's agents just stop; everything else tears the phase down.
                         if r.as_ref()
@@ -724,10 +742,25 @@ impl Transport for ThreadSim {
                             sh.abort_all();
                         }
                         (r, ctx.rec)
-                    });
-                    (me, h)
-                })
-                .collect();
+                    })
+                };
+                match spawned {
+                    Ok(h) => handles.push((me, h)),
+                    Err(e) => {
+                        // The agents already running may wait for this one: wake and stop them
+                        // now instead of letting them sit out their wait bound.
+                        sh.abort_all();
+                        spawn_failed = Some(Error::AgentSpawnFailed {
+                            rank: me.rank,
+                            agent,
+                            started: handles.len(),
+                            total,
+                            detail: e.to_string(),
+                        });
+                        break;
+                    }
+                }
+            }
             handles
                 .into_iter()
                 .map(|(me, h)| {
@@ -758,6 +791,9 @@ impl Transport for ThreadSim {
             qp_full_waits: 0,
         };
         self.records.push(record);
+        if let Some(e) = spawn_failed {
+            return Err(e);
+        }
         // The first real failure wins over the aborts it caused; a dead rank comes last.
         let (mut aborted, mut dead) = (None, None);
         for (r, _) in results {

@@ -432,3 +432,32 @@ fn threads_mode_faults_end_in_the_same_typed_errors() {
         "{e}"
     );
 }
+
+#[test]
+fn threads_mode_spawn_failure_aborts_the_phase_at_once() {
+    // The wait bound is long: a phase that waited for the agent that never started would take
+    // it; the spawn failure must stop the started agents at once instead.
+    let t = Duration::from_secs(60);
+    let mut ts = ThreadSim::new(fabric(4), t);
+    let b = bufs(&mut ts);
+    ts.limit_agent_threads(Some(1));
+    let started = std::time::Instant::now();
+    let e = ts
+        .run_phase(exchange(&b, &[0, 1], &[0, 1], 1, false))
+        .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the phase sat out its wait bound: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        matches!(e, Error::AgentSpawnFailed { started: 1, .. }),
+        "expected a typed spawn failure, got {e}"
+    );
+    assert!(e.to_string().contains("ulimit"), "{e}");
+    // Lifted, the same fabric runs the phase (on fresh words: the aborted one left a signal).
+    ts.limit_agent_threads(None);
+    let b = bufs(&mut ts);
+    ts.run_phase(exchange(&b, &[0, 1], &[0, 1], 1, false))
+        .unwrap();
+}

@@ -3,10 +3,12 @@
 use std::path::PathBuf;
 
 use crate::io::IoError;
+use crate::preflight::PreflightError;
 use crate::workload::OptionsError;
 
 /// Everything that stops `ep bench` before it can say "verified" or "mismatch". Each variant
-/// says what to do; [`BenchError::exit_code`] gives the process exit code (2 usage, 3 other).
+/// says what to do; [`BenchError::exit_code`] gives the process exit code (2 usage, 3 other,
+/// 128 + the signal when interrupted).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BenchError {
@@ -16,6 +18,22 @@ pub enum BenchError {
     /// The workload options (reading or generating the inputs, `--dump-inputs`).
     #[error(transparent)]
     Options(#[from] OptionsError),
+    /// Refused before any work (a shape beyond the protocol's limits, more memory or disk than
+    /// the machine has, an output path that cannot be written).
+    #[error(transparent)]
+    Preflight(#[from] PreflightError),
+    /// SIGINT or SIGTERM: the run stopped at a step boundary (nothing half-written).
+    #[error(
+        "interrupted by {} {where_}; stopped cleanly (a --dump or --json is either complete or \
+         absent)",
+        crate::interrupt::name(*signal)
+    )]
+    Interrupted {
+        /// The signal.
+        signal: i32,
+        /// Where the run was (`before iteration 3`, `after the workload`).
+        where_: String,
+    },
     /// The GPU backend failed (no GPU, kernels not built, a device error).
     #[error("GPU: {what}")]
     Gpu {
@@ -80,8 +98,23 @@ impl BenchError {
     #[must_use]
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Usage(_) | Self::Options(OptionsError::ExpertsRequired) => 2,
+            Self::Usage(_)
+            | Self::Options(OptionsError::ExpertsRequired | OptionsError::Generate(_)) => 2,
+            Self::Preflight(e) => e.exit_code(),
+            // As a shell reports a process ended by the signal.
+            Self::Interrupted { signal, .. } => 128 + signal,
             _ => 3,
+        }
+    }
+
+    /// `Err(Interrupted)` once SIGINT or SIGTERM was received ([`crate::interrupt`]).
+    pub(crate) fn check_interrupt(where_: impl FnOnce() -> String) -> Result<(), Self> {
+        match crate::interrupt::received() {
+            Some(signal) => Err(Self::Interrupted {
+                signal,
+                where_: where_(),
+            }),
+            None => Ok(()),
         }
     }
 

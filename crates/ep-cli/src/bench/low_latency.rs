@@ -111,7 +111,7 @@ pub(crate) fn run<T: Recorded>(
     // The previous iteration's dispatch outputs, whose packed arrays the next dispatch reuses.
     let mut spare: Option<ep_core::buffer::LlDispatched> = None;
     for it in 0..p.warmup + p.iters {
-        let timed = p.begin_iteration(it, &mut w.inputs, &mut negated);
+        let timed = p.begin_iteration(it, &mut w.inputs, &mut negated)?;
         let want = if negated {
             neg.as_ref().unwrap_or(&pos)
         } else {

@@ -12,7 +12,9 @@
 //! to the `memcpy` rate, and the cost model's prediction for the traffic the last iteration
 //! recorded (`ep_sim::cost`, summed over the phases of the call).
 //!
-//! Exit codes: 0 verified, 1 mismatch, 2 usage error, 3 other errors ([`BenchError`]).
+//! Exit codes: 0 verified, 1 mismatch, 2 usage error, 3 other errors, 128 + the signal when
+//! stopped by SIGINT or SIGTERM ([`BenchError`]). What can be refused is refused before any work
+//! ([`crate::preflight`]).
 
 mod backend;
 mod error;
@@ -37,9 +39,11 @@ use half::slice::HalfFloatSliceExt;
 
 pub use backend::Backend;
 pub use error::{BenchError, error_chain};
+pub use progress::ProgressMode;
 pub use report::Report;
 
 use crate::io::RunInfo;
+use crate::preflight;
 use crate::workload::{self, Defaults, Mode, Workload, WorkloadArgs};
 use progress::Progress;
 
@@ -71,7 +75,8 @@ pub struct BenchArgs {
     /// chunk boundary become one work request per chunk.
     #[arg(long, default_value_t = 1 << 29)]
     pub granularity: u64,
-    /// Timed iterations [default: 5 normal, 20 low-latency].
+    /// Timed iterations [default: 3 normal (each moves ~5 GB and is verified in full; the whole
+    /// default run stays under 10 s on a 2-core machine), 20 low-latency].
     #[arg(long)]
     pub iters: Option<usize>,
     /// Untimed warm-up iterations before them (verified all the same).
@@ -81,9 +86,13 @@ pub struct BenchArgs {
     /// verification) to PATH.
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
-    /// No progress bar.
+    /// No progress output at all (as --progress none).
     #[arg(long)]
     pub quiet: bool,
+    /// Progress: a bar when stderr is a terminal, else one line per step on stderr (auto); or
+    /// always bar, plain or none.
+    #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
+    pub progress: ProgressMode,
     /// GPU: SM counts per rank to measure, comma-separated (e.g. 8,16,24,32,48,64) [default:
     /// --num-sms].
     #[arg(long, value_name = "LIST")]
@@ -186,13 +195,15 @@ pub(crate) struct RunParams<'a> {
 
 impl RunParams<'_> {
     /// Starts iteration `it` (warm-ups first): shows it on the progress bar and brings the
-    /// inputs' sign to this iteration's (`*negated` tracks it). Returns whether it is timed.
+    /// inputs' sign to this iteration's (`*negated` tracks it). Returns whether it is timed, or
+    /// `Interrupted` after SIGINT/SIGTERM.
     pub(crate) fn begin_iteration(
         &self,
         it: usize,
         inputs: &mut [RankInputs],
         negated: &mut bool,
-    ) -> bool {
+    ) -> Result<bool, BenchError> {
+        BenchError::check_interrupt(|| format!("before iteration {it}"))?;
         let timed = it >= self.warmup;
         self.progress.step(format!(
             "{} {}",
@@ -204,7 +215,7 @@ impl RunParams<'_> {
             flip_signs(inputs);
             *negated = want_negated;
         }
-        timed
+        Ok(timed)
     }
 }
 
@@ -294,27 +305,44 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
     let mode = args.workload.mode;
     let iters = args
         .iters
-        .unwrap_or(if mode == Mode::Normal { 5 } else { 20 });
+        .unwrap_or(if mode == Mode::Normal { 3 } else { 20 });
     if iters == 0 {
         return Err(BenchError::Usage(
             "--iters 0: time at least one iteration".into(),
         ));
     }
+    let defaults = Defaults {
+        hidden: 7168,
+        low_latency_fp8: true,
+    };
+    // Everything that can be refused is refused here, before a byte of the workload exists.
+    preflight::check_granularity(args.granularity)?;
+    let need = preflight::before_load(
+        &args.workload,
+        &defaults,
+        preflight::Command::Bench,
+        args.json.as_deref(),
+    )?;
     crate::alloc::tune_system_allocator();
-    let progress = Progress::new(4 + (args.warmup + iters) as u64, args.quiet);
+    let progress = Progress::new(4 + (args.warmup + iters) as u64, args.quiet, args.progress);
     let timeline = Timeline::default();
     progress.step("memcpy calibration");
     let memcpy = memcpy::single_thread_gb_per_s(Duration::from_millis(200));
     let t = timeline.lap("memcpy calibration", started);
     progress.done();
     progress.step("workload");
-    let defaults = Defaults {
-        hidden: 7168,
-        low_latency_fp8: true,
-    };
     let mut w: Workload = workload::load(&args.workload, &defaults)?;
+    let need = need.or(preflight::after_load(
+        &w,
+        &args.workload,
+        preflight::Command::Bench,
+    )?);
     timeline.lap("workload", t);
     progress.done();
+    if let Err(e) = BenchError::check_interrupt(|| "after loading the workload".into()) {
+        progress.finish();
+        return Err(e);
+    }
     let r = w.inputs.len();
     let rpn = args.ranks_per_node.unwrap_or(r);
     if rpn == 0 || !r.is_multiple_of(rpn) {
@@ -355,14 +383,23 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
          chunks of {} MiB",
         args.backend.name(),
         match args.backend {
-            Backend::Sim => "threads mode, not checked",
-            _ => "deterministic, every check",
+            Backend::Sim => "threads mode: no memory-model checks; every output is verified",
+            _ => "deterministic, every memory-model check; every output is verified",
         },
         rpn,
         fabric.qp_depth,
         fabric.rc_per_pe,
         fabric.granularity >> 20,
     ));
+    if let Some(need) = &need {
+        progress.println(format!(
+            "memory: about {} at the peak (estimate)",
+            preflight::gib(need.memory_total())
+        ));
+        if let Some(dir) = &args.workload.dump {
+            progress.println(preflight::dump_line(need, dir));
+        }
+    }
     let params = RunParams {
         backend: args.backend.name(),
         fabric: &fabric,

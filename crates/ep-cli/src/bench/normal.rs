@@ -192,7 +192,7 @@ fn iterate<T: Recorded>(
     };
     let mut negated = false;
     for it in 0..p.warmup + p.iters {
-        let timed = p.begin_iteration(it, &mut w.inputs, &mut negated);
+        let timed = p.begin_iteration(it, &mut w.inputs, &mut negated)?;
         let rec0 = buf.transport().phase_records().len();
         tl.lap("inputs", t);
         let cx = IterCtx {

@@ -366,8 +366,8 @@ impl Report {
         let tag = format!("[{}]", self.mode);
         for c in &self.calls {
             println!(
-                "{tag} {} {}: {:.2} GB/s ({}, per rank), {:.0} us (min {:.0}, max {:.0}) | \
-                 predicted {:.1} us = {:.1} GB/s ({})",
+                "{tag} {} {}: simulated on this CPU {:.2} GB/s ({}, per rank), {:.0} us (min \
+                 {:.0}, max {:.0}) | GPU prediction (cost model) {:.1} us = {:.1} GB/s ({})",
                 c.name,
                 c.format,
                 c.deepep.gb_per_s,

@@ -144,6 +144,21 @@ pub fn dump_outputs(
 ) -> Result<Manifest, IoError> {
     let digests = outputs.digest().map_err(IoError::outputs)?;
     create_dir(dir)?;
+    let stale = rank_dir(dir, outputs.num_ranks());
+    if stale.exists() {
+        return Err(IoError::StaleRankDir {
+            path: stale,
+            num_ranks: outputs.num_ranks(),
+        });
+    }
+    // Until the new manifest is written last, the directory does not look like a dump.
+    let path = dir.join(MANIFEST);
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(IoError::io(&path, "removing the old manifest", e));
+        }
+        _ => {}
+    }
     let mut ranks = Vec::with_capacity(outputs.num_ranks());
     for r in 0..outputs.num_ranks() {
         let rd = rank_dir(dir, r);
@@ -185,12 +200,13 @@ pub fn dump_outputs(
         digest: digests.total.to_string(),
         ranks,
     };
-    let path = dir.join(MANIFEST);
     let text = serde_json::to_string_pretty(&manifest).map_err(|source| IoError::Json {
         path: path.clone(),
         source,
     })?;
-    std::fs::write(&path, text + "\n").map_err(|e| IoError::io(&path, "writing", e))?;
+    let partial = super::partial_path(&path);
+    std::fs::write(&partial, text + "\n").map_err(|e| IoError::io(&partial, "writing", e))?;
+    std::fs::rename(&partial, &path).map_err(|e| IoError::io(&path, "renaming into place", e))?;
     Ok(manifest)
 }
 

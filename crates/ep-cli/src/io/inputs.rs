@@ -59,12 +59,48 @@ pub fn read_inputs(dir: &Path, num_experts: usize) -> Result<Vec<RankInputs>, Io
     let mut out: Vec<RankInputs> = Vec::with_capacity(ranks);
     for r in 0..ranks {
         let inp = read_rank(dir, r, num_experts)?;
+        check_finite(&rank_dir(dir, r), &inp.x)?;
         if let Some(first) = out.first() {
             agree_with_rank0(dir, r, first, &inp)?;
         }
         out.push(inp);
     }
     Ok(out)
+}
+
+/// Activations must be finite: NaN or infinity would make every comparison of the outputs
+/// meaningless (NaN != NaN), so they are refused as what they are, naming the first one.
+fn check_finite(rank_dir: &Path, x: &Activations) -> Result<(), IoError> {
+    let first = |path: std::path::PathBuf, cols: usize, at: Option<usize>, value: String| match at {
+        Some(i) => Err(IoError::NonFinite {
+            path,
+            token: i / cols.max(1),
+            channel: i % cols.max(1),
+            value,
+        }),
+        None => Ok(()),
+    };
+    match x {
+        Activations::Bf16(t) => {
+            let at = t.data().iter().position(|v| !v.is_finite());
+            let value = at.map(|i| t.data()[i].to_string()).unwrap_or_default();
+            first(rank_dir.join(X), t.cols(), at, value)
+        }
+        Activations::Fp8 { data, scales } => {
+            // e4m3 has no infinities; 0x7f and 0xff are its NaNs.
+            let at = data.data().iter().position(|&b| b & 0x7f == 0x7f);
+            let value = at.map(|i| format!("{:#04x} (e4m3 NaN)", data.data()[i]));
+            first(
+                rank_dir.join(X_FP8),
+                data.cols(),
+                at,
+                value.unwrap_or_default(),
+            )?;
+            let at = scales.data().iter().position(|v| !v.is_finite());
+            let value = at.map(|i| scales.data()[i].to_string()).unwrap_or_default();
+            first(rank_dir.join(X_SCALES), scales.cols(), at, value)
+        }
+    }
 }
 
 /// Number of rank directories, checking they are `rank0..rank{R-1}` without gaps.
@@ -74,16 +110,34 @@ fn rank_dirs(dir: &Path) -> Result<usize, IoError> {
     for entry in entries {
         let entry = entry.map_err(|e| IoError::io(dir, "listing", e))?;
         let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        let Some(n) = name
+        let name = name.to_string_lossy();
+        // Hidden entries (editors', file managers') are not the user's data.
+        if name.starts_with('.') {
+            continue;
+        }
+        // Only the canonical spelling (`rank1`, not `rank01`) is a rank directory; anything
+        // else would silently be a rank fewer.
+        let rank = name
             .strip_prefix("rank")
             .and_then(|d| d.parse::<usize>().ok())
-        else {
-            continue;
-        };
-        // Only the canonical spelling (`rank1`, not `rank01`) counts.
-        if format!("rank{n}") == name && entry.path().is_dir() {
-            found.insert(n);
+            .filter(|n| format!("rank{n}") == name);
+        match rank {
+            Some(n) if entry.path().is_dir() => {
+                found.insert(n);
+            }
+            Some(_) => {
+                return Err(IoError::NotARankDir {
+                    path: entry.path(),
+                    why: "is not a directory",
+                });
+            }
+            None => {
+                return Err(IoError::NotARankDir {
+                    path: entry.path(),
+                    why: "is not a rank directory name (rank0, rank1, ... without leading \
+                          zeros)",
+                });
+            }
         }
     }
     let Some(&last) = found.last() else {

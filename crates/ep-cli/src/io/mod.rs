@@ -16,12 +16,18 @@
 //! files but may differ between ranks (DeepEP allows it). Arrays may be little- or big-endian,
 //! C or (2-D) Fortran order. Expert ids are checked against `num_experts`.
 //!
+//! Every file is written under a temporary name (`<name>.partial`) and renamed into place, so a
+//! file that is there is whole.
+//!
 //! # Outputs (`dump_outputs`)
 //!
 //! Every output of a run under the spec's names (`../shared/spec/deepep-v1.md` §1.8, §1.9, §2),
 //! one directory per rank, plus `manifest.json` ([`Manifest`]) with the options, seed, routing,
 //! backend and the canonical digests of `ep_core::digest`. BF16 tensors are written as float32
 //! (exact); FP8 tensors as float32 dequantised plus `<name>_fp8.npy` with the raw bytes.
+//! A dump never looks complete before it is: over an older dump, the old manifest is removed
+//! first and the new one written last; a directory holding more rank directories than the run
+//! has is refused (as `write_inputs` refuses it), so stale ranks never sit beside a manifest.
 
 mod dump;
 mod inputs;
@@ -72,6 +78,35 @@ pub enum IoError {
         missing: usize,
         /// The rank directories that exist.
         found: Vec<usize>,
+    },
+    /// An entry of the inputs directory that is not a rank directory (`rank03`, a file
+    /// `rank3`, anything else): refused rather than skipped, which would lose a rank.
+    #[error(
+        "{}: {why}; the inputs directory holds only rank0, rank1, ... directories (move other \
+         entries elsewhere, rename rank03 to rank3)",
+        path.display()
+    )]
+    NotARankDir {
+        /// The entry.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A NaN or infinite activation.
+    #[error(
+        "{}: activation [{token}, {channel}] is {value}; inputs must be finite (NaN != NaN, so \
+         no output could be checked): fix or drop that token",
+        path.display()
+    )]
+    NonFinite {
+        /// The file.
+        path: PathBuf,
+        /// Its row (token).
+        token: usize,
+        /// Its column (channel, or scale block for `x_scales.npy`).
+        channel: usize,
+        /// The value found.
+        value: String,
     },
     /// A rank count other than the one asked for (e.g. `--ranks`).
     #[error(
@@ -162,7 +197,8 @@ pub enum IoError {
         #[source]
         source: Box<ep_core::Error>,
     },
-    /// `write_inputs` into a directory holding more rank directories than it writes.
+    /// `write_inputs` or `dump_outputs` into a directory holding more rank directories than it
+    /// writes.
     #[error(
         "{}: a rank directory beyond the {num_ranks} ranks being written exists; reading the \
          directory back would see it: remove it or write to an empty directory",
@@ -205,6 +241,13 @@ impl IoError {
 /// `DIR/rank{r}`.
 pub fn rank_dir(dir: &Path, rank: usize) -> PathBuf {
     dir.join(format!("rank{rank}"))
+}
+
+/// `path` with `.partial` appended: where a file is written before it is renamed into place.
+fn partial_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".partial");
+    PathBuf::from(name)
 }
 
 fn create_dir(path: &Path) -> Result<(), IoError> {

@@ -146,6 +146,13 @@ impl Npy {
 
 /// Writes `data` (row-major) as a C-order `.npy` of `shape` with `T`'s default dtype.
 pub(crate) fn write<T: Elem>(path: &Path, shape: &[usize], data: &[T]) -> Result<(), IoError> {
+    // Written under a temporary name and renamed: a file that is there is whole.
+    let partial = super::partial_path(path);
+    write_to(&partial, shape, data)?;
+    std::fs::rename(&partial, path).map_err(|e| IoError::io(path, "renaming into place", e))
+}
+
+fn write_to<T: Elem>(path: &Path, shape: &[usize], data: &[T]) -> Result<(), IoError> {
     debug_assert_eq!(shape.iter().product::<usize>(), data.len());
     let dims: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
     let file = File::create(path).map_err(|e| IoError::io(path, "creating", e))?;
