@@ -12,7 +12,6 @@
 //! - [`preflight`]: the checks before any work (usage limits, memory, output paths).
 //! - [`alloc`]: the caching allocator the `ep` binary installs.
 
-pub mod alloc;
 pub mod args;
 pub mod bench;
 pub mod interrupt;

@@ -10,9 +10,9 @@ use clap::{Parser, Subcommand};
 mod doctor;
 mod layout;
 
-/// Large freed blocks are reused by the next benchmark iteration (`ep_cli::alloc`).
+/// Large freed blocks are reused by the next benchmark iteration (`ep_sim::alloc`).
 #[global_allocator]
-static ALLOC: ep_cli::alloc::CachingAlloc = ep_cli::alloc::CachingAlloc::new();
+static ALLOC: ep_sim::alloc::CachingAlloc = ep_sim::alloc::CachingAlloc::new();
 
 /// ep-rs command-line tools.
 #[derive(Debug, Parser)]

@@ -488,7 +488,7 @@ const SIM_PAGE: u64 = 1 << 18;
 const FRESH_MAPPING: u64 = 1 << 20;
 
 /// ... of at least this many bytes (ep-core's `FRESH_ALLOC_BYTES`: glibc's mmap threshold as
-/// `crate::alloc::tune_system_allocator` sets it, 32 MiB, plus glibc's header room).
+/// `ep_sim::alloc::tune_system_allocator` sets it, 32 MiB, plus glibc's header room).
 const FRESH_ALLOC: u64 = (32 << 20) + (64 << 10);
 
 /// What this machine gives a run. (Disk space is not checked: a run with `--dump` says what it

@@ -97,6 +97,7 @@
 //! assert!(matches!(err.violation(), Some(Violation::SignalBeforeData { .. })));
 //! ```
 
+pub mod alloc;
 mod clock;
 mod config;
 pub mod cost;

@@ -323,7 +323,7 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
         preflight::Command::Bench,
         args.json.as_deref(),
     )?;
-    crate::alloc::tune_system_allocator();
+    ep_sim::alloc::tune_system_allocator();
     let progress = Progress::new(4 + (args.warmup + iters) as u64, args.quiet, args.progress);
     let timeline = Timeline::default();
     progress.step("memcpy calibration");

@@ -1,4 +1,5 @@
-//! A caching global allocator for the `ep` binary: large blocks freed by one benchmark
+//! A caching global allocator for the `ep` binary (kept here, in the simulator backend whose
+//! owned outputs it serves, so the CLI holds no `unsafe`): large blocks freed by one benchmark
 //! iteration are handed back, unchanged, to the next iteration's allocations of the same size.
 //!
 //! Why: `ep bench` on the simulator returns owned output tensors every call (hundreds of MiB per
