@@ -5,37 +5,38 @@
 //! Nothing is left half-written that looks complete either way: a step boundary is never in
 //! the middle of a dump, and a dump writes its manifest last (`crate::io`).
 
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The signal received, 0 while none.
-static RECEIVED: AtomicI32 = AtomicI32::new(0);
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::flag;
 
-extern "C" fn on_signal(signal: libc::c_int) {
-    // An atomic store is async-signal-safe; `SA_RESETHAND` already restored the default action.
-    RECEIVED.store(signal, Ordering::SeqCst);
-}
+/// The signal received, 0 while none (signal-hook's handlers store it; they are
+/// async-signal-safe and restart interrupted system calls, so no read or write of the run fails
+/// with EINTR).
+static RECEIVED: std::sync::OnceLock<Arc<AtomicUsize>> = std::sync::OnceLock::new();
 
-/// Installs the handlers (the `ep` binary calls this once, before `ep bench` starts).
+/// Installs the handlers (the `ep` binary calls this once, before `ep bench` starts). A second
+/// signal of either kind takes the default action (the process ends with that signal).
 pub fn install() {
-    for signal in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: all-zero is a valid `sigaction` (an empty mask, no flags), completed below.
-        let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
-        action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-        // One-shot (the second signal gets the default action) and restarting interrupted
-        // system calls, so no read or write of the run fails with EINTR.
-        action.sa_flags = libc::SA_RESETHAND | libc::SA_RESTART;
-        // SAFETY: `action` is initialised and its handler only performs an atomic store, which
-        // is async-signal-safe; the old action is not asked for (null).
-        let _ = unsafe { libc::sigaction(signal, &action, std::ptr::null_mut()) };
+    let received = RECEIVED.get_or_init(|| Arc::new(AtomicUsize::new(0)));
+    let seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for signal in [SIGINT, SIGTERM] {
+        // Registered first, so it runs before the flag below is set: a signal after the first
+        // one performs the default action. Errors (an invalid signal) cannot happen for these
+        // two; without a handler the default action ends the run as before.
+        let _ = flag::register_conditional_default(signal, Arc::clone(&seen));
+        let _ = flag::register(signal, Arc::clone(&seen));
+        let _ = flag::register_usize(signal, Arc::clone(received), signal as usize);
     }
 }
 
 /// The signal received since [`install`], if any.
 #[must_use]
 pub fn received() -> Option<i32> {
-    match RECEIVED.load(Ordering::SeqCst) {
+    match RECEIVED.get().map_or(0, |r| r.load(Ordering::SeqCst)) {
         0 => None,
-        s => Some(s),
+        s => Some(s as i32),
     }
 }
 
@@ -43,8 +44,8 @@ pub fn received() -> Option<i32> {
 #[must_use]
 pub fn name(signal: i32) -> String {
     match signal {
-        libc::SIGINT => "SIGINT".into(),
-        libc::SIGTERM => "SIGTERM".into(),
+        SIGINT => "SIGINT".into(),
+        SIGTERM => "SIGTERM".into(),
         s => format!("signal {s}"),
     }
 }
