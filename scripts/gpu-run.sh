@@ -49,5 +49,12 @@ if [ -x bundle/ep ]; then
   echo "ep doctor --probe exited $?"
   bundle/ep doctor --probe 2>&1 | grep -E "probe|capabilit|PASS  |FAIL  |WARN  " | tail -30
 fi
+if [ -x bundle/ep ]; then
+  # The GPU benchmark (normal mode, co-resident ranks), JSON beside the logs.
+  echo "=== ep bench --backend gpu"
+  bundle/ep bench --backend gpu --ranks 2 --sms-sweep 8,24,64 --gpu-iters 20 --json "$out/bench-gpu-r2.json" 2>&1 \
+    | tee "$out/bench-gpu-r2.txt" | grep -vE "phases"
+  echo "ep bench --backend gpu exited ${PIPESTATUS[0]}"
+fi
 echo "$pass passed, $fail failed${skipped:+; skipped: $skipped}"
 [ $fail -eq 0 ]
