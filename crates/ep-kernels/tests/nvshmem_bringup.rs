@@ -52,7 +52,7 @@ fn plan() -> Vec<EnvEntry> {
 }
 
 #[test]
-#[ignore = "needs 2 GPUs, the CUDA kernels (nvcc at build time) and NVSHMEM: cargo test -- --ignored"]
+#[ignore = "needs a GPU, the CUDA kernels (nvcc at build time) and NVSHMEM: cargo test -- --ignored"]
 fn two_process_bringup() {
     if is_rank_process() {
         if let Err(e) = rank_main() {
@@ -69,8 +69,11 @@ fn two_process_bringup() {
     // SAFETY: only tries to dlopen libcuda.
     let driver = unsafe { cudarc::driver::sys::is_culib_present() };
     assert!(driver, "{TEST} needs a CUDA driver, and there is none here");
+    // Two ranks on the GPUs there are (rank r on GPU r % n): on one GPU both PEs share it
+    // (NVSHMEM's several-PEs-per-GPU mode; nvshmem_ptr and barrier_all work there, GPU.md).
     let n = CudaContext::device_count().expect("cuDeviceGetCount");
-    assert!(n >= 2, "{TEST} needs 2 GPUs, and there are {n} here");
+    assert!(n >= 1, "{TEST} needs a GPU, and there is none here");
+    eprintln!("parent: {n} GPU(s): the 2 ranks run on GPU r % {n}");
     assert!(
         ep_kernels::kernels::available(),
         "ep-kernels was built without nvcc: {:?}",
