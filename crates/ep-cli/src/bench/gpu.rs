@@ -50,6 +50,7 @@ use ep_kernels::gpu::{
 use half::bf16;
 
 use super::error::BenchError;
+use super::report::median;
 use super::{BenchArgs, flip_signs};
 use crate::workload::{self, Defaults, Mode};
 
@@ -69,16 +70,6 @@ fn gpu_err(what: &'static str) -> impl FnOnce(ep_kernels::Error) -> BenchError {
     }
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => s[n / 2],
-        n => 0.5 * (s[n / 2 - 1] + s[n / 2]),
-    }
-}
-
 /// One set of inputs on the host and the device, with its references.
 struct Set {
     host: Vec<RankInputs>,
@@ -90,6 +81,18 @@ struct Set {
 }
 
 impl Set {
+    /// The rows alone (cached dispatch, dispatch without top-k).
+    fn inputs_without_topk(&self) -> Vec<GpuRankInputs<'_>> {
+        self.inputs()
+            .into_iter()
+            .map(|i| GpuRankInputs {
+                topk_idx: None,
+                topk_weights: None,
+                ..i
+            })
+            .collect()
+    }
+
     fn inputs(&self) -> Vec<GpuRankInputs<'_>> {
         (0..self.x.len())
             .map(|r| GpuRankInputs {
@@ -100,6 +103,48 @@ impl Set {
             })
             .collect()
     }
+}
+
+/// Every rank's combine of the dispatched rows with their weights and no bias (the identity
+/// expert's combine).
+fn identity_combine(out: &[GpuDispatch]) -> Vec<GpuCombineArgs<'_>> {
+    out.iter()
+        .map(|o| GpuCombineArgs {
+            handle: &o.handle,
+            with_weights: true,
+            bias: [None, None],
+        })
+        .collect()
+}
+
+/// The slowest rank's time of a call.
+fn slowest(per_rank: &[f64]) -> f64 {
+    per_rank.iter().copied().fold(0.0, f64::max)
+}
+
+/// One call enqueued by `f`, timed on every rank (`NormalGroup::timed`): each rank's seconds.
+fn timed<T>(
+    g: &mut NormalGroup,
+    what: &'static str,
+    f: impl FnOnce(&mut NormalGroup) -> ep_kernels::Result<T>,
+) -> Result<Vec<f64>, BenchError> {
+    g.timed(f).map(|(_, t)| t).map_err(gpu_err(what))
+}
+
+/// `step(it)` for `total` iterations; the slowest rank's time of each one from `warm` on.
+fn samples(
+    total: usize,
+    warm: usize,
+    mut step: impl FnMut(usize) -> Result<Vec<f64>, BenchError>,
+) -> Result<Vec<f64>, BenchError> {
+    let mut out = Vec::with_capacity(total.saturating_sub(warm));
+    for it in 0..total {
+        let t = step(it)?;
+        if it >= warm {
+            out.push(slowest(&t));
+        }
+    }
+    Ok(out)
 }
 
 /// Set `i` of the rotation: the workload's rows moved by `i` tokens, signs flipped for odd `i`.
@@ -330,14 +375,7 @@ fn verify_set(
     } else {
         CombineSource::InPlace
     };
-    let args: Vec<GpuCombineArgs<'_>> = out
-        .iter()
-        .map(|o| GpuCombineArgs {
-            handle: &o.handle,
-            with_weights: true,
-            bias: [None, None],
-        })
-        .collect();
+    let args = identity_combine(&out);
     let comb = g.combine(source, &args).map_err(gpu_err("combine"))?;
     g.sync().map_err(gpu_err("combine"))?;
     let mut host_comb = Vec::with_capacity(r);
@@ -605,141 +643,77 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             ..SmRow::default()
         };
         let blocks = sms as u32;
+        let source = if fp8 {
+            CombineSource::Rows
+        } else {
+            CombineSource::InPlace
+        };
+        let none = GpuDispatchArgs::default();
         // Dispatch (layouts precomputed).
-        let mut samples = Vec::new();
-        for it in 0..total {
-            let set = &sets[it % n_sets];
-            let (_, t) = g
-                .timed(|g| {
-                    g.dispatch(
-                        &set.inputs(),
-                        &layouts[it % n_sets],
-                        e,
-                        &GpuDispatchArgs::default(),
-                    )
-                })
-                .map_err(gpu_err("timed dispatch"))?;
-            if it >= warm {
-                samples.push(t.iter().copied().fold(0.0, f64::max));
-            }
-        }
-        row.dispatch = figure(&samples, dispatch_bytes);
+        let s = samples(total, warm, |it| {
+            let i = it % n_sets;
+            timed(&mut g, "dispatch", |g| {
+                g.dispatch(&sets[i].inputs(), &layouts[i], e, &none)
+            })
+        })?;
+        row.dispatch = figure(&s, dispatch_bytes);
         // Without top-k.
-        samples.clear();
-        for it in 0..total {
-            let set = &sets[it % n_sets];
-            let ins: Vec<GpuRankInputs<'_>> = set
-                .inputs()
-                .into_iter()
-                .map(|mut i| {
-                    i.topk_idx = None;
-                    i.topk_weights = None;
-                    i
-                })
-                .collect();
-            let (_, t) = g
-                .timed(|g| g.dispatch(&ins, &layouts[it % n_sets], e, &GpuDispatchArgs::default()))
-                .map_err(gpu_err("timed dispatch without top-k"))?;
-            if it >= warm {
-                samples.push(t.iter().copied().fold(0.0, f64::max));
-            }
-        }
-        row.dispatch_no_topk = figure(&samples, dispatch_bytes);
-        // The whole call: layout + dispatch.
-        samples.clear();
+        let s = samples(total, warm, |it| {
+            let i = it % n_sets;
+            let ins = sets[i].inputs_without_topk();
+            timed(&mut g, "dispatch without top-k", |g| {
+                g.dispatch(&ins, &layouts[i], e, &none)
+            })
+        })?;
+        row.dispatch_no_topk = figure(&s, dispatch_bytes);
+        // The whole call: layout + dispatch; and the layout alone.
         let mut lay_samples = Vec::new();
-        for it in 0..total {
+        let s = samples(total, warm, |it| {
             let set = &sets[it % n_sets];
             let idx: Vec<&DevTensor> = set.idx.iter().collect();
-            let (_, t) = g
-                .timed(|g| {
-                    let lay = g.layout(&idx, e)?;
-                    g.dispatch(&set.inputs(), &lay, e, &GpuDispatchArgs::default())
-                })
-                .map_err(gpu_err("timed layout + dispatch"))?;
-            let (_, tl) = g
-                .timed(|g| g.layout(&idx, e))
-                .map_err(gpu_err("timed layout"))?;
+            let t = timed(&mut g, "layout + dispatch", |g| {
+                let lay = g.layout(&idx, e)?;
+                g.dispatch(&set.inputs(), &lay, e, &none)
+            })?;
+            let tl = timed(&mut g, "layout", |g| g.layout(&idx, e))?;
             if it >= warm {
-                samples.push(t.iter().copied().fold(0.0, f64::max));
-                lay_samples.push(tl.iter().copied().fold(0.0, f64::max));
+                lay_samples.push(slowest(&tl));
             }
-        }
-        row.dispatch_with_layout = figure(&samples, dispatch_bytes);
+            Ok(t)
+        })?;
+        row.dispatch_with_layout = figure(&s, dispatch_bytes);
         row.layout_us = median(&lay_samples) * 1e6;
         // Cached dispatch.
-        samples.clear();
-        for it in 0..total {
-            let set = &sets[it % n_sets];
-            let ins: Vec<GpuRankInputs<'_>> = set
-                .inputs()
-                .into_iter()
-                .map(|mut i| {
-                    i.topk_idx = None;
-                    i.topk_weights = None;
-                    i
-                })
-                .collect();
-            let hs: Vec<_> = handles[it % n_sets].iter().map(|o| &o.handle).collect();
-            let (_, t) = g
-                .timed(|g| g.dispatch_cached(&ins, &hs))
-                .map_err(gpu_err("timed cached dispatch"))?;
-            if it >= warm {
-                samples.push(t.iter().copied().fold(0.0, f64::max));
-            }
-        }
-        row.cached = figure(&samples, dispatch_bytes);
+        let s = samples(total, warm, |it| {
+            let i = it % n_sets;
+            let ins = sets[i].inputs_without_topk();
+            let hs: Vec<_> = handles[i].iter().map(|o| &o.handle).collect();
+            timed(&mut g, "cached dispatch", |g| g.dispatch_cached(&ins, &hs))
+        })?;
+        row.cached = figure(&s, dispatch_bytes);
         // Combine: each set's rows must be in the arena, so dispatch the set (untimed) first.
-        samples.clear();
-        for it in 0..total {
+        let s = samples(total, warm, |it| {
             let i = it % n_sets;
             let out = g
-                .dispatch(
-                    &sets[i].inputs(),
-                    &layouts[i],
-                    e,
-                    &GpuDispatchArgs::default(),
-                )
+                .dispatch(&sets[i].inputs(), &layouts[i], e, &none)
+                .and_then(|o| g.sync().map(|()| o))
                 .map_err(gpu_err("dispatch before combine"))?;
-            g.sync().map_err(gpu_err("dispatch before combine"))?;
-            let source = if fp8 {
-                CombineSource::Rows
-            } else {
-                CombineSource::InPlace
-            };
-            let ca: Vec<GpuCombineArgs<'_>> = out
-                .iter()
-                .map(|o| GpuCombineArgs {
-                    handle: &o.handle,
-                    with_weights: true,
-                    bias: [None, None],
-                })
-                .collect();
-            let (_, t) = g
-                .timed(|g| g.combine(source, &ca))
-                .map_err(gpu_err("timed combine"))?;
-            if it >= warm {
-                samples.push(t.iter().copied().fold(0.0, f64::max));
-            }
-        }
-        row.combine = figure(&samples, bf16_bytes);
+            let ca = identity_combine(&out);
+            timed(&mut g, "combine", |g| g.combine(source, &ca))
+        })?;
+        row.combine = figure(&s, bf16_bytes);
         // Ceilings.
-        samples.clear();
-        for it in 0..total {
+        let drec = fmt.dispatch_record();
+        let s = samples(total, warm, |it| {
             let i = it % n_sets;
             let xs: Vec<&DevTensor> = sets[i].x.iter().collect();
             let dr: Vec<&DevTensor> = dst_rows[i].iter().collect();
-            let drec = fmt.dispatch_record();
-            let (_, t) = g
-                .timed(|g| g.ceiling(&xs, &dr, drec, blocks))
-                .map_err(gpu_err("timed ceiling"))?;
-            if it >= warm {
-                samples.push(t.iter().copied().fold(0.0, f64::max));
-            }
-        }
-        row.ceiling_dispatch = figure(&samples, dispatch_bytes);
+            timed(&mut g, "dispatch ceiling", |g| {
+                g.ceiling(&xs, &dr, drec, blocks)
+            })
+        })?;
+        row.ceiling_dispatch = figure(&s, dispatch_bytes);
         if !fp8 {
-            samples.clear();
             let outs: Vec<DevTensor> = (0..r)
                 .map(|s| {
                     DevTensor::empty(
@@ -751,26 +725,18 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                 })
                 .collect::<Result<_, _>>()
                 .map_err(gpu_err("alloc"))?;
-            for it in 0..total {
+            let s = samples(total, warm, |it| {
                 let i = it % n_sets;
-                g.dispatch(
-                    &sets[i].inputs(),
-                    &layouts[i],
-                    e,
-                    &GpuDispatchArgs::default(),
-                )
-                .map_err(gpu_err("dispatch before ceiling"))?;
-                g.sync().map_err(gpu_err("dispatch before ceiling"))?;
+                g.dispatch(&sets[i].inputs(), &layouts[i], e, &none)
+                    .and_then(|_| g.sync())
+                    .map_err(gpu_err("dispatch before ceiling"))?;
                 let dr: Vec<&DevTensor> = dst_rows[i].iter().collect();
                 let o: Vec<&DevTensor> = outs.iter().collect();
-                let (_, t) = g
-                    .timed(|g| g.ceiling_combine(&dr, &o, blocks))
-                    .map_err(gpu_err("timed combine ceiling"))?;
-                if it >= warm {
-                    samples.push(t.iter().copied().fold(0.0, f64::max));
-                }
-            }
-            row.ceiling_combine = figure(&samples, bf16_bytes);
+                timed(&mut g, "combine ceiling", |g| {
+                    g.ceiling_combine(&dr, &o, blocks)
+                })
+            })?;
+            row.ceiling_combine = figure(&s, bf16_bytes);
         }
         // Where a dispatch and a combine spend their time (untimed calls with phase stamps).
         g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
@@ -787,19 +753,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             &g.phase_times().map_err(gpu_err("phase stamps"))?,
             &[1, 2, 3, 4, 5],
         );
-        let source = if fp8 {
-            CombineSource::Rows
-        } else {
-            CombineSource::InPlace
-        };
-        let ca: Vec<GpuCombineArgs<'_>> = out
-            .iter()
-            .map(|o| GpuCombineArgs {
-                handle: &o.handle,
-                with_weights: true,
-                bias: [None, None],
-            })
-            .collect();
+        let ca = identity_combine(&out);
         g.combine(source, &ca)
             .map_err(gpu_err("measured combine"))?;
         g.sync().map_err(gpu_err("measured combine"))?;

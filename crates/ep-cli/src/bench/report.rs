@@ -184,7 +184,7 @@ pub struct Report {
     pub wall_s: f64,
 }
 
-fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     match s.len() {

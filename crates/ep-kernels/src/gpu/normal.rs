@@ -112,6 +112,29 @@ pub struct GpuHandle {
     pub num_tokens: usize,
 }
 
+impl GpuHandle {
+    /// Checks every matrix's dtype and shape for rank `rank` of `num_ranks` with `num_channels`
+    /// channels (a handle from another group or call shape is a typed error, not a bad read).
+    pub fn check(&self, rank: usize, num_ranks: usize, num_channels: usize) -> Result<()> {
+        let (r, c, t) = (Some(num_ranks), Some(num_channels), Some(self.num_tokens));
+        let what = |m: &str| format!("handle of rank {rank}: {m}");
+        self.rank_prefix_matrix
+            .expect(&what("rank_prefix_matrix"), DType::I32, r, r)?;
+        self.channel_prefix_matrix
+            .expect(&what("channel_prefix_matrix"), DType::I32, r, c)?;
+        self.recv_channel_prefix_matrix.expect(
+            &what("recv_channel_prefix_matrix"),
+            DType::I32,
+            r,
+            c,
+        )?;
+        self.send_head
+            .expect(&what("send_head"), DType::I32, t, r)?;
+        self.is_token_in_rank
+            .expect(&what("is_token_in_rank"), DType::U8, t, r)
+    }
+}
+
 /// What one rank receives from a GPU dispatch.
 #[derive(Clone, Debug)]
 pub struct GpuDispatch {
@@ -937,24 +960,14 @@ impl NormalGroup {
         let drec = fmt.dispatch_record();
         let cap = self.dispatch_capacity(drec);
         for (s, h) in handles.iter().enumerate() {
-            h.channel_prefix_matrix.expect(
-                &format!("handle of rank {s}: channel_prefix_matrix"),
-                DType::I32,
-                Some(r),
-                Some(c),
-            )?;
-            h.rank_prefix_matrix.expect(
-                &format!("handle of rank {s}: rank_prefix_matrix"),
-                DType::I32,
-                Some(r),
-                Some(r),
-            )?;
-            h.is_token_in_rank.expect(
-                &format!("handle of rank {s}: is_token_in_rank"),
-                DType::U8,
-                Some(tokens[s]),
-                Some(r),
-            )?;
+            h.check(s, r, c)?;
+            if h.num_tokens != tokens[s] {
+                return Err(Error::TensorMismatch {
+                    what: format!("x of rank {s} for a cached dispatch"),
+                    expected: format!("{} rows (the handle's tokens)", h.num_tokens),
+                    found: format!("{} rows", tokens[s]),
+                });
+            }
             let rows = h.num_recv_tokens.ok_or_else(|| {
                 Error::Unsupported(
                     "a cached dispatch needs a handle from a dispatch without num_worst_tokens"
@@ -1132,24 +1145,7 @@ impl NormalGroup {
         }
         for (s, a) in args.iter().enumerate() {
             let h = a.handle;
-            h.send_head.expect(
-                &format!("handle of rank {s}: send_head"),
-                DType::I32,
-                None,
-                Some(r),
-            )?;
-            h.channel_prefix_matrix.expect(
-                &format!("handle of rank {s}: channel_prefix_matrix"),
-                DType::I32,
-                Some(r),
-                Some(c),
-            )?;
-            h.rank_prefix_matrix.expect(
-                &format!("handle of rank {s}: rank_prefix_matrix"),
-                DType::I32,
-                Some(r),
-                Some(r),
-            )?;
+            h.check(s, r, c)?;
             if a.with_weights && k == 0 {
                 return Err(Error::Unsupported(format!(
                     "rank {s}: weights asked for, but the last dispatch carried no top-k"

@@ -92,8 +92,8 @@ impl DevTensor {
         rows: usize,
         cols: usize,
     ) -> Result<Self> {
-        let buf = Arc::new(DevBuf::new(ctx, rows * cols * dtype.size())?);
-        Ok(Self::contiguous(buf, 0, dtype, rows, cols))
+        let buf = DevBuf::new(ctx, rows * cols * dtype.size())?;
+        Ok(Self::contiguous(Arc::new(buf), 0, dtype, rows, cols))
     }
 
     /// A contiguous `[rows, cols]` tensor of zero bytes.
@@ -103,8 +103,8 @@ impl DevTensor {
         rows: usize,
         cols: usize,
     ) -> Result<Self> {
-        let buf = Arc::new(DevBuf::zeroed(ctx, rows * cols * dtype.size())?);
-        Ok(Self::contiguous(buf, 0, dtype, rows, cols))
+        let buf = DevBuf::zeroed(ctx, rows * cols * dtype.size())?;
+        Ok(Self::contiguous(Arc::new(buf), 0, dtype, rows, cols))
     }
 
     /// A contiguous `[rows, cols]` tensor in stream-ordered memory of `stream` (uninitialised).
