@@ -493,31 +493,34 @@ fn per_rank(n: usize, f: impl Fn(usize) -> Result<Digest> + Sync) -> Result<Vec<
         return (0..n).map(f).collect();
     }
     let next = std::sync::atomic::AtomicUsize::new(0);
+    let (f, next) = (&f, &next);
+    let work = move || {
+        let mut mine = Vec::new();
+        loop {
+            let r = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if r >= n {
+                return mine;
+            }
+            mine.push((r, f(r)));
+        }
+    };
     let mut out: Vec<Option<Result<Digest>>> = (0..n).map(|_| None).collect();
     std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let r = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        if r >= n {
-                            return mine;
-                        }
-                        mine.push((r, f(r)));
-                    }
-                })
-            })
+        // The caller takes ranks too: ranks of a thread the system refuses are still digested.
+        let workers: Vec<_> = (1..threads)
+            .filter_map(|_| std::thread::Builder::new().spawn_scoped(s, work).ok())
             .collect();
+        for (r, d) in work() {
+            out[r] = Some(d);
+        }
         for w in workers {
-            for (r, d) in w.join().expect("digest workers do not panic") {
+            for (r, d) in w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)) {
                 out[r] = Some(d);
             }
         }
     });
-    out.into_iter()
-        .map(|d| d.expect("every rank digested"))
-        .collect()
+    // Every rank below n was taken by exactly one worker (the counter hands each out once).
+    out.into_iter().flatten().collect()
 }
 
 fn total(mode: &str, ranks: Vec<Digest>) -> RunDigest {

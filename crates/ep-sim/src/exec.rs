@@ -126,6 +126,7 @@ pub(crate) fn run_phase(
     w: &mut World,
     ch: &mut Chooser,
     phase: Phase<'_>,
+    spawn_limit: Option<usize>,
 ) -> Result<PhaseReport, SimError> {
     let specs: Vec<(usize, usize, String)> = phase
         .agents
@@ -154,8 +155,10 @@ pub(crate) fn run_phase(
     .map_err(SimError::Violation)?;
     let (tx, rx) = mpsc::channel::<(usize, Msg)>();
     let call = phase.call;
+    let total = phase.agents.len();
     let result = thread::scope(|s| {
         let mut resp = Vec::new();
+        let mut refused = None;
         for (i, spec) in phase.agents.into_iter().enumerate() {
             let (rtx, rrx) = mpsc::channel::<Resp>();
             resp.push(rtx);
@@ -171,9 +174,13 @@ pub(crate) fn run_phase(
                 rx: rrx,
             };
             let body = spec.body;
+            let refuse = spawn_limit.is_some_and(|l| i >= l);
             let spawned = thread::Builder::new()
                 .name(format!("sim-agent-{i}"))
                 .spawn_scoped(s, move || {
+                    if refuse {
+                        return;
+                    }
                     match ctx.rx.recv() {
                         Ok(Resp::Unit) => {}
                         _ => {
@@ -196,9 +203,28 @@ pub(crate) fn run_phase(
                     });
                     let _ = ctx.tx.send((i, Msg::Done(r)));
                 });
+            let spawned = match spawned {
+                Ok(_) if refuse => Err(std::io::Error::other(
+                    "refused by Sim::limit_agent_threads (test hook)",
+                )),
+                other => other,
+            };
             if let Err(e) = spawned {
-                panic!("cannot spawn a simulator agent thread: {e}");
+                refused = Some(Error::AgentSpawnFailed {
+                    rank: w.agents[i].r.rank,
+                    agent: format!("{} ({})", w.agents[i].r, specs[i].2),
+                    started: i,
+                    total,
+                    detail: e.to_string(),
+                });
+                break;
             }
+        }
+        if let Some(e) = refused {
+            // The agents already started wait for their first answer: closing their channels
+            // lets each of them return at once, and the scope joins them.
+            drop(resp);
+            return Err(SimError::Core(e));
         }
         drop(tx);
         let r = schedule(w, ch, &resp, &rx);

@@ -129,6 +129,8 @@ pub struct Sim {
     cfg: SimConfig,
     world: world::World,
     chooser: exec::Chooser,
+    /// Test hook: agents past this many per phase are refused a thread.
+    spawn_limit: Option<usize>,
 }
 
 impl std::fmt::Debug for Sim {
@@ -154,7 +156,15 @@ impl Sim {
             cfg,
             world,
             chooser,
+            spawn_limit: None,
         }
+    }
+
+    /// Test hook: from the `limit`-th agent of a phase on, spawning its thread fails as when the
+    /// system refuses one (`ulimit -u`, `-v`); the phase must end at once in
+    /// `Error::AgentSpawnFailed`. `None` lifts it.
+    pub fn limit_agent_threads(&mut self, limit: Option<usize>) {
+        self.spawn_limit = limit;
     }
 
     /// The configuration.
@@ -165,7 +175,7 @@ impl Sim {
 
     /// Runs a phase; errors are typed ([`SimError::Violation`] for protocol findings).
     pub fn run(&mut self, phase: Phase<'_>) -> Result<PhaseReport, SimError> {
-        exec::run_phase(&mut self.world, &mut self.chooser, phase)
+        exec::run_phase(&mut self.world, &mut self.chooser, phase, self.spawn_limit)
     }
 
     /// Host write into `rank`'s heap (like a `cudaMemcpy` before a launch): defined bytes,

@@ -461,3 +461,23 @@ fn threads_mode_spawn_failure_aborts_the_phase_at_once() {
     ts.run_phase(exchange(&b, &[0, 1], &[0, 1], 1, false))
         .unwrap();
 }
+
+#[test]
+fn deterministic_mode_spawn_failure_is_a_typed_error_not_a_panic() {
+    // The deterministic simulator spawns one thread per agent too: a refused one ends the phase
+    // in AgentSpawnFailed (the agents already started are released), and the simulator runs
+    // the next phase normally.
+    let mut sim = Sim::new(SimConfig::new(fabric(4), 3).wait_timeout(BOUND));
+    let b = bufs(&mut sim);
+    sim.limit_agent_threads(Some(1));
+    let e = sim
+        .run(exchange(&b, &[0, 1], &[0, 1], 1, false))
+        .unwrap_err();
+    assert!(
+        matches!(&e, SimError::Core(Error::AgentSpawnFailed { started: 1, total, .. }) if *total > 1),
+        "expected a typed spawn failure, got {e}"
+    );
+    sim.limit_agent_threads(None);
+    let b = bufs(&mut sim);
+    sim.run(exchange(&b, &[0, 1], &[0, 1], 1, false)).unwrap();
+}
