@@ -1447,3 +1447,36 @@ fn ctrl_word_name(ctrl: NormalCtrl, off: u64) -> String {
     }
     format!("control word at offset {off}")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_control_word_is_named_by_its_offset() {
+        for r in [1, 2, 8] {
+            let ctrl = NormalCtrl { num_ranks: r };
+            for s in 0..r {
+                assert_eq!(
+                    ctrl_word_name(ctrl, ctrl.notify(1, s)),
+                    format!("notify[1][{s}]")
+                );
+                assert_eq!(ctrl_word_name(ctrl, ctrl.ready(s)), format!("ready[{s}]"));
+                assert_eq!(
+                    ctrl_word_name(ctrl, ctrl.y_ready(s)),
+                    format!("y_ready[{s}]")
+                );
+                assert_eq!(
+                    ctrl_word_name(ctrl, ctrl.done(s, 5)),
+                    format!("done[{s}][5]")
+                );
+                assert_eq!(
+                    ctrl_word_name(ctrl, ctrl.pulled(s, 63)),
+                    format!("pulled[{s}][63]")
+                );
+            }
+            assert_eq!(ctrl_word_name(ctrl, ctrl.table_ready(0)), "table_ready[0]");
+            assert!(ctrl_word_name(ctrl, ctrl.bytes() + 16).starts_with("control word at"));
+        }
+    }
+}
