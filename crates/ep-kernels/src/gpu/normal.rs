@@ -646,45 +646,22 @@ impl NormalGroup {
                     "x of rank {s}: rows must be contiguous"
                 )));
             }
-            if fp8 {
-                let sc = inp.x_scales.ok_or_else(|| Error::TensorMismatch {
-                    what: format!("x_scales of rank {s}"),
-                    expected: format!("F32 [{t}, {num_scales}]"),
+            let need = |t_opt: Option<&DevTensor>, name: &str, dtype: DType, cols: usize| {
+                let what = format!("{name} of rank {s}");
+                let x = t_opt.ok_or_else(|| Error::TensorMismatch {
+                    what: what.clone(),
+                    expected: format!("{dtype:?} [{t}, {cols}]"),
                     found: "none".into(),
                 })?;
-                sc.expect(
-                    &format!("x_scales of rank {s}"),
-                    DType::F32,
-                    Some(t),
-                    Some(num_scales),
-                )?;
-                check_device(sc, &self.dev, s)?;
+                x.expect(&what, dtype, Some(t), Some(cols))?;
+                check_device(x, &self.dev, s)
+            };
+            if fp8 {
+                need(inp.x_scales, "x_scales", DType::F32, num_scales)?;
             }
             if with_topk {
-                let idx = inp.topk_idx.ok_or_else(|| Error::TensorMismatch {
-                    what: format!("topk_idx of rank {s}"),
-                    expected: format!("I64 [{t}, {num_topk}]"),
-                    found: "none".into(),
-                })?;
-                idx.expect(
-                    &format!("topk_idx of rank {s}"),
-                    DType::I64,
-                    Some(t),
-                    Some(num_topk),
-                )?;
-                let w = inp.topk_weights.ok_or_else(|| Error::TensorMismatch {
-                    what: format!("topk_weights of rank {s}"),
-                    expected: format!("F32 [{t}, {num_topk}]"),
-                    found: "none".into(),
-                })?;
-                w.expect(
-                    &format!("topk_weights of rank {s}"),
-                    DType::F32,
-                    Some(t),
-                    Some(num_topk),
-                )?;
-                check_device(idx, &self.dev, s)?;
-                check_device(w, &self.dev, s)?;
+                need(inp.topk_idx, "topk_idx", DType::I64, num_topk)?;
+                need(inp.topk_weights, "topk_weights", DType::F32, num_topk)?;
             }
             tokens.push(t);
         }
