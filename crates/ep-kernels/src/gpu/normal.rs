@@ -334,6 +334,35 @@ impl NormalGroup {
         }
     }
 
+    /// Rank `rank`'s received rows as views into its dispatch region: x (BF16 or e4m3) and,
+    /// for FP8, the f32 scales, `rows` records of `fmt`'s dispatch record each.
+    fn recv_views(
+        &self,
+        rank: usize,
+        fmt: RowFormat,
+        rows: usize,
+    ) -> Result<(DevTensor, Option<DevTensor>)> {
+        let data = &self.ranks[rank].data;
+        let base = self.data_layout().rows_base();
+        let drec = fmt.dispatch_record();
+        let fp8 = fmt.elem_bytes == 1;
+        let xdt = if fp8 { DType::F8E4M3 } else { DType::Bf16 };
+        let x = DevTensor::strided(data.clone(), base, xdt, rows, fmt.hidden, drec)?;
+        let scales = fp8
+            .then(|| {
+                DevTensor::strided(
+                    data.clone(),
+                    base + fmt.scales_offset(),
+                    DType::F32,
+                    rows,
+                    fmt.num_scales,
+                    drec,
+                )
+            })
+            .transpose()?;
+        Ok((x, scales))
+    }
+
     /// Rows of `rec` bytes the dispatch region holds.
     pub fn dispatch_capacity(&self, rec: u64) -> u64 {
         self.data_layout().dispatch_capacity(rec)
@@ -868,26 +897,7 @@ impl NormalGroup {
         {
             let (num_recv, experts) = recv[s].clone();
             let rows = num_recv.unwrap_or(args.num_worst_tokens);
-            let data = self.ranks[s].data.clone();
-            let base = self.data_layout().rows_base();
-            let xdt = if fmt.elem_bytes == 1 {
-                DType::F8E4M3
-            } else {
-                DType::Bf16
-            };
-            let recv_x = DevTensor::strided(data.clone(), base, xdt, rows, fmt.hidden, drec)?;
-            let recv_x_scales = (fmt.elem_bytes == 1)
-                .then(|| {
-                    DevTensor::strided(
-                        data,
-                        base + fmt.scales_offset(),
-                        DType::F32,
-                        rows,
-                        fmt.num_scales,
-                        drec,
-                    )
-                })
-                .transpose()?;
+            let (recv_x, recv_x_scales) = self.recv_views(s, fmt, rows)?;
             let cut = |t: &DevTensor, cols: usize| {
                 DevTensor::strided(t.buffer().clone(), 0, t.dtype(), rows, cols, t.row_stride())
             };
@@ -990,31 +1000,14 @@ impl NormalGroup {
             self.launch(s, &self.dev.normal.dispatch, 2 * c as u32, &a)?;
         }
         self.last = Some(LastDispatch { fmt, num_topk: 0 });
-        let base = self.data_layout().rows_base();
         let mut out = Vec::with_capacity(r);
         for (s, (src, _, _)) in metas.into_iter().enumerate() {
             let h = handles[s];
             let rows = h.num_rows;
-            let data = self.ranks[s].data.clone();
-            let xdt = if fmt.elem_bytes == 1 {
-                DType::F8E4M3
-            } else {
-                DType::Bf16
-            };
+            let (recv_x, recv_x_scales) = self.recv_views(s, fmt, rows)?;
             out.push(GpuDispatch {
-                recv_x: DevTensor::strided(data.clone(), base, xdt, rows, fmt.hidden, drec)?,
-                recv_x_scales: (fmt.elem_bytes == 1)
-                    .then(|| {
-                        DevTensor::strided(
-                            data,
-                            base + fmt.scales_offset(),
-                            DType::F32,
-                            rows,
-                            fmt.num_scales,
-                            drec,
-                        )
-                    })
-                    .transpose()?,
+                recv_x,
+                recv_x_scales,
                 recv_topk_idx: None,
                 recv_topk_weights: None,
                 recv_src_idx: DevTensor::strided(
