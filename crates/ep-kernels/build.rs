@@ -17,7 +17,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// (Rust constant, source file) of every kernel module.
-const MODULES: &[(&str, &str)] = &[("BRINGUP", "cuda/bringup.cu"), ("NORMAL", "cuda/normal.cu")];
+const MODULES: &[(&str, &str)] = &[
+    ("BRINGUP", "cuda/bringup.cu"),
+    ("NORMAL", "cuda/normal.cu"),
+    ("LOW_LATENCY", "cuda/low_latency.cu"),
+];
 
 include!("gpu_abi.rs");
 const ARCH: &str = "sm_90";
@@ -189,6 +193,12 @@ fn gpu_abi(out: &Path) {
             "NormalArgs",
             "Arguments of the normal-mode kernels.",
             NORMAL_ARGS,
+        ),
+        (
+            "ep_ll_args",
+            "LlArgs",
+            "Arguments of the low-latency kernels.",
+            LL_ARGS,
         ),
         (
             "ep_err_block",

@@ -205,6 +205,14 @@ pub enum Error {
         /// The tensor's GPU.
         found: usize,
     },
+    /// A rank number outside the group.
+    #[error("rank {rank} is outside the group of {num_ranks} ranks")]
+    RankOutOfRange {
+        /// The rank given.
+        rank: usize,
+        /// Ranks of the group.
+        num_ranks: usize,
+    },
     /// Per-rank inputs for a different number of ranks.
     #[error("inputs for {found} ranks, the group has {expected}")]
     RankCountMismatch {

@@ -18,7 +18,7 @@ pub fn nvcc() -> Option<&'static str> {
 
 /// Whether the kernels are compiled in.
 pub fn available() -> bool {
-    built::BRINGUP.is_ok() && built::NORMAL.is_ok()
+    built::BRINGUP.is_ok() && built::NORMAL.is_ok() && built::LOW_LATENCY.is_ok()
 }
 
 fn cubin(
@@ -31,6 +31,11 @@ fn cubin(
 /// The normal-mode module (`cuda/normal.cu`), or why it was not built.
 pub(crate) fn normal_cubin() -> Result<&'static [u8]> {
     cubin("normal", built::NORMAL)
+}
+
+/// The low-latency module (`cuda/low_latency.cu`), or why it was not built.
+pub(crate) fn low_latency_cubin() -> Result<&'static [u8]> {
+    cubin("low_latency", built::LOW_LATENCY)
 }
 
 /// The bring-up kernel: plain stores through any device pointer (a peer's too).

@@ -12,3 +12,7 @@ include!(concat!(env!("OUT_DIR"), "/gpu_abi.rs"));
 // owns), and matches `ep_normal_args` of the generated header field for field (both are
 // generated from one table), so passing it by value as a kernel parameter is sound.
 unsafe impl cudarc::driver::DeviceRepr for NormalArgs {}
+
+// SAFETY: as for `NormalArgs`: `#[repr(C)]` u64 words generated from the same table as
+// `ep_ll_args`, so passing it by value as a kernel parameter is sound.
+unsafe impl cudarc::driver::DeviceRepr for LlArgs {}

@@ -1,5 +1,5 @@
 //! [`Device`]: one GPU as the backend uses it — the context, every kernel of the normal-mode
-//! module loaded **eagerly** (GPU.md: with lazy loading, kernels of co-resident ranks that wait
+//! and low-latency modules loaded **eagerly** (GPU.md: with lazy loading, kernels of co-resident ranks that wait
 //! on each other never overlap), the SM count, and the process's error record.
 
 use std::sync::Arc;
@@ -24,12 +24,21 @@ pub(crate) struct NormalKernels {
     pub(crate) spin: CudaFunction,
 }
 
+/// The functions of `cuda/low_latency.cu`.
+#[derive(Debug, Clone)]
+pub(crate) struct LlKernels {
+    pub(crate) dispatch: CudaFunction,
+    pub(crate) combine: CudaFunction,
+}
+
 /// One GPU, ready to launch the backend's kernels.
 #[derive(Debug)]
 pub struct Device {
     ctx: Arc<CudaContext>,
     pub(crate) normal: NormalKernels,
+    pub(crate) ll: LlKernels,
     num_sms: usize,
+    max_dynamic_smem: usize,
     pub(crate) err: HostMapped<ErrBlock>,
 }
 
@@ -41,6 +50,7 @@ impl Device {
             return Err(Error::CudaDriverMissing);
         }
         let bytes = kernels::normal_cubin()?;
+        let ll_bytes = kernels::low_latency_cubin()?;
         let ctx =
             CudaContext::new(ordinal).map_err(Error::cuda("cuCtxCreate (primary context)"))?;
         // SAFETY: the backend passes raw device addresses to its kernels and orders streams
@@ -49,16 +59,22 @@ impl Device {
         let module = ctx
             .load_module(Ptx::from_binary(bytes.to_vec()))
             .map_err(Error::cuda("cuModuleLoadData(normal)"))?;
-        let get = |name: &'static str| -> Result<CudaFunction> {
+        let ll_module = ctx
+            .load_module(Ptx::from_binary(ll_bytes.to_vec()))
+            .map_err(Error::cuda("cuModuleLoadData(low_latency)"))?;
+        let get_in = |module: &Arc<cudarc::driver::CudaModule>,
+                      name: &'static str|
+         -> Result<CudaFunction> {
             let f = module
                 .load_function(name)
-                .map_err(Error::cuda("cuModuleGetFunction(normal)"))?;
+                .map_err(Error::cuda("cuModuleGetFunction"))?;
             // SAFETY: `f` is a function of a module loaded in this context.
             unsafe { sys::cuFuncLoad(f.cu_function()) }
                 .result()
                 .map_err(Error::cuda("cuFuncLoad"))?;
             Ok(f)
         };
+        let get = |name: &'static str| get_in(&module, name);
         let normal = NormalKernels {
             layout: get("ep_normal_layout")?,
             dispatch: get("ep_normal_dispatch")?,
@@ -67,6 +83,15 @@ impl Device {
             ceiling_gather: get("ep_copy_ceiling_gather")?,
             spin: get("ep_spin")?,
         };
+        let ll = LlKernels {
+            dispatch: get_in(&ll_module, "ep_ll_dispatch")?,
+            combine: get_in(&ll_module, "ep_ll_combine")?,
+        };
+        let max_dynamic_smem = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(Error::cuda(
+                "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)",
+            ))? as usize;
         let num_sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
@@ -75,7 +100,9 @@ impl Device {
         Ok(Arc::new(Self {
             ctx,
             normal,
+            ll,
             num_sms,
+            max_dynamic_smem,
             err,
         }))
     }
@@ -88,6 +115,30 @@ impl Device {
     /// Streaming multiprocessors of the GPU.
     pub fn num_sms(&self) -> usize {
         self.num_sms
+    }
+
+    /// Dynamic shared memory a block may opt in to.
+    pub(crate) fn max_dynamic_smem(&self) -> usize {
+        self.max_dynamic_smem
+    }
+
+    /// Lets `f` launch with up to `bytes` of dynamic shared memory.
+    pub(crate) fn set_max_dynamic_smem(&self, f: &CudaFunction, bytes: usize) -> Result<()> {
+        let bytes = i32::try_from(bytes)
+            .map_err(|_| Error::Unsupported(format!("{bytes} bytes of shared memory per block")))?;
+        // SAFETY: `f` is a loaded function of this context; the attribute takes a byte count
+        // the device allows (checked by the caller against max_dynamic_smem).
+        unsafe {
+            sys::cuFuncSetAttribute(
+                f.cu_function(),
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes,
+            )
+        }
+        .result()
+        .map_err(Error::cuda(
+            "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+        ))
     }
 
     /// The device ordinal.

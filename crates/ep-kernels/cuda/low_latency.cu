@@ -1,0 +1,639 @@
+// Low-latency mode on GPUs, variant (a): every peer addressed by pointer (co-resident ranks or
+// NVLink P2P), docs/protocol.md §3. One message per (token, destination rank) — meta record and
+// row (BF16, or e4m3 + per-128 f32 scales cast once by the sender) — stored straight into the
+// destination's `drecv[s]`; the receiver fans each message out to the packed per-expert rows at
+// the deterministic place `begin(l, s) + pos`. Combine is reduced on the expert's rank: one BF16
+// partial per (token, expert rank), summed in ascending rank order by the token's rank.
+//
+// Each op kernel has a send part and a receive part (EP_FLAG_LL_SEND / EP_FLAG_LL_RECV): one
+// launch with both is the plain call, two launches are the hook halves. The send part never
+// waits; its last block (a completion counter, acq_rel) writes the headers and releases the
+// signal of every unmasked destination, so a signal covers every block's stores. The receive
+// part waits (bounded, ep_device.cuh) for the signal of every unmasked source, checks its epoch
+// and count, then reads. Offsets and signal values come from ep_protocol.cuh; the shared-memory
+// carve-out comes from the host (Args.sm_*).
+
+#include <stdint.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "ep_protocol.cuh"
+#include "ep_device.cuh"
+
+#define NT EP_GPU_THREADS
+#define WARPS (EP_GPU_THREADS / 32)
+#define MAXR EP_GPU_MAX_RANKS
+#define MAXK EP_LL_MAX_TOPK
+#define FULL 0xffffffffu
+
+typedef ep_ll_args Args;
+
+__device__ __forceinline__ uint32_t lanemask_lt() {
+    uint32_t m;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+    return m;
+}
+
+__device__ __forceinline__ void stamp(const Args &a, uint32_t i) {
+    if (a.phase_times != 0 && threadIdx.x == 0)
+        ((uint64_t *)a.phase_times)[blockIdx.x * EP_PHASE_SLOTS + i] = ep_now_ns();
+}
+
+__device__ __forceinline__ ep_ll_layout layout_of(const Args &a) {
+    ep_ll_layout l;
+    l.num_ranks = a.num_ranks;
+    l.num_local_experts = a.num_local_experts;
+    l.hidden = a.hidden;
+    l.num_max_tokens = a.num_max_tokens;
+    return l;
+}
+
+__device__ __forceinline__ bool masked(const Args &a, uint64_t r) {
+    return a.mask != 0 && ((const volatile int32_t *)a.mask)[r] != 0;
+}
+
+// Base of half `h` of rank `r`'s ll.data, as this rank addresses it.
+__device__ __forceinline__ uint8_t *half_of(const Args &a, uint64_t r, uint64_t h) {
+    return (uint8_t *)(a.peer_data[r] + ep_ll_half_base(layout_of(a), h));
+}
+
+__device__ __forceinline__ uint64_t *signal_of(const Args &a, uint64_t r, uint64_t off) {
+    return (uint64_t *)(a.peer_signals[r] + off);
+}
+
+__device__ __forceinline__ uint64_t atomic_add_acq_rel(uint64_t *p, uint64_t v) {
+    uint64_t old;
+    asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ int4 ld_cg16(const void *p) { return __ldcg((const int4 *)p); }
+
+// Whether this block is the last of the grid to finish its part of the send. The counter counts
+// the launch's finished blocks; the last one sets it back to 0 for the next launch on the stream.
+__device__ bool last_block(uint64_t *counter) {
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        uint64_t old = atomic_add_acq_rel(counter, 1);
+        last = old == gridDim.x - 1;
+        if (last) *(volatile uint64_t *)counter = 0;
+    }
+    __syncthreads();
+    return last != 0;
+}
+
+// Waits until `*word >= want` (acquire), bounded like ep_wait_eq; returns the value, 0 on failure.
+__device__ uint64_t wait_ge(const Args &a, const uint64_t *word, uint64_t want, uint64_t kernel,
+                            uint64_t word_offset, uint64_t *waited_ns) {
+    ep_err_block *err = (ep_err_block *)a.err;
+    uint64_t v = ep_ld_acquire(word);
+    *waited_ns = 0;
+    if (v >= want) return v;
+    uint64_t start = ep_now_ns();
+    for (uint32_t polls = 1;; ++polls) {
+        v = ep_ld_acquire(word);
+        if (v >= want) {
+            *waited_ns = ep_now_ns() - start;
+            return v;
+        }
+        if ((polls & 1023u) == 0u) {
+            if (ep_aborted(err)) return 0;
+            if (ep_now_ns() - start > a.timeout_ns) {
+                ep_fail(err, EP_ERR_TIMEOUT, a.rank, kernel, a.rank, word_offset, want, v, 0);
+                return 0;
+            }
+        }
+    }
+}
+
+// Waits for the signal of every unmasked source (thread `src` of warp 0 waits for `src`) and
+// checks its epoch; `count[src]` gets the message count (0 for masked sources). `expect`
+// (optional): the count each source must announce. Returns false if any check failed.
+__device__ bool wait_sources(const Args &a, uint64_t kernel, uint64_t half, bool combine,
+                             uint32_t *count, const int32_t *expect) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
+    const uint32_t src = threadIdx.x;
+    if (src < a.num_ranks) {
+        count[src] = 0;
+        if (!masked(a, src)) {
+            uint64_t off = combine ? ep_ll_combine_signal(a.num_ranks, half, src)
+                                   : ep_ll_dispatch_signal(a.num_ranks, half, src);
+            uint64_t waited = 0;
+            uint64_t v = wait_ge(a, signal_of(a, a.rank, off), ep_ll_threshold(a.call), kernel, off,
+                                 &waited);
+            ep_err_block *err = (ep_err_block *)a.err;
+            if (v == 0) {
+                ok = 0;
+            } else if (ep_ll_epoch(v) != a.call) {
+                ep_fail(err, EP_ERR_EPOCH, a.rank, kernel, a.rank, off, ep_ll_threshold(a.call), v, src);
+                ok = 0;
+            } else if (expect != nullptr && (int32_t)ep_ll_count(v) != __ldcg(&expect[src])) {
+                ep_fail(err, EP_ERR_COUNT, a.rank, kernel, a.rank, off, (uint64_t)expect[src], v, src);
+                ok = 0;
+            } else {
+                count[src] = ep_ll_count(v);
+                if (blockIdx.x == 0 && a.wait_stats != 0)
+                    ((unsigned long long *)a.wait_stats)[src] += waited;
+            }
+        }
+    }
+    __syncthreads();
+    return ok != 0;
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------
+
+// Shared-memory arrays of the dispatch send part (offsets from the host, Args.sm_*).
+struct SendSmem {
+    int16_t *expert; // [T*K] expert id; -1: masked entry or masked destination
+    uint16_t *pos;   // [T*K] row of the entry within its (local expert, source) block
+    uint16_t *wcnt;  // [WARPS][E] per-warp-segment counts, then their exclusive prefix over warps
+    uint32_t *tot;   // [E] entries of this rank per expert
+    uint8_t *dmask;  // [T] destination ranks of the token (bit d)
+    uint16_t *slot;  // [T][R] slot of the token in d's drecv[s] (0xffff: none)
+};
+
+__device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
+    SendSmem s;
+    s.expert = (int16_t *)(base + a.sm_expert);
+    s.pos = (uint16_t *)(base + a.sm_pos);
+    s.wcnt = (uint16_t *)(base + a.sm_wcnt);
+    s.tot = (uint32_t *)(base + a.sm_tot);
+    s.dmask = (uint8_t *)(base + a.sm_dmask);
+    s.slot = (uint16_t *)(base + a.sm_slot);
+    return s;
+}
+
+// Routing metadata of this rank's tokens, computed by every block (T*K entries: small). `ncnt[d]`
+// gets the messages to d. An expert id outside [-1, E) is recorded (EP_ERR_EXPERT) and treated as
+// -1, so the protocol still completes and the group stays usable.
+__device__ void send_metadata(const Args &a, SendSmem sm, uint32_t *ncnt) {
+    const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, L = a.num_local_experts;
+    const uint32_t R = a.num_ranks, TK = T * K;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (uint32_t i = threadIdx.x; i < WARPS * E; i += NT) sm.wcnt[i] = 0;
+    __syncthreads();
+    const int64_t *idx = (const int64_t *)a.topk_idx;
+    for (uint32_t j = threadIdx.x; j < TK; j += NT) {
+        int64_t e = idx[j];
+        if (e < -1 || e >= (int64_t)E) {
+            if (blockIdx.x == 0)
+                ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LL_DISPATCH, a.rank, 0,
+                        E, (uint64_t)e, j);
+            e = -1;
+        }
+        if (e >= 0 && masked(a, (uint64_t)e / L)) e = -1;
+        sm.expert[j] = (int16_t)e;
+    }
+    __syncthreads();
+    // pos in (t, k) order: each warp counts its contiguous segment, lanes of one chunk with the
+    // same expert ranked by __match_any_sync; then a prefix over the warps.
+    const uint32_t seg = (TK + WARPS * 32 - 1) / (WARPS * 32) * 32;
+    const uint32_t lo = warp * seg, hi = min(TK, lo + seg);
+    for (uint32_t b = lo; b < hi; b += 32) {
+        uint32_t j = b + lane;
+        int32_t e = j < hi ? sm.expert[j] : -1;
+        uint32_t same = __match_any_sync(FULL, e);
+        uint32_t before = e >= 0 ? sm.wcnt[warp * E + e] : 0;
+        __syncwarp();
+        if (e >= 0) {
+            uint32_t rank_in = __popc(same & lanemask_lt());
+            sm.pos[j] = (uint16_t)(before + rank_in);
+            if (rank_in == 0) sm.wcnt[warp * E + e] = (uint16_t)(before + __popc(same));
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+    for (uint32_t e = threadIdx.x; e < E; e += NT) {
+        uint32_t run = 0;
+        for (uint32_t w = 0; w < WARPS; ++w) {
+            uint32_t c = sm.wcnt[w * E + e];
+            sm.wcnt[w * E + e] = (uint16_t)run;
+            run += c;
+        }
+        sm.tot[e] = run;
+    }
+    for (uint32_t t = threadIdx.x; t < T; t += NT) {
+        uint32_t m = 0;
+        for (uint32_t k = 0; k < K; ++k) {
+            int32_t e = sm.expert[t * K + k];
+            if (e >= 0) m |= 1u << ((uint32_t)e / L);
+        }
+        sm.dmask[t] = (uint8_t)m;
+    }
+    __syncthreads();
+    for (uint32_t j = threadIdx.x; j < TK; j += NT) {
+        int32_t e = sm.expert[j];
+        if (e >= 0) sm.pos[j] = (uint16_t)(sm.pos[j] + sm.wcnt[(j / seg) * E + e]);
+    }
+    // Slots: warp d ranks the tokens with an expert on d.
+    if (warp < R) {
+        const uint32_t d = warp;
+        uint32_t run = 0;
+        for (uint32_t b = 0; b < T; b += 32) {
+            uint32_t t = b + lane;
+            bool to_d = t < T && ((sm.dmask[t] >> d) & 1u);
+            uint32_t bal = __ballot_sync(FULL, to_d);
+            if (t < T) sm.slot[t * R + d] = to_d ? (uint16_t)(run + __popc(bal & lanemask_lt())) : 0xffffu;
+            run += __popc(bal);
+        }
+        if (lane == 0) ncnt[d] = run;
+    }
+    __syncthreads();
+}
+
+// FP8 cast of 8 consecutive values of a 128-channel block whose 16 lanes (a half warp) hold the
+// block: amax over the half warp, DeepEP's scales (numerics/fp8.rs), e4m3 with satfinite.
+__device__ __forceinline__ uint2 cast8(int4 raw, bool round_scale, float *scale_inv) {
+    const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&raw;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __bfloat1622float2(h2[i]);
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+    }
+    float amax = 1e-4f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 8; o >= 1; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, o));
+    float scale, sinv;
+    if (round_scale) {
+        uint32_t bits = __float_as_uint(amax * (1.0f / 448.0f));
+        int32_t e = (int32_t)((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
+        scale = __uint_as_float((uint32_t)(-e + 127) << 23);
+        sinv = __uint_as_float((uint32_t)(e + 127) << 23);
+    } else {
+        scale = 448.0f / amax;
+        sinv = amax * (1.0f / 448.0f);
+    }
+    *scale_inv = sinv;
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint32_t q = __nv_cvt_float_to_fp8(__fmul_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3);
+        lo |= (q & 0xffu) << (8 * i);
+        uint32_t q2 = __nv_cvt_float_to_fp8(__fmul_rn(v[4 + i], scale), __NV_SATFINITE, __NV_E4M3);
+        hi |= (q2 & 0xffu) << (8 * i);
+    }
+    return make_uint2(lo, hi);
+}
+
+// The send part: every message of this rank into its destination's drecv[s], then (last block)
+// headers and signals.
+__device__ void dispatch_send(const Args &a, uint8_t *smem) {
+    __shared__ uint32_t ncnt[MAXR];
+    SendSmem sm = send_smem(a, smem);
+    const ep_ll_layout ly = layout_of(a);
+    const uint32_t T = a.num_tokens, K = a.num_topk, R = a.num_ranks, L = a.num_local_experts;
+    const uint32_t H = a.hidden;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const bool fp8 = (a.flags & EP_FLAG_FP8) != 0;
+    const bool round_scale = (a.flags & EP_FLAG_ROUND_SCALE) != 0;
+    stamp(a, 0);
+    send_metadata(a, sm, ncnt);
+    stamp(a, 1);
+    if (blockIdx.x == 0) {
+        int32_t *slots = (int32_t *)a.slots;
+        for (uint32_t i = threadIdx.x; i < T * R; i += NT)
+            slots[i] = sm.slot[i] == 0xffffu ? -1 : (int32_t)sm.slot[i];
+        if (threadIdx.x < R) ((int32_t *)a.send_counts)[threadIdx.x] = (int32_t)ncnt[threadIdx.x];
+    }
+    const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
+    const float *weights = (const float *)a.topk_weights;
+    for (uint32_t t = blockIdx.x * WARPS + warp; t < T; t += gridDim.x * WARPS) {
+        const uint32_t dm = sm.dmask[t];
+        if (dm == 0) continue;
+        uint8_t *row_dst[MAXR];
+        // Meta records: the token's entries on d in k order.
+        const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
+        for (uint32_t d = 0; d < R; ++d) {
+            row_dst[d] = nullptr;
+            if (!((dm >> d) & 1u)) continue;
+            const uint32_t slot = sm.slot[t * R + d];
+            uint8_t *recv = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank);
+            row_dst[d] = half_of(a, d, a.half) + ep_ll_drecv_row(ly, a.rank, slot);
+            uint8_t *meta = recv + hdr + (uint64_t)slot * meta_bytes;
+            const bool on_d = e >= 0 && (uint32_t)e / L == d;
+            const uint32_t bal = __ballot_sync(FULL, on_d);
+            if (on_d) {
+                const uint32_t i = __popc(bal & lanemask_lt());
+                const uint32_t l = (uint32_t)e - d * L;
+                const uint32_t w = __float_as_uint(weights[t * K + lane]);
+                *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
+            }
+            if (lane == 0) *(uint64_t *)meta = (uint64_t)t | ((uint64_t)__popc(bal) << 32);
+        }
+        // The row, loaded once, cast once, stored to each destination.
+        if (!fp8) {
+            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
+            const uint32_t n16 = H * 2 / 16;
+            for (uint32_t c = lane; c < n16; c += 32) {
+                int4 v = ep_ld_nc(src + c);
+                for (uint32_t d = 0; d < R; ++d)
+                    if (row_dst[d] != nullptr) ((int4 *)row_dst[d])[c] = v;
+            }
+        } else {
+            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
+            const uint64_t soff = ep_ll_fp8_scales_offset(ly);
+            // A half warp per 128-channel block; the warp covers 256 channels per step.
+            for (uint32_t base = 0; base < H; base += 256) {
+                const uint32_t ch = base + lane * 8;
+                const bool live = ch < H; // H is a multiple of 128: whole half warps
+                int4 raw = live ? ep_ld_nc(src + ch / 8) : make_int4(0, 0, 0, 0);
+                float sinv;
+                uint2 q = cast8(raw, round_scale, &sinv);
+                if (live) {
+                    for (uint32_t d = 0; d < R; ++d) {
+                        if (row_dst[d] == nullptr) continue;
+                        *(uint2 *)(row_dst[d] + ch) = q;
+                        if ((lane & 15u) == 0) *(float *)(row_dst[d] + soff + 4ull * (ch / 128)) = sinv;
+                    }
+                }
+            }
+        }
+    }
+    stamp(a, 2);
+    if (!last_block((uint64_t *)a.counter)) return;
+    // Headers c(l, s) for every unmasked destination, then the signals.
+    for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
+        const uint32_t d = i / L, l = i % L;
+        if (masked(a, d)) continue;
+        uint32_t *header = (uint32_t *)(half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank));
+        header[l] = sm.tot[d * L + l];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        for (uint32_t d = 0; d < R; ++d) {
+            if (masked(a, d)) continue;
+            ep_st_release(signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
+                          ep_ll_encode(a.call, ncnt[d]));
+        }
+    }
+    stamp(a, 3);
+}
+
+// The receive part on rank d: wait for every unmasked source, place its messages.
+__device__ void dispatch_recv(const Args &a, uint8_t *smem) {
+    __shared__ uint32_t count[MAXR];
+    __shared__ uint32_t first_msg[MAXR + 1];
+    const ep_ll_layout ly = layout_of(a);
+    const uint32_t R = a.num_ranks, L = a.num_local_experts, H = a.hidden;
+    const uint32_t N = a.num_max_tokens, rows = R * N;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const bool fp8 = (a.flags & EP_FLAG_FP8) != 0, ue8m0 = (a.flags & EP_FLAG_UE8M0) != 0;
+    uint32_t *begin = (uint32_t *)(smem + a.sm_begin); // [R][L]
+    stamp(a, 4);
+    if (!wait_sources(a, EP_KERNEL_LL_DISPATCH, a.half, false, count, nullptr)) return;
+    stamp(a, 5);
+    uint8_t *mine = half_of(a, a.rank, a.half);
+    for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
+        const uint32_t s = i / L, l = i % L;
+        begin[i] = masked(a, s) ? 0u : __ldcg((const uint32_t *)(mine + ep_ll_drecv(ly, s)) + l);
+    }
+    if (threadIdx.x == 0) {
+        first_msg[0] = 0;
+        for (uint32_t s = 0; s < R; ++s) first_msg[s + 1] = first_msg[s] + count[s];
+    }
+    __syncthreads();
+    // Counts → running begin per expert (ascending source), and the handle outputs.
+    for (uint32_t l = threadIdx.x; l < L; l += NT) {
+        uint32_t run = 0;
+        for (uint32_t s = 0; s < R; ++s) {
+            const uint32_t c = begin[s * L + l];
+            begin[s * L + l] = run;
+            if (blockIdx.x == 0)
+                ((int64_t *)a.recv_layout_range)[l * R + s] = ep_pack_layout_range(run, c);
+            run += c;
+        }
+        if (blockIdx.x == 0) {
+            ((int32_t *)a.recv_count)[l] = (int32_t)run;
+            if (a.recv_stats != 0) ((int32_t *)a.recv_stats)[l] += (int32_t)run;
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x < R) ((int32_t *)a.recv_counts)[threadIdx.x] = (int32_t)count[threadIdx.x];
+    __syncthreads();
+    const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
+    const uint32_t S = H / 128, S4 = (S + 3) / 4;
+    const uint32_t total = first_msg[R];
+    for (uint32_t q = blockIdx.x * WARPS + warp; q < total; q += gridDim.x * WARPS) {
+        uint32_t s = 0;
+        while (q >= first_msg[s + 1]) ++s;
+        const uint32_t i = q - first_msg[s];
+        const uint8_t *recv = mine + ep_ll_drecv(ly, s);
+        const uint8_t *meta = recv + hdr + (uint64_t)i * meta_bytes;
+        const uint64_t head = __ldcg((const unsigned long long *)meta);
+        const uint32_t t = (uint32_t)head, n = (uint32_t)(head >> 32);
+        uint32_t my_row = 0, my_l = 0;
+        if (lane < n) {
+            const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
+            my_l = (uint32_t)(ent & 0xffffu);
+            my_row = begin[s * L + my_l] + (uint32_t)((ent >> 16) & 0xffffu);
+            ((int32_t *)a.recv_src_info)[(uint64_t)my_l * rows + my_row] = (int32_t)t;
+        }
+        const uint8_t *row = mine + ep_ll_drecv_row(ly, s, i);
+        if (!fp8) {
+            const uint32_t n16 = H * 2 / 16;
+            for (uint32_t c = lane; c < n16; c += 32) {
+                int4 v = ld_cg16(row + 16ull * c);
+                for (uint32_t j = 0; j < n; ++j) {
+                    const uint32_t l = __shfl_sync(FULL, my_l, j), r = __shfl_sync(FULL, my_row, j);
+                    ((int4 *)((uint8_t *)a.recv_x + ((uint64_t)l * rows + r) * H * 2))[c] = v;
+                }
+            }
+        } else {
+            const uint32_t n16 = H / 16;
+            for (uint32_t c = lane; c < n16; c += 32) {
+                int4 v = ld_cg16(row + 16ull * c);
+                for (uint32_t j = 0; j < n; ++j) {
+                    const uint32_t l = __shfl_sync(FULL, my_l, j), r = __shfl_sync(FULL, my_row, j);
+                    ((int4 *)((uint8_t *)a.recv_x + ((uint64_t)l * rows + r) * H))[c] = v;
+                }
+            }
+            // Scales, in DeepEP's memory order [L][S][R*N] (f32) or [L][S/4][R*N] (UE8M0 words).
+            const float *sc = (const float *)(row + ep_ll_fp8_scales_offset(ly));
+            if (!ue8m0) {
+                for (uint32_t k = lane; k < S; k += 32) {
+                    const float v = __ldcg(sc + k);
+                    for (uint32_t j = 0; j < n; ++j) {
+                        const uint32_t l = __shfl_sync(FULL, my_l, j), r = __shfl_sync(FULL, my_row, j);
+                        ((float *)a.recv_scales)[((uint64_t)l * S + k) * rows + r] = v;
+                    }
+                }
+            } else {
+                for (uint32_t k = lane; k < S4; k += 32) {
+                    uint32_t word = 0;
+                    for (uint32_t b = 0; b < 4 && 4 * k + b < S; ++b)
+                        word |= ((__float_as_uint(__ldcg(sc + 4 * k + b)) >> 23) & 0xffu) << (8 * b);
+                    for (uint32_t j = 0; j < n; ++j) {
+                        const uint32_t l = __shfl_sync(FULL, my_l, j), r = __shfl_sync(FULL, my_row, j);
+                        ((uint32_t *)a.recv_scales)[((uint64_t)l * S4 + k) * rows + r] = word;
+                    }
+                }
+            }
+        }
+    }
+    stamp(a, 6);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    if (masked(a, a.rank)) return;
+    if (a.flags & EP_FLAG_LL_SEND) dispatch_send(a, smem);
+    if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, smem);
+}
+
+// ---- combine -----------------------------------------------------------------------------------
+
+// The send part on the expert's rank d: one BF16 partial per message of the dispatch (read from
+// its meta records, in the dispatch's half), into the source's crecv[d]; then the signals.
+__device__ void combine_send(const Args &a, uint8_t *smem) {
+    __shared__ uint32_t count[MAXR];
+    __shared__ uint32_t first_msg[MAXR + 1];
+    const ep_ll_layout ly = layout_of(a);
+    const uint32_t R = a.num_ranks, L = a.num_local_experts, H = a.hidden;
+    const uint32_t N = a.num_max_tokens, rows = R * N;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint32_t *begin = (uint32_t *)(smem + a.sm_begin); // [R][L]
+    stamp(a, 0);
+    const int64_t *range = (const int64_t *)a.recv_layout_range;
+    for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
+        const uint32_t s = i % R, l = i / R;
+        begin[s * L + l] = (uint32_t)((uint64_t)range[l * R + s] >> 32);
+    }
+    if (threadIdx.x < R) count[threadIdx.x] = masked(a, threadIdx.x) ? 0 : (uint32_t)((const int32_t *)a.recv_counts)[threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        first_msg[0] = 0;
+        for (uint32_t s = 0; s < R; ++s) first_msg[s + 1] = first_msg[s] + count[s];
+    }
+    __syncthreads();
+    const uint8_t *dhalf = half_of(a, a.rank, a.disp_half);
+    const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
+    const uint32_t total = first_msg[R];
+    const __nv_bfloat16 *y = (const __nv_bfloat16 *)a.combine_y;
+    for (uint32_t q = blockIdx.x * WARPS + warp; q < total; q += gridDim.x * WARPS) {
+        uint32_t s = 0;
+        while (q >= first_msg[s + 1]) ++s;
+        const uint32_t i = q - first_msg[s];
+        const uint8_t *meta = dhalf + ep_ll_drecv(ly, s) + hdr + (uint64_t)i * meta_bytes;
+        const uint64_t head = __ldcg((const unsigned long long *)meta);
+        const uint32_t n = (uint32_t)(head >> 32);
+        uint32_t my_l = 0xffffffffu, my_row = 0, my_w = 0;
+        if (lane < n) {
+            const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
+            my_l = (uint32_t)(ent & 0xffffu);
+            my_row = begin[s * L + my_l] + (uint32_t)((ent >> 16) & 0xffffu);
+            my_w = (uint32_t)(ent >> 32);
+        }
+        // Duplicates of an expert read the row of its first entry.
+        const uint32_t same = __match_any_sync(FULL, my_l);
+        const uint32_t first = __ffs(same) - 1;
+        const uint32_t src_row = __shfl_sync(FULL, my_row, first);
+        uint8_t *dst = half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i);
+        const uint32_t n16 = H * 2 / 16;
+        for (uint32_t c = lane; c < n16; c += 32) {
+            int4 v[MAXK];
+#pragma unroll
+            for (uint32_t j = 0; j < MAXK; ++j) {
+                if (j < n) {
+                    const uint32_t l = __shfl_sync(FULL, my_l, j), r = __shfl_sync(FULL, src_row, j);
+                    v[j] = ep_ld_nc((const int4 *)(y + ((uint64_t)l * rows + r) * H) + c);
+                }
+            }
+            float acc[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+#pragma unroll
+            for (uint32_t j = 0; j < MAXK; ++j) {
+                const float w = __uint_as_float(__shfl_sync(FULL, my_w, j < n ? j : 0));
+                if (j < n) {
+                    const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[j];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        float2 f = __bfloat1622float2(h2[u]);
+                        acc[2 * u] = __fmaf_rn(f.x, w, acc[2 * u]);
+                        acc[2 * u + 1] = __fmaf_rn(f.y, w, acc[2 * u + 1]);
+                    }
+                }
+            }
+            int4 out;
+            __nv_bfloat162 *o2 = (__nv_bfloat162 *)&out;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) o2[u] = __floats2bfloat162_rn(acc[2 * u], acc[2 * u + 1]);
+            ((int4 *)dst)[c] = out;
+        }
+    }
+    stamp(a, 2);
+    if (!last_block((uint64_t *)a.counter)) return;
+    if (threadIdx.x == 0) {
+        for (uint32_t s = 0; s < R; ++s) {
+            if (masked(a, s)) continue;
+            ep_st_release(signal_of(a, s, ep_ll_combine_signal(R, a.half, a.rank)),
+                          ep_ll_encode(a.call, count[s]));
+        }
+    }
+    stamp(a, 3);
+}
+
+// The receive part on the token's rank s: wait for every unmasked expert rank, then
+// combined[t] = bf16(sum over d ascending of f32(partial_d)).
+__device__ void combine_recv(const Args &a) {
+    __shared__ uint32_t count[MAXR];
+    const ep_ll_layout ly = layout_of(a);
+    const uint32_t R = a.num_ranks, H = a.hidden, T = a.num_tokens;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    stamp(a, 4);
+    if (!wait_sources(a, EP_KERNEL_LL_COMBINE, a.half, true, count, (const int32_t *)a.send_counts)) return;
+    stamp(a, 5);
+    const uint8_t *mine = half_of(a, a.rank, a.half);
+    const int32_t *slots = (const int32_t *)a.slots;
+    const uint32_t n16 = H * 2 / 16;
+    for (uint32_t t = blockIdx.x * WARPS + warp; t < T; t += gridDim.x * WARPS) {
+        int32_t my_slot = lane < R && !masked(a, lane) ? __ldcg(&slots[t * R + lane]) : -1;
+        int4 *out = (int4 *)((uint8_t *)a.combined_x + (uint64_t)t * H * 2);
+        for (uint32_t c = lane; c < n16; c += 32) {
+            int4 v[MAXR];
+#pragma unroll
+            for (uint32_t d = 0; d < MAXR; ++d) {
+                const int32_t slot = __shfl_sync(FULL, my_slot, d);
+                if (d < R && slot >= 0) v[d] = ld_cg16(mine + ep_ll_crecv(ly, d, (uint32_t)slot) + 16ull * c);
+            }
+            float acc[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+#pragma unroll
+            for (uint32_t d = 0; d < MAXR; ++d) {
+                const int32_t slot = __shfl_sync(FULL, my_slot, d);
+                if (d < R && slot >= 0) {
+                    const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[d];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        float2 f = __bfloat1622float2(h2[u]);
+                        acc[2 * u] = __fadd_rn(acc[2 * u], f.x);
+                        acc[2 * u + 1] = __fadd_rn(acc[2 * u + 1], f.y);
+                    }
+                }
+            }
+            int4 o;
+            __nv_bfloat162 *o2 = (__nv_bfloat162 *)&o;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) o2[u] = __floats2bfloat162_rn(acc[2 * u], acc[2 * u + 1]);
+            out[c] = o;
+        }
+    }
+    stamp(a, 6);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_combine(const Args a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    if (masked(a, a.rank)) return;
+    if (a.flags & EP_FLAG_LL_SEND) combine_send(a, smem);
+    if (a.flags & EP_FLAG_LL_RECV) combine_recv(a);
+}

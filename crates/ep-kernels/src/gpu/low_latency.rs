@@ -1,0 +1,1132 @@
+//! Low-latency mode on one GPU with `R` co-resident ranks, variant (a): peers by pointer
+//! (docs/protocol.md §3, `cuda/low_latency.cu`). Each rank has its `ll.signals` and `ll.data`
+//! (laid out by `ep_core::protocol::layout::LlLayout`), its own stream, and its received-row
+//! outputs; nothing on the path synchronises with the host.
+//!
+//! Operations number from 0 per group (`op`); operation `m` uses half `m mod 2` of `ll.data` and
+//! of the group's output buffers, so a dispatch's outputs (views) stay valid until the next
+//! operation that uses the same half (with dispatch and combine alternating: the next dispatch).
+//!
+//! Output shapes (DeepEP's, flattened to 2-D views): `recv_x` `[L·R·N, H]` (expert `l`'s rows
+//! from `l·R·N`), FP8 scales in DeepEP's memory order `[L·S, R·N]` f32 (or `[L·S/4, R·N]` packed
+//! UE8M0 i32), `src_info` `[L, R·N]`, `layout_range` `[L, R]` i64, `count` `[1, L]` i32. Rows past
+//! an expert's count are not written.
+//!
+//! Weights travel with the dispatch (the meta records carry them, docs/protocol.md §3.2): the
+//! combine applies the dispatched weights.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use ep_core::protocol::layout::{LlLayout, REGION_ALIGN, ll_half, ll_signal_bytes};
+
+use super::abi::{self, ErrBlock, LlArgs, NormalArgs};
+use super::device::Device;
+use super::mem::DevBuf;
+use super::tensor::{DType, DevTensor};
+use crate::error::{Error, Result};
+
+/// Ranks a low-latency kernel can address.
+pub const MAX_RANKS: usize = abi::EP_GPU_MAX_RANKS as usize;
+/// Top-k the meta record holds.
+pub const MAX_TOPK: usize = ep_core::protocol::layout::LL_MAX_TOPK;
+const THREADS: u32 = abi::EP_GPU_THREADS as u32;
+const WARPS: u64 = abi::EP_GPU_THREADS / 32;
+
+/// The shape a group is built for (DeepEP's `Buffer` + `num_max_dispatch_tokens_per_rank`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlConfig {
+    /// Ranks `R`.
+    pub num_ranks: usize,
+    /// `N`: most tokens a rank dispatches per call.
+    pub num_max_dispatch_tokens_per_rank: usize,
+    /// Hidden size `H` (a multiple of 128).
+    pub hidden: usize,
+    /// Experts `E` (a multiple of `R`).
+    pub num_experts: usize,
+    /// Blocks (SMs) per rank's kernel; `R × num_sms ≤` the GPU's SMs.
+    pub num_sms: usize,
+}
+
+impl LlConfig {
+    /// Local experts `L`.
+    pub fn num_local_experts(&self) -> usize {
+        self.num_experts / self.num_ranks.max(1)
+    }
+
+    fn layout(&self) -> LlLayout {
+        LlLayout {
+            num_ranks: self.num_ranks,
+            num_local_experts: self.num_local_experts(),
+            hidden: self.hidden,
+            num_max_tokens: self.num_max_dispatch_tokens_per_rank,
+        }
+    }
+
+    /// Rows of each local expert's packed array (`R·N`).
+    pub fn rows_per_expert(&self) -> usize {
+        self.num_ranks * self.num_max_dispatch_tokens_per_rank
+    }
+}
+
+/// One rank's low-latency dispatch inputs, on the device.
+#[derive(Clone, Copy, Debug)]
+pub struct LlRankInputs<'a> {
+    /// `[T, H]` BF16, `T ≤ N`.
+    pub x: &'a DevTensor,
+    /// `[T, K]` i64 expert ids (`-1` masked).
+    pub topk_idx: &'a DevTensor,
+    /// `[T, K]` f32.
+    pub topk_weights: &'a DevTensor,
+}
+
+/// Options of a low-latency dispatch (spec §2.4).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LlDispatchArgs {
+    /// Cast rows to e4m3 with per-128 scales.
+    pub use_fp8: bool,
+    /// Round the scales to powers of two.
+    pub round_scale: bool,
+    /// Pack the (rounded) scales as UE8M0 bytes.
+    pub use_ue8m0: bool,
+    /// Launch only the send half; [`LlGroup::recv_hook`] runs the receive half.
+    pub return_recv_hook: bool,
+}
+
+/// What a combine needs from its dispatch.
+#[derive(Clone, Debug)]
+pub struct LlGpuHandle {
+    rank: usize,
+    op: u64,
+    generation: u64,
+    num_tokens: usize,
+}
+
+impl LlGpuHandle {
+    /// The dispatch's tokens on this rank.
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+}
+
+/// What one rank receives from a low-latency dispatch (views valid until the next operation on
+/// the same half, module docs).
+#[derive(Clone, Debug)]
+pub struct LlGpuDispatch {
+    /// `[L·R·N, H]` BF16 or e4m3.
+    pub recv_x: DevTensor,
+    /// FP8: `[L·S, R·N]` f32, or `[L·S/4, R·N]` i32 packed UE8M0 (DeepEP's memory order).
+    pub recv_x_scales: Option<DevTensor>,
+    /// `[L, R·N]` i32 source token of each row.
+    pub recv_src_info: DevTensor,
+    /// `[L, R]` i64 `(begin << 32) | count`.
+    pub recv_layout_range: DevTensor,
+    /// `[1, L]` i32 rows per local expert.
+    pub recv_count: DevTensor,
+    /// For the combine.
+    pub handle: LlGpuHandle,
+}
+
+/// Where a combine reads a rank's expert outputs `[L·R·N, H]` BF16.
+#[derive(Clone, Copy, Debug)]
+pub enum LlCombineInput<'a> {
+    /// The zero-copy region of the combine's half ([`LlGroup::next_combine_buffer`]).
+    ZeroCopy,
+    /// A caller tensor.
+    Tensor(&'a DevTensor),
+}
+
+/// What [`LlGroup::poison_for_test`] fills.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlPoison {
+    /// Before a dispatch: every rank's `ll.data` and dispatch outputs (both halves).
+    Dispatch,
+    /// Before a combine: every rank's combine outputs (both halves).
+    Combine,
+}
+
+/// Which receive halves a hook runs.
+#[derive(Clone, Debug)]
+enum Pending {
+    Dispatch(Vec<Option<LlArgs>>),
+    Combine(Vec<Option<LlArgs>>),
+}
+
+/// Per rank, per half: the outputs and handle arrays of the operation using that half.
+#[derive(Debug)]
+struct HalfBufs {
+    recv_x: Arc<DevBuf>,
+    recv_scales: Arc<DevBuf>,
+    src_info: Arc<DevBuf>,
+    layout_range: Arc<DevBuf>,
+    count: Arc<DevBuf>,
+    slots: Arc<DevBuf>,
+    send_counts: Arc<DevBuf>,
+    recv_counts: Arc<DevBuf>,
+    combined: Arc<DevBuf>,
+    /// What the half's last dispatch produced: `(op, tokens, format flags)`.
+    dispatch: Option<(u64, usize)>,
+}
+
+#[derive(Debug)]
+struct LlRank {
+    stream: Arc<CudaStream>,
+    signals: Arc<DevBuf>,
+    data: Arc<DevBuf>,
+    /// Two u64 completion counters (dispatch send, combine send).
+    counters: Arc<DevBuf>,
+    /// `int32[R]` shrink mask.
+    mask: Arc<DevBuf>,
+    /// `[L]` i32 cumulative received tokens, `[R]` u64 ns waited per source.
+    recv_stats: Arc<DevBuf>,
+    wait_stats: Arc<DevBuf>,
+    halves: [HalfBufs; 2],
+}
+
+/// Per-rank statistics (DeepEP's `cumulative_local_expert_recv_stats` and wait-time stats).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LlStats {
+    /// Tokens received per local expert, summed over dispatches since the last clear.
+    pub local_expert_recv: Vec<i32>,
+    /// Nanoseconds the receive halves waited for each source rank.
+    pub wait_ns: Vec<u64>,
+}
+
+/// `R` co-resident ranks on one GPU running low-latency mode (module docs).
+#[derive(Debug)]
+pub struct LlGroup {
+    dev: Arc<Device>,
+    cfg: LlConfig,
+    ranks: Vec<LlRank>,
+    call: u64,
+    op: u64,
+    generation: u64,
+    timeout: Duration,
+    poison: Option<String>,
+    pending: Option<Pending>,
+    mask: Vec<bool>,
+    absent: Option<usize>,
+    gate: Option<Arc<CudaStream>>,
+    smem_limit: usize,
+}
+
+/// Where each shared-memory array of a kernel starts, and the bytes needed.
+#[derive(Clone, Copy, Debug, Default)]
+struct Smem {
+    expert: u64,
+    pos: u64,
+    wcnt: u64,
+    tot: u64,
+    dmask: u64,
+    slot: u64,
+    begin: u64,
+    bytes: u64,
+}
+
+impl Smem {
+    /// The carve-out for `T` tokens with top-`K` (`cuda/low_latency.cu`, `SendSmem`).
+    fn new(cfg: &LlConfig, t: u64, k: u64) -> Self {
+        let (e, r, l) = (
+            cfg.num_experts as u64,
+            cfg.num_ranks as u64,
+            cfg.num_local_experts() as u64,
+        );
+        let mut at = 0u64;
+        let mut take = |bytes: u64| {
+            let off = at;
+            at = (at + bytes).div_ceil(16) * 16;
+            off
+        };
+        let mut s = Smem {
+            expert: take(2 * t * k),
+            pos: take(2 * t * k),
+            wcnt: take(2 * WARPS * e),
+            tot: take(4 * e),
+            dmask: take(t),
+            slot: take(2 * t * r),
+            begin: take(4 * r * l),
+            bytes: 0,
+        };
+        s.bytes = at;
+        s
+    }
+}
+
+fn launch_cfg(blocks: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+impl LlGroup {
+    /// `cfg.num_ranks` co-resident ranks with the arenas and outputs for `cfg`. Fails with a
+    /// typed error when the shape is outside what the kernels address or the ranks cannot all
+    /// be resident at once.
+    pub fn new(dev: Arc<Device>, cfg: LlConfig) -> Result<Self> {
+        let r = cfg.num_ranks;
+        if r == 0 || r > MAX_RANKS {
+            return Err(Error::Unsupported(format!(
+                "{r} ranks: the low-latency kernels address 1 to {MAX_RANKS} ranks"
+            )));
+        }
+        if cfg.num_experts == 0 || !cfg.num_experts.is_multiple_of(r) {
+            return Err(Error::Unsupported(format!(
+                "{} experts over {r} ranks: the experts must divide evenly (and be at least 1)",
+                cfg.num_experts
+            )));
+        }
+        if cfg.num_local_experts() > ep_core::protocol::layout::MAX_LOCAL_EXPERTS
+            || cfg.num_experts > i16::MAX as usize
+        {
+            return Err(Error::Unsupported(format!(
+                "{} experts ({} per rank): at most {} local experts and {} experts",
+                cfg.num_experts,
+                cfg.num_local_experts(),
+                ep_core::protocol::layout::MAX_LOCAL_EXPERTS,
+                i16::MAX
+            )));
+        }
+        if cfg.hidden == 0 || !cfg.hidden.is_multiple_of(128) {
+            return Err(Error::Unsupported(format!(
+                "hidden {}: low-latency rows are cast in blocks of 128 channels; use a multiple of 128",
+                cfg.hidden
+            )));
+        }
+        let n = cfg.num_max_dispatch_tokens_per_rank;
+        if n == 0 || n * MAX_TOPK >= u16::MAX as usize {
+            return Err(Error::Unsupported(format!(
+                "num_max_dispatch_tokens_per_rank {n}: use 1 to {} (slots and rows are 16-bit)",
+                (u16::MAX as usize - 1) / MAX_TOPK
+            )));
+        }
+        if cfg.num_sms == 0 || r * cfg.num_sms > dev.num_sms() {
+            return Err(Error::NotEnoughSms {
+                ranks: r,
+                sms_per_rank: cfg.num_sms,
+                device_sms: dev.num_sms(),
+            });
+        }
+        let smem = Smem::new(&cfg, n as u64, MAX_TOPK as u64);
+        let smem_limit = dev.max_dynamic_smem();
+        if smem.bytes as usize > smem_limit {
+            return Err(Error::Unsupported(format!(
+                "{n} tokens x top-{MAX_TOPK} over {} experts need {} bytes of shared memory per block; the GPU allows {smem_limit}: fewer tokens per call or experts",
+                cfg.num_experts, smem.bytes
+            )));
+        }
+        for f in [&dev.ll.dispatch, &dev.ll.combine] {
+            dev.set_max_dynamic_smem(f, smem.bytes as usize)?;
+        }
+        let ly = cfg.layout();
+        let ctx = dev.context().clone();
+        let (l, rows, h) = (cfg.num_local_experts(), cfg.rows_per_expert(), cfg.hidden);
+        let s = h / 128;
+        let mut ranks = Vec::with_capacity(r);
+        for _ in 0..r {
+            let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
+            let signals = Arc::new(DevBuf::zeroed(&ctx, ll_signal_bytes(r) as usize)?);
+            let data = Arc::new(DevBuf::new(&ctx, (2 * ly.half_bytes()) as usize)?);
+            debug_assert!(data.ptr() % REGION_ALIGN == 0);
+            let half = || -> Result<HalfBufs> {
+                Ok(HalfBufs {
+                    recv_x: Arc::new(DevBuf::new(&ctx, l * rows * h * 2)?),
+                    recv_scales: Arc::new(DevBuf::new(&ctx, l * s * rows * 4)?),
+                    src_info: Arc::new(DevBuf::new(&ctx, l * rows * 4)?),
+                    layout_range: Arc::new(DevBuf::new(&ctx, l * r * 8)?),
+                    count: Arc::new(DevBuf::new(&ctx, l * 4)?),
+                    slots: Arc::new(DevBuf::new(&ctx, n * r * 4)?),
+                    send_counts: Arc::new(DevBuf::new(&ctx, r * 4)?),
+                    recv_counts: Arc::new(DevBuf::new(&ctx, r * 4)?),
+                    combined: Arc::new(DevBuf::new(&ctx, n * h * 2)?),
+                    dispatch: None,
+                })
+            };
+            ranks.push(LlRank {
+                stream,
+                signals,
+                data,
+                counters: Arc::new(DevBuf::zeroed(&ctx, 16)?),
+                mask: Arc::new(DevBuf::zeroed(&ctx, 4 * r)?),
+                recv_stats: Arc::new(DevBuf::zeroed(&ctx, 4 * l)?),
+                wait_stats: Arc::new(DevBuf::zeroed(&ctx, 8 * r)?),
+                halves: [half()?, half()?],
+            });
+        }
+        Ok(Self {
+            dev,
+            cfg,
+            ranks,
+            call: 0,
+            op: 0,
+            generation: 0,
+            timeout: Duration::from_secs(10),
+            poison: None,
+            pending: None,
+            mask: vec![false; r],
+            absent: None,
+            gate: None,
+            smem_limit,
+        })
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &LlConfig {
+        &self.cfg
+    }
+
+    /// Ranks of the group.
+    pub fn num_ranks(&self) -> usize {
+        self.cfg.num_ranks
+    }
+
+    /// Rank `r`'s stream (its kernels run there, in call order).
+    pub fn stream(&self, r: usize) -> &Arc<CudaStream> {
+        &self.ranks[r].stream
+    }
+
+    /// The bound of every device wait (default 10 s).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// Test hook: `Some(r)` stops launching rank `r`'s kernels (a rank that never arrives).
+    #[doc(hidden)]
+    pub fn set_absent_rank_for_test(&mut self, rank: Option<usize>) {
+        self.absent = rank;
+    }
+
+    /// Test support: fills buffers with `byte` (synchronously) so that anything the kernels
+    /// failed to write shows.
+    #[doc(hidden)]
+    pub fn poison_for_test(&mut self, what: LlPoison, byte: u8) -> Result<()> {
+        self.sync_streams()?;
+        for r in &self.ranks {
+            let mut bufs: Vec<&Arc<DevBuf>> = Vec::new();
+            for h in &r.halves {
+                match what {
+                    LlPoison::Dispatch => bufs.extend([
+                        &h.recv_x,
+                        &h.recv_scales,
+                        &h.src_info,
+                        &h.layout_range,
+                        &h.count,
+                    ]),
+                    LlPoison::Combine => bufs.push(&h.combined),
+                }
+            }
+            if what == LlPoison::Dispatch {
+                bufs.push(&r.data);
+            }
+            for b in bufs {
+                b.memset_async(&r.stream, byte, 0, b.len())?;
+            }
+        }
+        self.sync_streams()
+    }
+
+    fn check_ready(&mut self) -> Result<()> {
+        if let Some(cause) = &self.poison {
+            return Err(Error::Poisoned {
+                cause: cause.clone(),
+            });
+        }
+        let e = self.dev.err.read();
+        if e.status == 0 {
+            return Ok(());
+        }
+        self.sync_streams()?;
+        let e = self.dev.err.read();
+        let err = self.decode(&e);
+        if e.status == abi::EP_ERR_EXPERT {
+            self.dev.err.write(ErrBlock::default());
+        } else {
+            self.poison = Some(err.to_string());
+        }
+        Err(err)
+    }
+
+    fn sync_streams(&self) -> Result<()> {
+        for r in &self.ranks {
+            r.stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        }
+        Ok(())
+    }
+
+    fn decode(&self, e: &ErrBlock) -> Error {
+        let kernel = match e.kernel {
+            abi::EP_KERNEL_LL_DISPATCH => "low-latency dispatch",
+            abi::EP_KERNEL_LL_COMBINE => "low-latency combine",
+            _ => "?",
+        };
+        let word = |off: u64| signal_name(self.num_ranks() as u64, off);
+        match e.status {
+            abi::EP_ERR_TIMEOUT => {
+                let (name, writer) = word(e.word_offset);
+                Error::DeviceWaitTimeout {
+                    rank: e.rank as usize,
+                    kernel,
+                    block: e.block as usize,
+                    word: name,
+                    writer,
+                    expected: e.expected,
+                    last_seen: e.last_seen,
+                    timeout: self.timeout,
+                }
+            }
+            abi::EP_ERR_EXPERT => Error::ExpertOutOfRange {
+                rank: e.rank as usize,
+                index: e.detail,
+                expert: e.last_seen as i64,
+            },
+            abi::EP_ERR_EPOCH | abi::EP_ERR_COUNT => Error::Unsupported(format!(
+                "rank {} ({kernel}): signal {} from rank {} holds {:#x}, expected {} {:#x}: \
+                 the ranks' calls are out of step (a rank skipped or repeated a call); reset() every rank",
+                e.rank,
+                word(e.word_offset).0,
+                e.detail,
+                e.last_seen,
+                if e.status == abi::EP_ERR_EPOCH {
+                    "epoch of"
+                } else {
+                    "count"
+                },
+                e.expected
+            )),
+            s => Error::Unsupported(format!("unknown device error status {s}")),
+        }
+    }
+
+    /// Waits for every rank's stream and reports any device error.
+    pub fn sync(&mut self) -> Result<()> {
+        if let Some(cause) = &self.poison {
+            return Err(Error::Poisoned {
+                cause: cause.clone(),
+            });
+        }
+        self.sync_streams()?;
+        self.check_ready()
+    }
+
+    /// Collective reset after a failure (docs/protocol.md §7.2): waits for every rank, zeroes
+    /// the signals and completion counters, clears the error record and any pending hook;
+    /// earlier handles become invalid.
+    pub fn reset(&mut self) -> Result<()> {
+        self.sync_streams()?;
+        for r in &self.ranks {
+            r.signals.memset_async(&r.stream, 0, 0, r.signals.len())?;
+            r.counters.memset_async(&r.stream, 0, 0, r.counters.len())?;
+        }
+        self.sync_streams()?;
+        self.dev.err.write(ErrBlock::default());
+        self.poison = None;
+        self.pending = None;
+        self.generation += 1;
+        for r in &mut self.ranks {
+            for h in &mut r.halves {
+                h.dispatch = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// `clean_low_latency_buffer` (docs/protocol.md §3.7): zeroes every rank's signal words of
+    /// both halves, then waits for all ranks (the barrier).
+    pub fn clean(&mut self) -> Result<()> {
+        self.check_ready()?;
+        if self.pending.is_some() {
+            return Err(hook_pending());
+        }
+        for r in &self.ranks {
+            r.signals.memset_async(&r.stream, 0, 0, r.signals.len())?;
+        }
+        self.sync_streams()
+    }
+
+    /// `low_latency_update_mask_buffer(rank, mask)`: masks (or unmasks) `rank` for the
+    /// following calls of every rank (spec §2.7).
+    pub fn update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        if rank >= self.num_ranks() {
+            return Err(Error::RankOutOfRange {
+                rank,
+                num_ranks: self.num_ranks(),
+            });
+        }
+        self.mask[rank] = masked;
+        self.write_mask()
+    }
+
+    /// `low_latency_query_mask_buffer`: which ranks are masked.
+    pub fn query_mask(&self) -> Vec<bool> {
+        self.mask.clone()
+    }
+
+    /// `low_latency_clean_mask_buffer`: unmasks every rank.
+    pub fn clean_mask(&mut self) -> Result<()> {
+        self.mask.iter_mut().for_each(|m| *m = false);
+        self.write_mask()
+    }
+
+    fn write_mask(&mut self) -> Result<()> {
+        self.sync_streams()?;
+        let bytes: Vec<u8> = self
+            .mask
+            .iter()
+            .flat_map(|&m| i32::from(m).to_le_bytes())
+            .collect();
+        for r in &self.ranks {
+            r.mask.write(0, &bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Per-rank statistics since the last [`LlGroup::clear_stats`] (synchronises).
+    pub fn stats(&mut self) -> Result<Vec<LlStats>> {
+        self.sync()?;
+        self.ranks
+            .iter()
+            .map(|r| {
+                let mut recv = vec![0u8; r.recv_stats.len()];
+                r.recv_stats.read(0, &mut recv)?;
+                let mut wait = vec![0u8; r.wait_stats.len()];
+                r.wait_stats.read(0, &mut wait)?;
+                Ok(LlStats {
+                    local_expert_recv: recv
+                        .chunks_exact(4)
+                        .map(|c| i32::from_le_bytes(c.try_into().unwrap_or_default()))
+                        .collect(),
+                    wait_ns: wait
+                        .chunks_exact(8)
+                        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                        .collect(),
+                })
+            })
+            .collect()
+    }
+
+    /// Zeroes the statistics.
+    pub fn clear_stats(&mut self) -> Result<()> {
+        for r in &self.ranks {
+            r.recv_stats
+                .memset_async(&r.stream, 0, 0, r.recv_stats.len())?;
+            r.wait_stats
+                .memset_async(&r.stream, 0, 0, r.wait_stats.len())?;
+        }
+        self.sync_streams()
+    }
+
+    /// `get_next_low_latency_combine_buffer`: rank `r`'s zero-copy expert-output region for the
+    /// next operation, `[L·R·N, H]` BF16 (write the expert outputs there, then combine with
+    /// [`LlCombineInput::ZeroCopy`]).
+    pub fn next_combine_buffer(&self, r: usize) -> Result<DevTensor> {
+        let rank = self.ranks.get(r).ok_or(Error::RankOutOfRange {
+            rank: r,
+            num_ranks: self.num_ranks(),
+        })?;
+        let ly = self.cfg.layout();
+        let off = ly.half_base(ll_half(self.op)) + ly.cy(0, 0);
+        Ok(DevTensor::contiguous(
+            rank.data.clone(),
+            off,
+            DType::Bf16,
+            self.cfg.num_local_experts() * self.cfg.rows_per_expert(),
+            self.cfg.hidden,
+        ))
+    }
+
+    fn base_args(&self, rank: usize, half: u64) -> LlArgs {
+        let cfg = &self.cfg;
+        let mut a = LlArgs {
+            rank: rank as u64,
+            num_ranks: cfg.num_ranks as u64,
+            num_experts: cfg.num_experts as u64,
+            num_local_experts: cfg.num_local_experts() as u64,
+            hidden: cfg.hidden as u64,
+            num_max_tokens: cfg.num_max_dispatch_tokens_per_rank as u64,
+            call: self.call,
+            half,
+            mask: self.ranks[rank].mask.ptr(),
+            recv_stats: self.ranks[rank].recv_stats.ptr(),
+            wait_stats: self.ranks[rank].wait_stats.ptr(),
+            err: self.dev.err.dev_ptr(),
+            timeout_ns: self.timeout.as_nanos().min(u128::from(u64::MAX)) as u64,
+            ..LlArgs::default()
+        };
+        for (d, r) in self.ranks.iter().enumerate() {
+            a.peer_signals[d] = r.signals.ptr();
+            a.peer_data[d] = r.data.ptr();
+        }
+        a
+    }
+
+    fn launch(&self, rank: usize, f: &CudaFunction, args: &LlArgs) -> Result<()> {
+        if self.absent == Some(rank) || self.mask[rank] {
+            return Ok(());
+        }
+        let smem = Smem::new(&self.cfg, args.num_tokens, args.num_topk.max(1));
+        debug_assert!(smem.bytes as usize <= self.smem_limit);
+        let mut b = self.ranks[rank].stream.launch_builder(f);
+        b.arg(args);
+        // SAFETY: the kernel takes one `ep_ll_args` by value (generated from the same table as
+        // `LlArgs`); every address in it is a live allocation of this group or a tensor whose
+        // shape, dtype and device the caller of `launch` checked, kept alive by the caller until
+        // the stream passes the kernel; the dynamic shared memory matches the offsets in `args`
+        // and is within the function's limit (set in `new`).
+        unsafe { b.launch(launch_cfg(self.cfg.num_sms as u32, smem.bytes as u32)) }
+            .map(|_| ())
+            .map_err(Error::cuda("cuLaunchKernel"))
+    }
+
+    fn with_smem(&self, mut a: LlArgs) -> LlArgs {
+        let s = Smem::new(&self.cfg, a.num_tokens, a.num_topk.max(1));
+        a.sm_expert = s.expert;
+        a.sm_pos = s.pos;
+        a.sm_wcnt = s.wcnt;
+        a.sm_tot = s.tot;
+        a.sm_dmask = s.dmask;
+        a.sm_slot = s.slot;
+        a.sm_begin = s.begin;
+        a
+    }
+
+    fn check_dispatch_inputs(&self, inputs: &[LlRankInputs<'_>]) -> Result<usize> {
+        let (r, h, n) = (
+            self.num_ranks(),
+            self.cfg.hidden,
+            self.cfg.num_max_dispatch_tokens_per_rank,
+        );
+        if inputs.len() != r {
+            return Err(Error::RankCountMismatch {
+                expected: r,
+                found: inputs.len(),
+            });
+        }
+        let mut k_all = None;
+        for (s, i) in inputs.iter().enumerate() {
+            let what = |m: &str| format!("{m} of rank {s}");
+            i.x.expect(&what("x"), DType::Bf16, None, Some(h))?;
+            let t = i.x.rows();
+            if t > n {
+                return Err(Error::Unsupported(format!(
+                    "rank {s} dispatches {t} tokens; the group holds at most {n} (num_max_dispatch_tokens_per_rank)"
+                )));
+            }
+            i.topk_idx
+                .expect(&what("topk_idx"), DType::I64, Some(t), None)?;
+            let k = i.topk_idx.cols();
+            if k == 0 || k > MAX_TOPK {
+                return Err(Error::Unsupported(format!(
+                    "topk_idx of rank {s}: {k} columns; low-latency mode takes 1 to {MAX_TOPK}"
+                )));
+            }
+            if *k_all.get_or_insert(k) != k {
+                return Err(Error::TensorMismatch {
+                    what: what("topk_idx"),
+                    expected: format!("{} columns like rank 0", k_all.unwrap_or(k)),
+                    found: format!("{k} columns"),
+                });
+            }
+            i.topk_weights
+                .expect(&what("topk_weights"), DType::F32, Some(t), Some(k))?;
+            for (name, tensor) in [
+                ("x", i.x),
+                ("topk_idx", i.topk_idx),
+                ("topk_weights", i.topk_weights),
+            ] {
+                if !tensor.is_contiguous() {
+                    return Err(Error::Unsupported(format!(
+                        "{}: rows must be contiguous",
+                        what(name)
+                    )));
+                }
+                if tensor.device() != self.dev.ordinal() {
+                    return Err(Error::WrongDevice {
+                        rank: s,
+                        expected: self.dev.ordinal(),
+                        found: tensor.device(),
+                    });
+                }
+            }
+        }
+        Ok(k_all.unwrap_or(1))
+    }
+
+    fn start_op(&mut self) -> Result<(u64, u64)> {
+        self.check_ready()?;
+        if self.pending.is_some() {
+            return Err(hook_pending());
+        }
+        self.call += 1;
+        let op = self.op;
+        self.op += 1;
+        Ok((op, ll_half(op)))
+    }
+
+    /// Low-latency dispatch of every rank (spec §2.4, docs/protocol.md §3.3–3.4). With
+    /// `return_recv_hook` only the send halves are launched; [`LlGroup::recv_hook`] launches
+    /// the receive halves, and the outputs are valid once it has run.
+    pub fn dispatch(
+        &mut self,
+        inputs: &[LlRankInputs<'_>],
+        args: &LlDispatchArgs,
+    ) -> Result<Vec<LlGpuDispatch>> {
+        let k = self.check_dispatch_inputs(inputs)?;
+        if args.use_ue8m0 && !args.round_scale {
+            return Err(Error::Unsupported(
+                "use_ue8m0 needs round_scale (UE8M0 holds powers of two only)".into(),
+            ));
+        }
+        if !args.use_fp8 && (args.round_scale || args.use_ue8m0) {
+            return Err(Error::Unsupported(
+                "round_scale / use_ue8m0 apply to FP8 dispatch: set use_fp8".into(),
+            ));
+        }
+        let (op, half) = self.start_op()?;
+        let mut flags = 0;
+        if args.use_fp8 {
+            flags |= abi::EP_FLAG_FP8;
+        }
+        if args.round_scale {
+            flags |= abi::EP_FLAG_ROUND_SCALE;
+        }
+        if args.use_ue8m0 {
+            flags |= abi::EP_FLAG_UE8M0;
+        }
+        let cfg = self.cfg;
+        let (l, rows, h, r) = (
+            cfg.num_local_experts(),
+            cfg.rows_per_expert(),
+            cfg.hidden,
+            cfg.num_ranks,
+        );
+        let s_count = h / 128;
+        let mut recv_args = Vec::with_capacity(r);
+        let mut out = Vec::with_capacity(r);
+        for (s, inp) in inputs.iter().enumerate() {
+            let hb = &self.ranks[s].halves[half as usize];
+            let mut a = self.base_args(s, half);
+            a.num_tokens = inp.x.rows() as u64;
+            a.num_topk = k as u64;
+            a.flags = flags;
+            a.x = inp.x.ptr();
+            a.topk_idx = inp.topk_idx.ptr();
+            a.topk_weights = inp.topk_weights.ptr();
+            a.counter = self.ranks[s].counters.ptr();
+            a.slots = hb.slots.ptr();
+            a.send_counts = hb.send_counts.ptr();
+            a.recv_counts = hb.recv_counts.ptr();
+            a.recv_x = hb.recv_x.ptr();
+            a.recv_scales = hb.recv_scales.ptr();
+            a.recv_src_info = hb.src_info.ptr();
+            a.recv_layout_range = hb.layout_range.ptr();
+            a.recv_count = hb.count.ptr();
+            let a = self.with_smem(a);
+            let elem = if args.use_fp8 {
+                DType::F8E4M3
+            } else {
+                DType::Bf16
+            };
+            let scales = args.use_fp8.then(|| {
+                if args.use_ue8m0 {
+                    DevTensor::contiguous(
+                        hb.recv_scales.clone(),
+                        0,
+                        DType::I32,
+                        l * s_count.div_ceil(4),
+                        rows,
+                    )
+                } else {
+                    DevTensor::contiguous(hb.recv_scales.clone(), 0, DType::F32, l * s_count, rows)
+                }
+            });
+            out.push(LlGpuDispatch {
+                recv_x: DevTensor::contiguous(hb.recv_x.clone(), 0, elem, l * rows, h),
+                recv_x_scales: scales,
+                recv_src_info: DevTensor::contiguous(hb.src_info.clone(), 0, DType::I32, l, rows),
+                recv_layout_range: DevTensor::contiguous(
+                    hb.layout_range.clone(),
+                    0,
+                    DType::I64,
+                    l,
+                    r,
+                ),
+                recv_count: DevTensor::contiguous(hb.count.clone(), 0, DType::I32, 1, l),
+                handle: LlGpuHandle {
+                    rank: s,
+                    op,
+                    generation: self.generation,
+                    num_tokens: inp.x.rows(),
+                },
+            });
+            recv_args.push(a);
+        }
+        for (s, a) in recv_args.iter().enumerate() {
+            let mut send = *a;
+            send.flags |= abi::EP_FLAG_LL_SEND;
+            if !args.return_recv_hook {
+                send.flags |= abi::EP_FLAG_LL_RECV;
+            }
+            self.launch(s, &self.dev.ll.dispatch, &send)?;
+        }
+        for (s, o) in out.iter().enumerate() {
+            self.ranks[s].halves[half as usize].dispatch = Some((op, o.handle.num_tokens));
+        }
+        if args.return_recv_hook {
+            self.pending = Some(Pending::Dispatch(recv_args.into_iter().map(Some).collect()));
+        }
+        Ok(out)
+    }
+
+    /// Runs the pending receive halves (the hook of the last send with `return_recv_hook`).
+    pub fn recv_hook(&mut self) -> Result<()> {
+        self.check_ready()?;
+        let Some(p) = self.pending.take() else {
+            return Err(Error::Unsupported(
+                "no low-latency send is waiting for its receive hook".into(),
+            ));
+        };
+        let (f, list) = match &p {
+            Pending::Dispatch(l) => (&self.dev.ll.dispatch, l),
+            Pending::Combine(l) => (&self.dev.ll.combine, l),
+        };
+        for (s, a) in list.iter().enumerate() {
+            if let Some(a) = a {
+                let mut recv = *a;
+                recv.flags |= abi::EP_FLAG_LL_RECV;
+                self.launch(s, f, &recv)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a receive hook is pending.
+    pub fn hook_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Low-latency combine of every rank (spec §2.5, docs/protocol.md §3.5–3.6): `handles[r]`
+    /// from rank `r`'s dispatch, `inputs[r]` its expert outputs. Returns each rank's
+    /// `[T, H]` BF16 `combined_x`, a view valid until the next operation on the same half.
+    pub fn combine(
+        &mut self,
+        handles: &[&LlGpuHandle],
+        inputs: &[LlCombineInput<'_>],
+        return_recv_hook: bool,
+    ) -> Result<Vec<DevTensor>> {
+        let r = self.num_ranks();
+        for found in [handles.len(), inputs.len()] {
+            if found != r {
+                return Err(Error::RankCountMismatch { expected: r, found });
+            }
+        }
+        let (rows_all, h) = (
+            self.cfg.num_local_experts() * self.cfg.rows_per_expert(),
+            self.cfg.hidden,
+        );
+        for (s, (hd, inp)) in handles.iter().zip(inputs).enumerate() {
+            let dhalf = ll_half(hd.op) as usize;
+            let live = self.ranks[s].halves[dhalf].dispatch;
+            if hd.rank != s || hd.generation != self.generation || live.map(|d| d.0) != Some(hd.op)
+            {
+                return Err(Error::Unsupported(format!(
+                    "handle {} for rank {s}: it is not the latest dispatch of that rank on its half \
+                     (a later operation or reset() reused its buffers); combine right after its dispatch",
+                    hd.rank
+                )));
+            }
+            if let LlCombineInput::Tensor(t) = inp {
+                t.expect(
+                    &format!("expert outputs of rank {s}"),
+                    DType::Bf16,
+                    Some(rows_all),
+                    Some(h),
+                )?;
+                if !t.is_contiguous() {
+                    return Err(Error::Unsupported(format!(
+                        "expert outputs of rank {s}: rows must be contiguous"
+                    )));
+                }
+                if t.device() != self.dev.ordinal() {
+                    return Err(Error::WrongDevice {
+                        rank: s,
+                        expected: self.dev.ordinal(),
+                        found: t.device(),
+                    });
+                }
+            }
+        }
+        let zero_copy: Vec<DevTensor> = (0..r)
+            .map(|s| self.next_combine_buffer(s))
+            .collect::<Result<_>>()?;
+        let (_, half) = self.start_op()?;
+        let mut recv_args = Vec::with_capacity(r);
+        let mut out = Vec::with_capacity(r);
+        for (s, (hd, inp)) in handles.iter().zip(inputs).enumerate() {
+            let dhalf = ll_half(hd.op);
+            let db = &self.ranks[s].halves[dhalf as usize];
+            let cb = &self.ranks[s].halves[half as usize];
+            let mut a = self.base_args(s, half);
+            a.num_tokens = hd.num_tokens as u64;
+            a.num_topk = 1;
+            a.disp_half = dhalf;
+            a.counter = self.ranks[s].counters.ptr() + 8;
+            a.slots = db.slots.ptr();
+            a.send_counts = db.send_counts.ptr();
+            a.recv_counts = db.recv_counts.ptr();
+            a.recv_layout_range = db.layout_range.ptr();
+            a.combine_y = match inp {
+                LlCombineInput::ZeroCopy => zero_copy[s].ptr(),
+                LlCombineInput::Tensor(t) => t.ptr(),
+            };
+            a.combined_x = cb.combined.ptr();
+            let a = self.with_smem(a);
+            out.push(DevTensor::contiguous(
+                cb.combined.clone(),
+                0,
+                DType::Bf16,
+                hd.num_tokens,
+                h,
+            ));
+            recv_args.push(a);
+        }
+        for (s, a) in recv_args.iter().enumerate() {
+            let mut send = *a;
+            send.flags |= abi::EP_FLAG_LL_SEND;
+            if !return_recv_hook {
+                send.flags |= abi::EP_FLAG_LL_RECV;
+            }
+            self.launch(s, &self.dev.ll.combine, &send)?;
+        }
+        if return_recv_hook {
+            self.pending = Some(Pending::Combine(recv_args.into_iter().map(Some).collect()));
+        }
+        Ok(out)
+    }
+
+    /// Runs `f`, which enqueues work on every rank's stream, with every rank released at once
+    /// behind a gate, and returns each rank's device time (seconds, CUDA events).
+    pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
+        if self.gate.is_none() {
+            let g = self
+                .dev
+                .context()
+                .new_stream()
+                .map_err(Error::cuda("cuStreamCreate"))?;
+            self.gate = Some(g);
+        }
+        let gate = self.gate.clone().ok_or(Error::Unsupported("gate".into()))?;
+        let spin = NormalArgs {
+            timeout_ns: 200_000,
+            ..NormalArgs::default()
+        };
+        let mut b = gate.launch_builder(&self.dev.normal.spin);
+        b.arg(&spin);
+        // SAFETY: ep_spin reads only its argument and the clock.
+        unsafe { b.launch(launch_cfg(1, 0)) }.map_err(Error::cuda("cuLaunchKernel(ep_spin)"))?;
+        let open = gate
+            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(Error::cuda("cuEventRecord"))?;
+        let mut starts = Vec::with_capacity(self.num_ranks());
+        for r in &self.ranks {
+            r.stream
+                .wait(&open)
+                .map_err(Error::cuda("cuStreamWaitEvent"))?;
+            starts.push(
+                r.stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(Error::cuda("cuEventRecord"))?,
+            );
+        }
+        let out = f(self)?;
+        let mut ends = Vec::with_capacity(self.num_ranks());
+        for r in &self.ranks {
+            ends.push(
+                r.stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(Error::cuda("cuEventRecord"))?,
+            );
+        }
+        self.sync()?;
+        let mut secs = Vec::with_capacity(ends.len());
+        for (s, e) in starts.iter().zip(&ends) {
+            secs.push(
+                f64::from(s.elapsed_ms(e).map_err(Error::cuda("cuEventElapsedTime"))?) * 1e-3,
+            );
+        }
+        Ok((out, secs))
+    }
+}
+
+fn hook_pending() -> Error {
+    Error::Unsupported(
+        "a low-latency receive hook is pending: call recv_hook() before the next low-latency \
+         operation (docs/protocol.md §3.7)"
+            .into(),
+    )
+}
+
+/// The name of the signal word at `off` in `ll.signals` and the rank that writes it.
+fn signal_name(r: u64, off: u64) -> (String, Option<usize>) {
+    let stride = ep_core::protocol::layout::WORD_STRIDE;
+    let w = off / stride;
+    let (half, rest) = (w / (2 * r), w % (2 * r));
+    if half > 1 {
+        return (format!("ll.signals+{off}"), None);
+    }
+    if rest < r {
+        (format!("disp_sig[{half}][{rest}]"), Some(rest as usize))
+    } else {
+        (
+            format!("comb_sig[{half}][{}]", rest - r),
+            Some((rest - r) as usize),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signal_words_are_named_with_their_writer() {
+        let r = 4u64;
+        let s = ep_core::protocol::layout::WORD_STRIDE;
+        assert_eq!(signal_name(r, 0), ("disp_sig[0][0]".into(), Some(0)));
+        assert_eq!(signal_name(r, 3 * s), ("disp_sig[0][3]".into(), Some(3)));
+        assert_eq!(signal_name(r, 5 * s), ("comb_sig[0][1]".into(), Some(1)));
+        assert_eq!(signal_name(r, 9 * s), ("disp_sig[1][1]".into(), Some(1)));
+        assert_eq!(signal_name(r, 15 * s), ("comb_sig[1][3]".into(), Some(3)));
+    }
+
+    #[test]
+    fn shared_memory_arrays_do_not_overlap() {
+        let cfg = LlConfig {
+            num_ranks: 8,
+            num_max_dispatch_tokens_per_rank: 1024,
+            hidden: 7168,
+            num_experts: 288,
+            num_sms: 16,
+        };
+        let s = Smem::new(&cfg, 1000, 11);
+        let spans = [
+            (s.expert, 2 * 1000 * 11),
+            (s.pos, 2 * 1000 * 11),
+            (s.wcnt, 2 * WARPS * 288),
+            (s.tot, 4 * 288),
+            (s.dmask, 1000),
+            (s.slot, 2 * 1000 * 8),
+            (s.begin, 4 * 8 * 36),
+        ];
+        for w in spans.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{spans:?}");
+            assert_eq!(w[1].0 % 16, 0);
+        }
+        let last = spans[spans.len() - 1];
+        assert!(last.0 + last.1 <= s.bytes);
+    }
+}

@@ -1,0 +1,582 @@
+//! Low-latency mode on the GPU (variant (a), co-resident ranks) against the plan
+//! (`ep_core::plan::low_latency`, itself checked against the oracle): counts, layout ranges,
+//! `src_info`, every received row and scale bit for bit (BF16, FP8, rounded scales, UE8M0),
+//! combine bit for bit with ep-rs's reduction order (BF16 partials reduced on the expert's rank),
+//! hook halves, zero-copy combine, a masked rank, many back-to-back rounds with fresh routings,
+//! an absent rank (typed timeout, reset recovers), bad inputs. Outputs are poisoned before each
+//! call; activations span a wide range of binades.
+//!
+//! These tests need a GPU: they are `#[ignore]`d, and `scripts/gpu-run.sh` runs them with
+//! `--include-ignored` on the GPU machine. Without a GPU they fail (they never pass unrun).
+
+#![allow(clippy::needless_range_loop, reason = "rows are compared by index across three layouts")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ep_core::plan::low_latency::{
+    LlDispatchOutput, LlHandle, LlParams, LlRecvX, PartialPrecision,
+    combine_reduced_on_expert_rank, dispatch as plan_dispatch,
+};
+use ep_core::routing::{Activations, RankInputs};
+use ep_core::tensor::Tensor2;
+use ep_core::workload::{Routing, WorkloadSpec};
+use ep_kernels::Error;
+use ep_kernels::gpu::{
+    DType, DevTensor, Device, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup,
+    LlPoison, LlRankInputs,
+};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn device() -> Arc<Device> {
+    Device::open(0).expect("these tests need a GPU (run them with scripts/gpu-run.sh)")
+}
+
+/// A finite BF16 value from 2^-30 to 2^30 in magnitude, or a signed zero.
+fn wide_bf16(rng: &mut ChaCha8Rng) -> bf16 {
+    match rng.random_range(0..16) {
+        0 => bf16::ZERO,
+        1 => bf16::NEG_ZERO,
+        _ => {
+            let e: i32 = rng.random_range(-30..=30);
+            let m: f32 = 1.0 + rng.random_range(0..128) as f32 / 128.0;
+            let s = if rng.random_bool(0.5) { -1.0 } else { 1.0 };
+            bf16::from_f32(s * m * 2f32.powi(e))
+        }
+    }
+}
+
+fn wide_tensor(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Tensor2<bf16> {
+    Tensor2::from_fn(rows, cols, |_, _| wide_bf16(rng))
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    ranks: usize,
+    tokens: usize,
+    max_tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    fp8: Option<(bool, bool)>,
+    masked_entries: usize,
+    routing: Routing,
+    sms: usize,
+    hook: bool,
+    zero_copy: bool,
+    seed: u64,
+}
+
+impl Case {
+    fn new(ranks: usize, tokens: usize, hidden: usize, topk: usize, experts: usize) -> Self {
+        Self {
+            ranks,
+            tokens,
+            max_tokens: tokens,
+            hidden,
+            topk,
+            experts,
+            fp8: None,
+            masked_entries: tokens / 5,
+            routing: Routing::Uniform,
+            sms: 16,
+            hook: false,
+            zero_copy: false,
+            seed: 1,
+        }
+    }
+
+    fn params(&self, masked: &[bool]) -> LlParams {
+        let p = LlParams::new(self.max_tokens, self.experts);
+        let p = match self.fp8 {
+            Some((round, ue8m0)) => p.with_fp8(round, ue8m0),
+            None => p,
+        };
+        if masked.iter().any(|&m| m) {
+            p.with_masked_ranks(masked.to_vec())
+        } else {
+            p
+        }
+    }
+
+    fn args(&self) -> LlDispatchArgs {
+        LlDispatchArgs {
+            use_fp8: self.fp8.is_some(),
+            round_scale: self.fp8.is_some_and(|f| f.0),
+            use_ue8m0: self.fp8.is_some_and(|f| f.1),
+            return_recv_hook: self.hook,
+        }
+    }
+
+    fn config(&self) -> LlConfig {
+        LlConfig {
+            num_ranks: self.ranks,
+            num_max_dispatch_tokens_per_rank: self.max_tokens,
+            hidden: self.hidden,
+            num_experts: self.experts,
+            num_sms: self.sms,
+        }
+    }
+}
+
+fn inputs_of(case: &Case) -> Vec<RankInputs> {
+    let mut spec = WorkloadSpec::new(
+        case.ranks,
+        case.tokens,
+        case.hidden,
+        case.topk,
+        case.experts,
+        case.seed,
+    );
+    spec.masked_per_rank = case.masked_entries.min(case.tokens * case.topk);
+    spec.routing = case.routing;
+    let mut inputs = spec.generate().expect("workload");
+    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0x11);
+    for inp in &mut inputs {
+        inp.x = Activations::Bf16(wide_tensor(&mut rng, case.tokens, case.hidden));
+    }
+    inputs
+}
+
+struct DevInputs {
+    x: DevTensor,
+    idx: DevTensor,
+    w: DevTensor,
+}
+
+fn upload(dev: &Device, inputs: &[RankInputs]) -> Vec<DevInputs> {
+    let ctx = dev.context();
+    inputs
+        .iter()
+        .map(|inp| {
+            let Activations::Bf16(x) = &inp.x else {
+                panic!("low-latency inputs are BF16")
+            };
+            DevInputs {
+                x: DevTensor::upload(ctx, x).unwrap(),
+                idx: DevTensor::upload(ctx, &inp.topk_idx).unwrap(),
+                w: DevTensor::upload(ctx, &inp.topk_weights).unwrap(),
+            }
+        })
+        .collect()
+}
+
+fn rank_inputs(d: &[DevInputs]) -> Vec<LlRankInputs<'_>> {
+    d.iter()
+        .map(|i| LlRankInputs {
+            x: &i.x,
+            topk_idx: &i.idx,
+            topk_weights: &i.w,
+        })
+        .collect()
+}
+
+/// Compares rank `d`'s GPU dispatch with the plan's: counts, ranges, and every valid row.
+fn check_dispatch(case: &Case, d: usize, gpu: &LlGpuDispatch, plan: &LlDispatchOutput) {
+    let (l_count, rows, h) = (
+        case.experts / case.ranks,
+        case.ranks * case.max_tokens,
+        case.hidden,
+    );
+    let count: Tensor2<i32> = gpu.recv_count.download().unwrap();
+    assert_eq!(count.data(), &plan.recv_count[..], "recv_count of rank {d}");
+    let range: Tensor2<i64> = gpu.recv_layout_range.download().unwrap();
+    assert_eq!(
+        range.data(),
+        plan.handle.layout_range.data(),
+        "layout_range of rank {d}"
+    );
+    let src: Tensor2<i32> = gpu.recv_src_info.download().unwrap();
+    let s_count = h / 128;
+    match &plan.recv_x {
+        LlRecvX::Bf16(x) => {
+            let got: Tensor2<bf16> = gpu.recv_x.download().unwrap();
+            for l in 0..l_count {
+                for row in 0..plan.recv_count[l] as usize {
+                    assert_eq!(
+                        src.get(l, row),
+                        plan.handle.src_info.get(l, row),
+                        "src_info rank {d} expert {l} row {row}"
+                    );
+                    let g = got.row(l * rows + row);
+                    let p = x[l].row(row);
+                    assert!(
+                        g.iter().zip(p).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "BF16 row rank {d} expert {l} row {row}"
+                    );
+                }
+            }
+        }
+        LlRecvX::Fp8 { data, scales } => {
+            let got: Tensor2<u8> =
+                DevTensor::contiguous(gpu.recv_x.buffer().clone(), 0, DType::U8, l_count * rows, h)
+                    .download()
+                    .unwrap();
+            let sc: Tensor2<f32> = gpu.recv_x_scales.as_ref().unwrap().download().unwrap();
+            for l in 0..l_count {
+                for row in 0..plan.recv_count[l] as usize {
+                    assert_eq!(src.get(l, row), plan.handle.src_info.get(l, row));
+                    assert_eq!(
+                        got.row(l * rows + row),
+                        data[l].row(row),
+                        "e4m3 row rank {d} expert {l} row {row}"
+                    );
+                    for k in 0..s_count {
+                        assert_eq!(
+                            sc.get(l * s_count + k, row).to_bits(),
+                            scales[l].get(row, k).to_bits(),
+                            "scale {k} rank {d} expert {l} row {row}"
+                        );
+                    }
+                }
+            }
+        }
+        LlRecvX::Fp8Ue8m0 { data, scales } => {
+            let got: Tensor2<u8> =
+                DevTensor::contiguous(gpu.recv_x.buffer().clone(), 0, DType::U8, l_count * rows, h)
+                    .download()
+                    .unwrap();
+            let s4 = s_count.div_ceil(4);
+            let sc: Tensor2<i32> = gpu.recv_x_scales.as_ref().unwrap().download().unwrap();
+            for l in 0..l_count {
+                for row in 0..plan.recv_count[l] as usize {
+                    assert_eq!(src.get(l, row), plan.handle.src_info.get(l, row));
+                    assert_eq!(got.row(l * rows + row), data[l].row(row));
+                    for k in 0..s4 {
+                        assert_eq!(
+                            sc.get(l * s4 + k, row),
+                            scales[l].get(row, k),
+                            "UE8M0 word {k} rank {d} expert {l} row {row}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One dispatch + combine round checked against the plan, outputs poisoned before each call.
+fn round(g: &mut LlGroup, dev: &Arc<Device>, case: &Case, masked: &[bool]) {
+    let inputs = inputs_of(case);
+    let params = case.params(masked);
+    let plan = plan_dispatch(&inputs, &params).expect("plan dispatch");
+    let dins = upload(dev, &inputs);
+    g.poison_for_test(LlPoison::Dispatch, 0xa5).unwrap();
+    let outs = g.dispatch(&rank_inputs(&dins), &case.args()).unwrap();
+    if case.hook {
+        assert!(g.hook_pending());
+        g.recv_hook().unwrap();
+    }
+    g.sync().unwrap();
+    for d in 0..case.ranks {
+        match (&plan[d], masked[d]) {
+            (None, true) => {}
+            (Some(p), false) => check_dispatch(case, d, &outs[d], p),
+            other => panic!("rank {d}: plan/mask disagree: {:?}", other.1),
+        }
+    }
+    // Combine: random expert outputs (only the received rows matter).
+    let (l_count, rows, h) = (
+        case.experts / case.ranks,
+        case.ranks * case.max_tokens,
+        case.hidden,
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0xc0);
+    let y_host: Vec<Tensor2<bf16>> = (0..case.ranks)
+        .map(|_| wide_tensor(&mut rng, l_count * rows, h))
+        .collect();
+    let expert_out: Vec<Option<Vec<Tensor2<bf16>>>> = y_host
+        .iter()
+        .enumerate()
+        .map(|(d, y)| {
+            (!masked[d]).then(|| {
+                (0..l_count)
+                    .map(|l| Tensor2::from_fn(rows, h, |r, c| y.get(l * rows + r, c)))
+                    .collect()
+            })
+        })
+        .collect();
+    let plan_handles: Vec<Option<LlHandle>> = plan
+        .iter()
+        .map(|p| p.as_ref().map(|p| p.handle.clone()))
+        .collect();
+    let want = combine_reduced_on_expert_rank(
+        &inputs,
+        &plan_handles,
+        &expert_out,
+        &params,
+        PartialPrecision::Bf16,
+    )
+    .expect("plan combine");
+    let y_dev: Vec<DevTensor> = if case.zero_copy {
+        (0..case.ranks)
+            .map(|d| {
+                let buf = g.next_combine_buffer(d).unwrap();
+                let off = (buf.ptr() - buf.buffer().ptr()) as usize;
+                buf.buffer()
+                    .write(off, &ep_kernels::gpu::HostElem::to_bytes(y_host[d].data()))
+                    .unwrap();
+                buf
+            })
+            .collect()
+    } else {
+        y_host
+            .iter()
+            .map(|y| DevTensor::upload(dev.context(), y).unwrap())
+            .collect()
+    };
+    let handles: Vec<_> = outs.iter().map(|o| o.handle.clone()).collect();
+    let hs: Vec<_> = handles.iter().collect();
+    let ins: Vec<_> = y_dev
+        .iter()
+        .map(|y| {
+            if case.zero_copy {
+                LlCombineInput::ZeroCopy
+            } else {
+                LlCombineInput::Tensor(y)
+            }
+        })
+        .collect();
+    g.poison_for_test(LlPoison::Combine, 0x5a).unwrap();
+    let combined = g.combine(&hs, &ins, case.hook).unwrap();
+    if case.hook {
+        g.recv_hook().unwrap();
+    }
+    g.sync().unwrap();
+    for s in 0..case.ranks {
+        match (&want[s], masked[s]) {
+            (None, true) => {}
+            (Some(w), false) => {
+                let got: Tensor2<bf16> = combined[s].download().unwrap();
+                assert_eq!(got.shape(), w.shape(), "combined shape of rank {s}");
+                for t in 0..w.rows() {
+                    assert!(
+                        got.row(t)
+                            .iter()
+                            .zip(w.row(t))
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "combined row {t} of rank {s} ({case:?})"
+                    );
+                }
+            }
+            other => panic!("rank {s}: plan/mask disagree: {:?}", other.1),
+        }
+    }
+}
+
+fn group(dev: &Arc<Device>, case: &Case) -> LlGroup {
+    let mut g = LlGroup::new(dev.clone(), case.config()).expect("group");
+    g.set_timeout(Duration::from_secs(5));
+    g
+}
+
+fn run_case(dev: &Arc<Device>, case: &Case) {
+    let mut g = group(dev, case);
+    round(&mut g, dev, case, &vec![false; case.ranks]);
+}
+
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn dispatch_and_combine_equal_the_plan_bf16_and_fp8() {
+    let dev = device();
+    let mut cases = Vec::new();
+    for &(ranks, tokens, hidden, topk, experts) in &[
+        (2, 128, 7168, 8, 288),
+        (2, 64, 2048, 8, 32),
+        (4, 96, 4096, 6, 64),
+        (8, 32, 1024, 8, 64),
+        (3, 50, 512, 11, 33),
+        (1, 40, 256, 4, 8),
+    ] {
+        for fp8 in [
+            None,
+            Some((false, false)),
+            Some((true, false)),
+            Some((true, true)),
+        ] {
+            let mut c = Case::new(ranks, tokens, hidden, topk, experts);
+            c.fp8 = fp8;
+            c.sms = (132 / ranks).min(32);
+            c.seed = (ranks * 1000 + tokens) as u64;
+            cases.push(c);
+        }
+    }
+    // Fewer tokens than N, zipf and hot routings, one SM per rank.
+    let mut c = Case::new(2, 100, 2048, 8, 64);
+    c.max_tokens = 128;
+    c.routing = Routing::Zipf { exponent: 1.2 };
+    cases.push(c.clone());
+    c.routing = Routing::Hot { fraction: 0.8 };
+    c.sms = 1;
+    cases.push(c);
+    for c in &cases {
+        eprintln!("case {c:?}");
+        run_case(&dev, c);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn hook_halves_and_zero_copy_equal_the_plan() {
+    let dev = device();
+    for (hook, zero_copy) in [(true, false), (false, true), (true, true)] {
+        let mut c = Case::new(2, 64, 2048, 8, 32);
+        c.hook = hook;
+        c.zero_copy = zero_copy;
+        c.fp8 = Some((true, false));
+        run_case(&dev, &c);
+    }
+    // A send while a hook is pending is refused, and the group goes on after the hook.
+    let c = Case::new(2, 16, 256, 2, 8);
+    let mut g = group(&dev, &c);
+    let inputs = inputs_of(&c);
+    let dins = upload(&dev, &inputs);
+    let args = LlDispatchArgs {
+        return_recv_hook: true,
+        ..LlDispatchArgs::default()
+    };
+    g.dispatch(&rank_inputs(&dins), &args).unwrap();
+    let again = g.dispatch(&rank_inputs(&dins), &args);
+    assert!(
+        matches!(again, Err(Error::Unsupported(ref m)) if m.contains("hook")),
+        "{again:?}"
+    );
+    g.recv_hook().unwrap();
+    g.sync().unwrap();
+    round(&mut g, &dev, &c, &[false, false]);
+}
+
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn a_masked_rank_is_skipped_like_the_plan() {
+    let dev = device();
+    let c = Case::new(4, 48, 1024, 8, 64);
+    let mut g = group(&dev, &c);
+    g.update_mask(2, true).unwrap();
+    assert_eq!(g.query_mask(), vec![false, false, true, false]);
+    round(&mut g, &dev, &c, &[false, false, true, false]);
+    g.clean_mask().unwrap();
+    round(&mut g, &dev, &c, &[false; 4]);
+}
+
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn ten_thousand_rounds_with_fresh_routings() {
+    let dev = device();
+    let mut c = Case::new(2, 24, 256, 4, 16);
+    c.max_tokens = 32;
+    c.sms = 8;
+    let mut g = group(&dev, &c);
+    let rounds = 10_000;
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for i in 0..rounds {
+        c.seed = 1000 + i;
+        c.tokens = rng.random_range(0..=32);
+        c.fp8 = match i % 3 {
+            0 => None,
+            1 => Some((false, false)),
+            _ => Some((true, true)),
+        };
+        c.hook = i % 5 == 0;
+        c.zero_copy = i % 2 == 0;
+        round(&mut g, &dev, &c, &[false, false]);
+    }
+    let stats = g.stats().unwrap();
+    assert!(
+        stats
+            .iter()
+            .all(|s| s.local_expert_recv.iter().sum::<i32>() > 0)
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn an_absent_rank_times_out_naming_it_and_reset_recovers() {
+    let dev = device();
+    let c = Case::new(2, 32, 512, 4, 16);
+    let mut g = group(&dev, &c);
+    g.set_timeout(Duration::from_millis(200));
+    let inputs = inputs_of(&c);
+    let dins = upload(&dev, &inputs);
+    g.set_absent_rank_for_test(Some(1));
+    g.dispatch(&rank_inputs(&dins), &LlDispatchArgs::default())
+        .unwrap();
+    let err = g.sync().unwrap_err();
+    match &err {
+        Error::DeviceWaitTimeout {
+            rank, writer, word, ..
+        } => {
+            assert_eq!(*rank, 0);
+            assert_eq!(*writer, Some(1), "{err}");
+            assert!(word.starts_with("disp_sig"), "{err}");
+        }
+        other => panic!("expected a device timeout, got {other:?}"),
+    }
+    assert!(matches!(
+        g.dispatch(&rank_inputs(&dins), &LlDispatchArgs::default()),
+        Err(Error::Poisoned { .. })
+    ));
+    g.set_absent_rank_for_test(None);
+    g.reset().unwrap();
+    g.set_timeout(Duration::from_secs(5));
+    round(&mut g, &dev, &c, &[false, false]);
+}
+
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn bad_inputs_are_typed_errors_and_the_group_stays_usable() {
+    let dev = device();
+    let c = Case::new(2, 32, 512, 4, 16);
+    let mut g = group(&dev, &c);
+    let inputs = inputs_of(&c);
+    let dins = upload(&dev, &inputs);
+    let ctx = dev.context();
+    // Too many tokens.
+    let big = DevTensor::zeros(ctx, DType::Bf16, 33, 512).unwrap();
+    let mut ri = rank_inputs(&dins);
+    ri[1].x = &big;
+    assert!(matches!(
+        g.dispatch(&ri, &LlDispatchArgs::default()),
+        Err(Error::Unsupported(_))
+    ));
+    // Wrong dtype.
+    let wrong = DevTensor::zeros(ctx, DType::F32, 32, 512).unwrap();
+    let mut ri = rank_inputs(&dins);
+    ri[0].x = &wrong;
+    assert!(g.dispatch(&ri, &LlDispatchArgs::default()).is_err());
+    // UE8M0 without rounding.
+    let bad = LlDispatchArgs {
+        use_fp8: true,
+        use_ue8m0: true,
+        ..LlDispatchArgs::default()
+    };
+    assert!(g.dispatch(&rank_inputs(&dins), &bad).is_err());
+    // An expert id out of range: typed at the next sync, the group stays usable.
+    let mut idx = inputs[0].topk_idx.clone();
+    idx.set(3, 1, 99);
+    let idx_dev = DevTensor::upload(ctx, &idx).unwrap();
+    let mut ri = rank_inputs(&dins);
+    ri[0].topk_idx = &idx_dev;
+    g.dispatch(&ri, &LlDispatchArgs::default()).unwrap();
+    match g.sync() {
+        Err(Error::ExpertOutOfRange {
+            rank: 0,
+            expert: 99,
+            ..
+        }) => {}
+        other => panic!("expected ExpertOutOfRange, got {other:?}"),
+    }
+    round(&mut g, &dev, &c, &[false, false]);
+    // Shapes the kernels cannot address are refused at creation.
+    let mut cfg = c.config();
+    cfg.hidden = 100;
+    assert!(LlGroup::new(dev.clone(), cfg).is_err());
+    let mut cfg = c.config();
+    cfg.num_sms = 100;
+    assert!(matches!(
+        LlGroup::new(dev.clone(), cfg),
+        Err(Error::NotEnoughSms { .. })
+    ));
+}
