@@ -9,7 +9,10 @@
 //! These tests need a GPU: they are `#[ignore]`d, and `scripts/gpu-run.sh` runs them with
 //! `--include-ignored` on the GPU machine. Without a GPU they fail (they never pass unrun).
 
-#![allow(clippy::needless_range_loop, reason = "rows are compared by index across three layouts")]
+#![allow(
+    clippy::needless_range_loop,
+    reason = "rows are compared by index across three layouts"
+)]
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -63,7 +63,7 @@ const DEEPEP_ONE_GPU: [(usize, f64, f64, f64); 4] = [
     (64, 463.0, 398.0, 428.0),
 ];
 
-fn gpu_err(what: &'static str) -> impl FnOnce(ep_kernels::Error) -> BenchError {
+pub(super) fn gpu_err(what: &'static str) -> impl FnOnce(ep_kernels::Error) -> BenchError {
     move |e| BenchError::Gpu {
         what,
         source: Box::new(e),
@@ -118,7 +118,7 @@ fn identity_combine(out: &[GpuDispatch]) -> Vec<GpuCombineArgs<'_>> {
 }
 
 /// The slowest rank's time of a call.
-fn slowest(per_rank: &[f64]) -> f64 {
+pub(super) fn slowest(per_rank: &[f64]) -> f64 {
     per_rank.iter().copied().fold(0.0, f64::max)
 }
 
@@ -132,7 +132,7 @@ fn timed<T>(
 }
 
 /// `step(it)` for `total` iterations; the slowest rank's time of each one from `warm` on.
-fn samples(
+pub(super) fn samples(
     total: usize,
     warm: usize,
     mut step: impl FnMut(usize) -> Result<Vec<f64>, BenchError>,
@@ -403,12 +403,12 @@ fn verify_set(
 
 /// Median figures of one call kind at one SM count.
 #[derive(Clone, Copy, Default, serde::Serialize)]
-struct Figure {
-    median_us: f64,
-    gb_per_s: f64,
+pub(super) struct Figure {
+    pub(super) median_us: f64,
+    pub(super) gb_per_s: f64,
 }
 
-fn figure(samples: &[f64], bytes_per_rank: f64) -> Figure {
+pub(super) fn figure(samples: &[f64], bytes_per_rank: f64) -> Figure {
     let m = median(samples);
     Figure {
         median_us: m * 1e6,
@@ -469,10 +469,8 @@ fn phase_split(stamps: &[Vec<Vec<u64>>], slots: &[usize]) -> Vec<f64> {
 /// Runs `ep bench --backend gpu` (module docs). Returns the exit code: 0 verified, 1 mismatch.
 pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let started = Instant::now();
-    if args.workload.mode != Mode::Normal {
-        return Err(BenchError::Usage(
-            "--backend gpu runs normal mode only for now (the low-latency kernels are not built yet)".into(),
-        ));
+    if args.workload.mode == Mode::LowLatency {
+        return super::gpu_ll::run(args);
     }
     if args.gpu_iters == 0 || args.input_sets == 0 {
         return Err(BenchError::Usage(

@@ -19,6 +19,7 @@
 mod backend;
 mod error;
 pub mod gpu;
+mod gpu_ll;
 mod low_latency;
 mod memcpy;
 mod normal;

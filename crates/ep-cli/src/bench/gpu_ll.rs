@@ -1,0 +1,396 @@
+//! `ep bench --backend gpu --mode low-latency`: low-latency mode, variant (a) (peers by pointer),
+//! on `--ranks` co-resident ranks of one GPU (`ep_kernels::gpu::LlGroup`), `--num-sms` blocks per
+//! rank.
+//!
+//! Verification first: one dispatch and combine of the workload against the plan
+//! (`plan::low_latency`, itself checked against the oracle) — counts and layout ranges exact,
+//! combine bit for bit with ep-rs's reduction order — before anything is timed.
+//!
+//! Timing: CUDA events on every rank's stream with all ranks released together behind a gate
+//! (`LlGroup::timed`), the slowest rank's time per call, median over `max(--gpu-iters, 1000)`
+//! calls after warm-up, un-graphed (each call is its kernel launches). Figures: dispatch (send
+//! and receive parts in one launch), combine likewise, dispatch + combine, and the hook halves
+//! (send part alone, receive part alone, each timed on its own). The floor measured in the same
+//! run: an empty kernel launch on every rank (the same gate), the launch cost any call pays.
+//!
+//! Bytes: ep-rs sends one message per (token, destination rank); DeepEP one per (token, expert).
+//! Both per-token byte counts are printed, with DeepEP's bandwidth convention (spec §6.2).
+
+use std::time::Instant;
+
+use ep_core::plan::low_latency::{
+    LlParams, PartialPrecision, combine_reduced_on_expert_rank, dispatch as plan_dispatch,
+};
+use ep_core::routing::Activations;
+use ep_core::tensor::Tensor2;
+use ep_kernels::gpu::{
+    DevTensor, Device, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup,
+    LlRankInputs,
+};
+use half::bf16;
+
+use super::BenchArgs;
+use super::error::BenchError;
+use super::gpu::{Figure, figure, gpu_err, samples};
+use crate::workload::{self, Defaults};
+
+/// Calls timed per figure at least (issue: ≥ 1000 replays).
+const MIN_ITERS: usize = 1000;
+
+struct DevSet {
+    x: Vec<DevTensor>,
+    idx: Vec<DevTensor>,
+    w: Vec<DevTensor>,
+}
+
+impl DevSet {
+    fn inputs(&self) -> Vec<LlRankInputs<'_>> {
+        (0..self.x.len())
+            .map(|r| LlRankInputs {
+                x: &self.x[r],
+                topk_idx: &self.idx[r],
+                topk_weights: &self.w[r],
+            })
+            .collect()
+    }
+}
+
+#[derive(Clone, Default, serde::Serialize)]
+struct LlReport {
+    ranks: usize,
+    sms_per_rank: usize,
+    tokens_per_rank: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    fp8: bool,
+    iters: usize,
+    dispatch: Figure,
+    combine: Figure,
+    dispatch_combine: Figure,
+    dispatch_send: Figure,
+    dispatch_recv: Figure,
+    combine_send: Figure,
+    combine_recv: Figure,
+    empty_launch_us: f64,
+    bytes_per_token_ep_rs: f64,
+    bytes_per_token_deepep: f64,
+}
+
+/// Runs the low-latency GPU bench (module docs); exit code 0 when verified.
+pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
+    let started = Instant::now();
+    let dev = Device::open(0).map_err(gpu_err("opening GPU 0"))?;
+    let defaults = Defaults {
+        hidden: 7168,
+        low_latency_fp8: true,
+    };
+    let w = workload::load(&args.workload, &defaults)?;
+    let r = w.inputs.len();
+    let e = w.num_experts;
+    let fp8 = w.fp8;
+    let hidden = w.inputs[0].x.hidden();
+    let k = w.inputs[0].num_topk();
+    let n = w.inputs.iter().map(|i| i.num_tokens()).max().unwrap_or(0);
+    let sms = args.workload.num_sms;
+    println!(
+        "ep bench: low-latency mode (variant a: peers by pointer) on GPU {} ({} SMs), {r} co-resident ranks x {sms} SMs, {}",
+        dev.ordinal(),
+        dev.num_sms(),
+        w.description
+    );
+    let cfg = LlConfig {
+        num_ranks: r,
+        num_max_dispatch_tokens_per_rank: n.max(1),
+        hidden,
+        num_experts: e,
+        num_sms: sms,
+    };
+    let mut g = LlGroup::new(dev.clone(), cfg).map_err(gpu_err("creating the group"))?;
+    let ctx = dev.context();
+    let up = |t: &Tensor2<i64>| DevTensor::upload(ctx, t);
+    let mut set = DevSet {
+        x: Vec::new(),
+        idx: Vec::new(),
+        w: Vec::new(),
+    };
+    for inp in &w.inputs {
+        let Activations::Bf16(x) = &inp.x else {
+            return Err(BenchError::Usage(
+                "low-latency inputs are BF16 (the dispatch casts them)".into(),
+            ));
+        };
+        set.x
+            .push(DevTensor::upload(ctx, x).map_err(gpu_err("uploading x"))?);
+        set.idx
+            .push(up(&inp.topk_idx).map_err(gpu_err("uploading topk_idx"))?);
+        set.w
+            .push(DevTensor::upload(ctx, &inp.topk_weights).map_err(gpu_err("uploading weights"))?);
+    }
+    let dargs = LlDispatchArgs {
+        use_fp8: fp8,
+        ..LlDispatchArgs::default()
+    };
+    // Expert outputs: deterministic, non-trivial BF16 values (only received rows matter).
+    let l = e / r;
+    let rows = r * cfg.num_max_dispatch_tokens_per_rank;
+    let y_host: Vec<Tensor2<bf16>> = (0..r)
+        .map(|d| {
+            Tensor2::from_fn(l * rows, hidden, |i, c| {
+                bf16::from_f32(((i * 31 + c * 7 + d * 13) % 97) as f32 / 16.0 - 3.0)
+            })
+        })
+        .collect();
+    let y_dev: Vec<DevTensor> = y_host
+        .iter()
+        .map(|y| DevTensor::upload(ctx, y).map_err(gpu_err("uploading expert outputs")))
+        .collect::<Result<_, _>>()?;
+    let y_in: Vec<LlCombineInput<'_>> = y_dev.iter().map(LlCombineInput::Tensor).collect();
+
+    // Verification against the plan.
+    let params = if fp8 {
+        LlParams::new(cfg.num_max_dispatch_tokens_per_rank, e).with_fp8(false, false)
+    } else {
+        LlParams::new(cfg.num_max_dispatch_tokens_per_rank, e)
+    };
+    let plan = plan_dispatch(&w.inputs, &params).map_err(|e| BenchError::Reference {
+        what: "plan::low_latency::dispatch",
+        source: Box::new(e),
+    })?;
+    let out = g
+        .dispatch(&set.inputs(), &dargs)
+        .map_err(gpu_err("dispatch"))?;
+    let handles: Vec<_> = out.iter().map(|o| o.handle.clone()).collect();
+    let hs: Vec<_> = handles.iter().collect();
+    let combined = g.combine(&hs, &y_in, false).map_err(gpu_err("combine"))?;
+    g.sync().map_err(gpu_err("first call"))?;
+    let mut bad = Vec::new();
+    for (d, (o, p)) in out.iter().zip(&plan).enumerate() {
+        let Some(p) = p else { continue };
+        check_counts(d, o, p, &mut bad)?;
+    }
+    let expert_out: Vec<Option<Vec<Tensor2<bf16>>>> = y_host
+        .iter()
+        .map(|y| {
+            Some(
+                (0..l)
+                    .map(|j| Tensor2::from_fn(rows, hidden, |i, c| y.get(j * rows + i, c)))
+                    .collect(),
+            )
+        })
+        .collect();
+    let plan_handles: Vec<_> = plan
+        .iter()
+        .map(|p| p.as_ref().map(|p| p.handle.clone()))
+        .collect();
+    let want = combine_reduced_on_expert_rank(
+        &w.inputs,
+        &plan_handles,
+        &expert_out,
+        &params,
+        PartialPrecision::Bf16,
+    )
+    .map_err(|e| BenchError::Reference {
+        what: "plan::low_latency::combine_reduced_on_expert_rank",
+        source: Box::new(e),
+    })?;
+    for (s, (c, wnt)) in combined.iter().zip(&want).enumerate() {
+        let Some(wnt) = wnt else { continue };
+        let got: Tensor2<bf16> = c.download().map_err(gpu_err("downloading combined_x"))?;
+        let diff = got
+            .data()
+            .iter()
+            .zip(wnt.data())
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        if diff > 0 {
+            bad.push(format!(
+                "rank {s}: {diff} combined elements differ from the plan"
+            ));
+        }
+    }
+    if !bad.is_empty() {
+        for b in &bad {
+            eprintln!("MISMATCH {b}");
+        }
+        return Ok(1);
+    }
+    println!("verified: counts, layout ranges and combined_x bit for bit against the plan");
+
+    // Timing.
+    let iters = args.gpu_iters.max(MIN_ITERS);
+    let warm = 20.max(args.warmup);
+    let total = warm + iters;
+    let inputs = set.inputs();
+    let hook = LlDispatchArgs {
+        return_recv_hook: true,
+        ..dargs
+    };
+    let mut rep = LlReport {
+        ranks: r,
+        sms_per_rank: sms,
+        tokens_per_rank: n,
+        hidden,
+        topk: k,
+        experts: e,
+        fp8,
+        iters,
+        ..LlReport::default()
+    };
+    let t_dispatch = samples(total, warm, |_| {
+        g.timed(|g| g.dispatch(&inputs, &dargs))
+            .map(|(_, t)| t)
+            .map_err(gpu_err("timed dispatch"))
+    })?;
+    let t_combine = samples(total, warm, |_| {
+        // Each timed combine combines a fresh dispatch (untimed, enqueued before the gate).
+        let o = g.dispatch(&inputs, &dargs).map_err(gpu_err("dispatch"))?;
+        let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
+        let hs: Vec<_> = h.iter().collect();
+        g.timed(|g| g.combine(&hs, &y_in, false))
+            .map(|(_, t)| t)
+            .map_err(gpu_err("timed combine"))
+    })?;
+    let t_both = samples(total, warm, |_| {
+        let t = g
+            .timed(|g| {
+                let o = g.dispatch(&inputs, &dargs)?;
+                let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
+                let hs: Vec<_> = h.iter().collect();
+                g.combine(&hs, &y_in, false)
+            })
+            .map_err(gpu_err("timed dispatch + combine"))?
+            .1;
+        Ok(t)
+    })?;
+    let mut ds = Vec::new();
+    let mut dr = Vec::new();
+    let mut cs = Vec::new();
+    let mut cr = Vec::new();
+    for it in 0..total {
+        let (o, t1) = g
+            .timed(|g| g.dispatch(&inputs, &hook))
+            .map_err(gpu_err("timed dispatch send"))?;
+        let (_, t2) = g
+            .timed(|g| g.recv_hook())
+            .map_err(gpu_err("timed dispatch recv"))?;
+        let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
+        let hs: Vec<_> = h.iter().collect();
+        let (_, t3) = g
+            .timed(|g| g.combine(&hs, &y_in, true))
+            .map_err(gpu_err("timed combine send"))?;
+        let (_, t4) = g
+            .timed(|g| g.recv_hook())
+            .map_err(gpu_err("timed combine recv"))?;
+        if it >= warm {
+            ds.push(super::gpu::slowest(&t1));
+            dr.push(super::gpu::slowest(&t2));
+            cs.push(super::gpu::slowest(&t3));
+            cr.push(super::gpu::slowest(&t4));
+        }
+    }
+    let t_empty = samples(total, warm, |_| {
+        g.timed(|_| Ok(()))
+            .map(|(_, t)| t)
+            .map_err(gpu_err("timed empty gate"))
+    })?;
+
+    // Bytes per token: one row (+ scales) per destination rank vs per expert; DeepEP's
+    // bandwidth convention counts per expert.
+    let row = if fp8 {
+        hidden as f64 + 4.0 * (hidden / 128) as f64
+    } else {
+        2.0 * hidden as f64
+    };
+    let (mut msgs, mut entries, mut toks) = (0usize, 0usize, 0usize);
+    for inp in &w.inputs {
+        for t in 0..inp.num_tokens() {
+            let mut dst = 0u32;
+            for &x in inp.topk_idx.row(t) {
+                if let Ok(x) = usize::try_from(x) {
+                    dst |= 1 << (x / l);
+                    entries += 1;
+                }
+            }
+            msgs += dst.count_ones() as usize;
+            toks += 1;
+        }
+    }
+    let per_tok = |c: usize| c as f64 / toks.max(1) as f64 * row;
+    rep.bytes_per_token_ep_rs = per_tok(msgs);
+    rep.bytes_per_token_deepep = per_tok(entries);
+    let disp_bytes = per_tok(entries) * n as f64;
+    let comb_bytes = per_tok(entries) / row * 2.0 * hidden as f64 * n as f64;
+    rep.dispatch = figure(&t_dispatch, disp_bytes);
+    rep.combine = figure(&t_combine, comb_bytes);
+    rep.dispatch_combine = figure(&t_both, disp_bytes + comb_bytes);
+    rep.dispatch_send = figure(&ds, disp_bytes);
+    rep.dispatch_recv = figure(&dr, disp_bytes);
+    rep.combine_send = figure(&cs, comb_bytes);
+    rep.combine_recv = figure(&cr, comb_bytes);
+    rep.empty_launch_us = figure(&t_empty, 0.0).median_us;
+    println!(
+        "bytes per token sent: ep-rs {:.0} (one message per destination rank), DeepEP {:.0} (one per expert)",
+        rep.bytes_per_token_ep_rs, rep.bytes_per_token_deepep
+    );
+    println!(
+        "{:<22} {:>10} {:>10}  (median of {iters} event-timed calls, slowest rank; DeepEP bytes)",
+        "call", "us", "GB/s"
+    );
+    for (name, f) in [
+        ("dispatch", rep.dispatch),
+        ("combine", rep.combine),
+        ("dispatch + combine", rep.dispatch_combine),
+        ("hook: dispatch send", rep.dispatch_send),
+        ("hook: dispatch recv", rep.dispatch_recv),
+        ("hook: combine send", rep.combine_send),
+        ("hook: combine recv", rep.combine_recv),
+    ] {
+        println!("{name:<22} {:>10.2} {:>10.1}", f.median_us, f.gb_per_s);
+    }
+    println!(
+        "{:<22} {:>10.2}            (floor: the gate's release to an empty end, same run)",
+        "empty call", rep.empty_launch_us
+    );
+    if let Some(path) = &args.json {
+        let doc = serde_json::json!({
+            "backend": "gpu",
+            "mode": "low-latency",
+            "variant": "a (peers by pointer)",
+            "device": format!("GPU {} ({} SMs)", dev.ordinal(), dev.num_sms()),
+            "workload": w.description,
+            "report": rep,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(
+            |source| BenchError::Json {
+                path: path.clone(),
+                source,
+            },
+        )?;
+    }
+    println!("total {:.1} s", started.elapsed().as_secs_f64());
+    Ok(0)
+}
+
+fn check_counts(
+    d: usize,
+    o: &LlGpuDispatch,
+    p: &ep_core::plan::low_latency::LlDispatchOutput,
+    bad: &mut Vec<String>,
+) -> Result<(), BenchError> {
+    let count: Tensor2<i32> = o
+        .recv_count
+        .download()
+        .map_err(gpu_err("downloading recv_count"))?;
+    if count.data() != &p.recv_count[..] {
+        bad.push(format!("rank {d}: recv_count differs from the plan"));
+    }
+    let range: Tensor2<i64> = o
+        .recv_layout_range
+        .download()
+        .map_err(gpu_err("downloading layout_range"))?;
+    if range.data() != p.handle.layout_range.data() {
+        bad.push(format!("rank {d}: layout_range differs from the plan"));
+    }
+    Ok(())
+}
