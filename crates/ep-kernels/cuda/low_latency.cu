@@ -306,50 +306,55 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
     }
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const float *weights = (const float *)a.topk_weights;
-    for (uint32_t t = blockIdx.x * WARPS + warp; t < T; t += gridDim.x * WARPS) {
+    // A block per token: its row is split over every thread (short dependency chains), its
+    // meta records are written by warp 0 (lane k = top-k slot k).
+    for (uint32_t t = blockIdx.x; t < T; t += gridDim.x) {
         const uint32_t dm = sm.dmask[t];
         if (dm == 0) continue;
         uint8_t *row_dst[MAXR];
-        // Meta records: the token's entries on d in k order.
-        const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
-        for (uint32_t d = 0; d < R; ++d) {
-            row_dst[d] = nullptr;
-            if (!((dm >> d) & 1u)) continue;
-            const uint32_t slot = sm.slot[t * R + d];
-            uint8_t *recv = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank);
-            row_dst[d] = half_of(a, d, a.half) + ep_ll_drecv_row(ly, a.rank, slot);
-            uint8_t *meta = recv + hdr + (uint64_t)slot * meta_bytes;
-            const bool on_d = e >= 0 && (uint32_t)e / L == d;
-            const uint32_t bal = __ballot_sync(FULL, on_d);
-            if (on_d) {
-                const uint32_t i = __popc(bal & lanemask_lt());
-                const uint32_t l = (uint32_t)e - d * L;
-                const uint32_t w = __float_as_uint(weights[t * K + lane]);
-                *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
+#pragma unroll
+        for (uint32_t d = 0; d < MAXR; ++d)
+            row_dst[d] = d < R && ((dm >> d) & 1u)
+                             ? half_of(a, d, a.half) + ep_ll_drecv_row(ly, a.rank, sm.slot[t * R + d])
+                             : nullptr;
+        if (warp == 0) {
+            const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
+            for (uint32_t d = 0; d < R; ++d) {
+                if (!((dm >> d) & 1u)) continue;
+                uint8_t *meta = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + hdr +
+                                (uint64_t)sm.slot[t * R + d] * meta_bytes;
+                const bool on_d = e >= 0 && (uint32_t)e / L == d;
+                const uint32_t bal = __ballot_sync(FULL, on_d);
+                if (on_d) {
+                    const uint32_t i = __popc(bal & lanemask_lt());
+                    const uint32_t l = (uint32_t)e - d * L;
+                    const uint32_t w = __float_as_uint(weights[t * K + lane]);
+                    *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
+                }
+                if (lane == 0) *(uint64_t *)meta = (uint64_t)t | ((uint64_t)__popc(bal) << 32);
             }
-            if (lane == 0) *(uint64_t *)meta = (uint64_t)t | ((uint64_t)__popc(bal) << 32);
         }
         // The row, loaded once, cast once, stored to each destination.
+        const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
         if (!fp8) {
-            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
-            const uint32_t n16 = H * 2 / 16;
-            for (uint32_t c = lane; c < n16; c += 32) {
-                int4 v = ep_ld_nc(src + c);
-                for (uint32_t d = 0; d < R; ++d)
+            for (uint32_t c = threadIdx.x; c < H * 2 / 16; c += NT) {
+                const int4 v = ep_ld_nc(src + c);
+#pragma unroll
+                for (uint32_t d = 0; d < MAXR; ++d)
                     if (row_dst[d] != nullptr) ((int4 *)row_dst[d])[c] = v;
             }
         } else {
-            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
             const uint64_t soff = ep_ll_fp8_scales_offset(ly);
-            // A half warp per 128-channel block; the warp covers 256 channels per step.
-            for (uint32_t base = 0; base < H; base += 256) {
-                const uint32_t ch = base + lane * 8;
+            // 16 threads (a half warp) per 128-channel block; every thread runs every step.
+            for (uint32_t base = 0; base < H; base += NT * 8) {
+                const uint32_t ch = base + threadIdx.x * 8;
                 const bool live = ch < H; // H is a multiple of 128: whole half warps
-                int4 raw = live ? ep_ld_nc(src + ch / 8) : make_int4(0, 0, 0, 0);
+                const int4 raw = live ? ep_ld_nc(src + ch / 8) : make_int4(0, 0, 0, 0);
                 float sinv;
-                uint2 q = cast8(raw, round_scale, &sinv);
+                const uint2 q = cast8(raw, round_scale, &sinv);
                 if (live) {
-                    for (uint32_t d = 0; d < R; ++d) {
+#pragma unroll
+                    for (uint32_t d = 0; d < MAXR; ++d) {
                         if (row_dst[d] == nullptr) continue;
                         *(uint2 *)(row_dst[d] + ch) = q;
                         if ((lane & 15u) == 0) *(float *)(row_dst[d] + soff + 4ull * (ch / 128)) = sinv;
@@ -386,7 +391,6 @@ __device__ void dispatch_recv(const Args &a, uint8_t *smem) {
     const ep_ll_layout ly = layout_of(a);
     const uint32_t R = a.num_ranks, L = a.num_local_experts, H = a.hidden;
     const uint32_t N = a.num_max_tokens, rows = R * N;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const bool fp8 = (a.flags & EP_FLAG_FP8) != 0, ue8m0 = (a.flags & EP_FLAG_UE8M0) != 0;
     uint32_t *begin = (uint32_t *)(smem + a.sm_begin); // [R][L]
     stamp(a, 4);
@@ -422,59 +426,55 @@ __device__ void dispatch_recv(const Args &a, uint8_t *smem) {
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const uint32_t S = H / 128, S4 = (S + 3) / 4;
     const uint32_t total = first_msg[R];
-    for (uint32_t q = blockIdx.x * WARPS + warp; q < total; q += gridDim.x * WARPS) {
+    // A block per message: every thread reads the meta record (a broadcast) and copies its share
+    // of the row to each entry's place.
+    for (uint32_t q = blockIdx.x; q < total; q += gridDim.x) {
         uint32_t s = 0;
         while (q >= first_msg[s + 1]) ++s;
         const uint32_t i = q - first_msg[s];
         const uint8_t *recv = mine + ep_ll_drecv(ly, s);
         const uint8_t *meta = recv + hdr + (uint64_t)i * meta_bytes;
         const uint64_t head = __ldcg((const unsigned long long *)meta);
-        const uint32_t t = (uint32_t)head, n = (uint32_t)(head >> 32);
-        uint32_t my_row = 0, my_l = 0;
-        if (lane < n) {
-            const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
-            my_l = (uint32_t)(ent & 0xffffu);
-            my_row = begin[s * L + my_l] + (uint32_t)((ent >> 16) & 0xffffu);
-            ((int32_t *)a.recv_src_info)[(uint64_t)my_l * rows + my_row] = (int32_t)t;
+        const uint32_t t = (uint32_t)head, n = min((uint32_t)(head >> 32), (uint32_t)MAXK);
+        uint32_t el[MAXK], er[MAXK];
+#pragma unroll
+        for (uint32_t j = 0; j < MAXK; ++j) {
+            el[j] = 0;
+            er[j] = 0;
+            if (j < n) {
+                const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * j));
+                el[j] = (uint32_t)(ent & 0xffffu);
+                er[j] = begin[s * L + el[j]] + (uint32_t)((ent >> 16) & 0xffffu);
+            }
         }
+        if (threadIdx.x < n)
+            ((int32_t *)a.recv_src_info)[(uint64_t)el[threadIdx.x] * rows + er[threadIdx.x]] = (int32_t)t;
         const uint8_t *row = mine + ep_ll_drecv_row(ly, s, i);
-        if (!fp8) {
-            const uint32_t n16 = H * 2 / 16;
-            for (uint32_t c = lane; c < n16; c += 32) {
-                int4 v = ld_cg16(row + 16ull * c);
-                for (uint32_t j = 0; j < n; ++j) {
-                    const uint32_t l = __shfl_sync(FULL, my_l, j), r = __shfl_sync(FULL, my_row, j);
-                    ((int4 *)((uint8_t *)a.recv_x + ((uint64_t)l * rows + r) * H * 2))[c] = v;
-                }
-            }
-        } else {
-            const uint32_t n16 = H / 16;
-            for (uint32_t c = lane; c < n16; c += 32) {
-                int4 v = ld_cg16(row + 16ull * c);
-                for (uint32_t j = 0; j < n; ++j) {
-                    const uint32_t l = __shfl_sync(FULL, my_l, j), r = __shfl_sync(FULL, my_row, j);
-                    ((int4 *)((uint8_t *)a.recv_x + ((uint64_t)l * rows + r) * H))[c] = v;
-                }
-            }
+        const uint64_t xbytes = fp8 ? H : 2ull * H;
+        for (uint32_t c = threadIdx.x; c < xbytes / 16; c += NT) {
+            const int4 v = ld_cg16(row + 16ull * c);
+#pragma unroll
+            for (uint32_t j = 0; j < MAXK; ++j)
+                if (j < n) ((int4 *)((uint8_t *)a.recv_x + ((uint64_t)el[j] * rows + er[j]) * xbytes))[c] = v;
+        }
+        if (fp8) {
             // Scales, in DeepEP's memory order [L][S][R*N] (f32) or [L][S/4][R*N] (UE8M0 words).
             const float *sc = (const float *)(row + ep_ll_fp8_scales_offset(ly));
             if (!ue8m0) {
-                for (uint32_t k = lane; k < S; k += 32) {
+                for (uint32_t k = threadIdx.x; k < S; k += NT) {
                     const float v = __ldcg(sc + k);
-                    for (uint32_t j = 0; j < n; ++j) {
-                        const uint32_t l = __shfl_sync(FULL, my_l, j), r = __shfl_sync(FULL, my_row, j);
-                        ((float *)a.recv_scales)[((uint64_t)l * S + k) * rows + r] = v;
-                    }
+#pragma unroll
+                    for (uint32_t j = 0; j < MAXK; ++j)
+                        if (j < n) ((float *)a.recv_scales)[((uint64_t)el[j] * S + k) * rows + er[j]] = v;
                 }
             } else {
-                for (uint32_t k = lane; k < S4; k += 32) {
+                for (uint32_t k = threadIdx.x; k < S4; k += NT) {
                     uint32_t word = 0;
                     for (uint32_t b = 0; b < 4 && 4 * k + b < S; ++b)
                         word |= ((__float_as_uint(__ldcg(sc + 4 * k + b)) >> 23) & 0xffu) << (8 * b);
-                    for (uint32_t j = 0; j < n; ++j) {
-                        const uint32_t l = __shfl_sync(FULL, my_l, j), r = __shfl_sync(FULL, my_row, j);
-                        ((uint32_t *)a.recv_scales)[((uint64_t)l * S4 + k) * rows + r] = word;
-                    }
+#pragma unroll
+                    for (uint32_t j = 0; j < MAXK; ++j)
+                        if (j < n) ((uint32_t *)a.recv_scales)[((uint64_t)el[j] * S4 + k) * rows + er[j]] = word;
                 }
             }
         }
@@ -499,7 +499,6 @@ __device__ void combine_send(const Args &a, uint8_t *smem) {
     const ep_ll_layout ly = layout_of(a);
     const uint32_t R = a.num_ranks, L = a.num_local_experts, H = a.hidden;
     const uint32_t N = a.num_max_tokens, rows = R * N;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     uint32_t *begin = (uint32_t *)(smem + a.sm_begin); // [R][L]
     stamp(a, 0);
     const int64_t *range = (const int64_t *)a.recv_layout_range;
@@ -518,48 +517,56 @@ __device__ void combine_send(const Args &a, uint8_t *smem) {
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const uint32_t total = first_msg[R];
     const __nv_bfloat16 *y = (const __nv_bfloat16 *)a.combine_y;
-    for (uint32_t q = blockIdx.x * WARPS + warp; q < total; q += gridDim.x * WARPS) {
+    // A block per message: every thread reads the meta record and reduces its share of the row.
+    for (uint32_t q = blockIdx.x; q < total; q += gridDim.x) {
         uint32_t s = 0;
         while (q >= first_msg[s + 1]) ++s;
         const uint32_t i = q - first_msg[s];
         const uint8_t *meta = dhalf + ep_ll_drecv(ly, s) + hdr + (uint64_t)i * meta_bytes;
         const uint64_t head = __ldcg((const unsigned long long *)meta);
-        const uint32_t n = (uint32_t)(head >> 32);
-        uint32_t my_l = 0xffffffffu, my_row = 0, my_w = 0;
-        if (lane < n) {
-            const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
-            my_l = (uint32_t)(ent & 0xffffu);
-            my_row = begin[s * L + my_l] + (uint32_t)((ent >> 16) & 0xffffu);
-            my_w = (uint32_t)(ent >> 32);
+        const uint32_t n = min((uint32_t)(head >> 32), (uint32_t)MAXK);
+        uint32_t el[MAXK], er[MAXK];
+        float ew[MAXK];
+#pragma unroll
+        for (uint32_t j = 0; j < MAXK; ++j) {
+            el[j] = 0;
+            er[j] = 0;
+            ew[j] = 0.0f;
+            if (j < n) {
+                const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * j));
+                el[j] = (uint32_t)(ent & 0xffffu);
+                er[j] = begin[s * L + el[j]] + (uint32_t)((ent >> 16) & 0xffffu);
+                ew[j] = __uint_as_float((uint32_t)(ent >> 32));
+            }
         }
         // Duplicates of an expert read the row of its first entry.
-        const uint32_t same = __match_any_sync(FULL, my_l);
-        const uint32_t first = __ffs(same) - 1;
-        const uint32_t src_row = __shfl_sync(FULL, my_row, first);
+#pragma unroll
+        for (uint32_t j = 1; j < MAXK; ++j) {
+#pragma unroll
+            for (uint32_t p = 0; p < j; ++p)
+                if (j < n && el[p] == el[j]) {
+                    er[j] = er[p];
+                    break;
+                }
+        }
         uint8_t *dst = half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i);
-        const uint32_t n16 = H * 2 / 16;
-        for (uint32_t c = lane; c < n16; c += 32) {
+        for (uint32_t c = threadIdx.x; c < H * 2 / 16; c += NT) {
             int4 v[MAXK];
 #pragma unroll
-            for (uint32_t j = 0; j < MAXK; ++j) {
-                if (j < n) {
-                    const uint32_t l = __shfl_sync(FULL, my_l, j), r = __shfl_sync(FULL, src_row, j);
-                    v[j] = ep_ld_nc((const int4 *)(y + ((uint64_t)l * rows + r) * H) + c);
-                }
-            }
+            for (uint32_t j = 0; j < MAXK; ++j)
+                if (j < n) v[j] = ep_ld_nc((const int4 *)(y + ((uint64_t)el[j] * rows + er[j]) * H) + c);
             float acc[8];
 #pragma unroll
             for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
 #pragma unroll
             for (uint32_t j = 0; j < MAXK; ++j) {
-                const float w = __uint_as_float(__shfl_sync(FULL, my_w, j < n ? j : 0));
                 if (j < n) {
                     const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[j];
 #pragma unroll
                     for (int u = 0; u < 4; ++u) {
                         float2 f = __bfloat1622float2(h2[u]);
-                        acc[2 * u] = __fmaf_rn(f.x, w, acc[2 * u]);
-                        acc[2 * u + 1] = __fmaf_rn(f.y, w, acc[2 * u + 1]);
+                        acc[2 * u] = __fmaf_rn(f.x, ew[j], acc[2 * u]);
+                        acc[2 * u + 1] = __fmaf_rn(f.y, ew[j], acc[2 * u + 1]);
                     }
                 }
             }
@@ -588,30 +595,30 @@ __device__ void combine_recv(const Args &a) {
     __shared__ uint32_t count[MAXR];
     const ep_ll_layout ly = layout_of(a);
     const uint32_t R = a.num_ranks, H = a.hidden, T = a.num_tokens;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     stamp(a, 4);
     if (!wait_sources(a, EP_KERNEL_LL_COMBINE, a.half, true, count, (const int32_t *)a.send_counts)) return;
     stamp(a, 5);
     const uint8_t *mine = half_of(a, a.rank, a.half);
     const int32_t *slots = (const int32_t *)a.slots;
     const uint32_t n16 = H * 2 / 16;
-    for (uint32_t t = blockIdx.x * WARPS + warp; t < T; t += gridDim.x * WARPS) {
-        int32_t my_slot = lane < R && !masked(a, lane) ? __ldcg(&slots[t * R + lane]) : -1;
+    // A block per token.
+    for (uint32_t t = blockIdx.x; t < T; t += gridDim.x) {
+        int32_t sl[MAXR];
+#pragma unroll
+        for (uint32_t d = 0; d < MAXR; ++d)
+            sl[d] = d < R && !masked(a, d) ? __ldcg(&slots[t * R + d]) : -1;
         int4 *out = (int4 *)((uint8_t *)a.combined_x + (uint64_t)t * H * 2);
-        for (uint32_t c = lane; c < n16; c += 32) {
+        for (uint32_t c = threadIdx.x; c < n16; c += NT) {
             int4 v[MAXR];
 #pragma unroll
-            for (uint32_t d = 0; d < MAXR; ++d) {
-                const int32_t slot = __shfl_sync(FULL, my_slot, d);
-                if (d < R && slot >= 0) v[d] = ld_cg16(mine + ep_ll_crecv(ly, d, (uint32_t)slot) + 16ull * c);
-            }
+            for (uint32_t d = 0; d < MAXR; ++d)
+                if (sl[d] >= 0) v[d] = ld_cg16(mine + ep_ll_crecv(ly, d, (uint32_t)sl[d]) + 16ull * c);
             float acc[8];
 #pragma unroll
             for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
 #pragma unroll
             for (uint32_t d = 0; d < MAXR; ++d) {
-                const int32_t slot = __shfl_sync(FULL, my_slot, d);
-                if (d < R && slot >= 0) {
+                if (sl[d] >= 0) {
                     const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[d];
 #pragma unroll
                     for (int u = 0; u < 4; ++u) {

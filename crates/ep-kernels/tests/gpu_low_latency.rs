@@ -468,7 +468,7 @@ fn a_masked_rank_is_skipped_like_the_plan() {
 #[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
 fn ten_thousand_rounds_with_fresh_routings() {
     let dev = device();
-    let mut c = Case::new(2, 24, 256, 4, 16);
+    let mut c = Case::new(2, 24, 512, 4, 16);
     c.max_tokens = 32;
     c.sms = 8;
     let mut g = group(&dev, &c);
@@ -556,6 +556,14 @@ fn bad_inputs_are_typed_errors_and_the_group_stays_usable() {
         ..LlDispatchArgs::default()
     };
     assert!(g.dispatch(&rank_inputs(&dins), &bad).is_err());
+    // UE8M0 with hidden not a multiple of 512.
+    let mut c2 = Case::new(2, 8, 256, 2, 8);
+    c2.fp8 = Some((true, true));
+    let mut g2 = group(&dev, &c2);
+    let d2 = upload(&dev, &inputs_of(&c2));
+    assert!(
+        matches!(g2.dispatch(&rank_inputs(&d2), &c2.args()), Err(Error::Unsupported(ref m)) if m.contains("512"))
+    );
     // An expert id out of range: typed at the next sync, the group stays usable.
     let mut idx = inputs[0].topk_idx.clone();
     idx.set(3, 1, 99);

@@ -443,7 +443,7 @@ struct SmRow {
 
 /// Median over blocks (of every rank) of the time from stamp `slots[i-1]` (0 first) to
 /// `slots[i]`, then the whole span (earliest start to latest end), in microseconds.
-fn phase_split(stamps: &[Vec<Vec<u64>>], slots: &[usize]) -> Vec<f64> {
+pub(super) fn phase_split(stamps: &[Vec<Vec<u64>>], slots: &[usize]) -> Vec<f64> {
     let blocks: Vec<&Vec<u64>> = stamps.iter().flatten().filter(|b| b[0] != 0).collect();
     let mut out = Vec::with_capacity(slots.len() + 1);
     let mut prev = 0;

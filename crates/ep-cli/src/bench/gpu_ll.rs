@@ -73,6 +73,11 @@ struct LlReport {
     combine_send: Figure,
     combine_recv: Figure,
     empty_launch_us: f64,
+    /// One call, median over blocks: routing (send start to known), send rows, (gap), wait for
+    /// the sources, receive rows; then the whole span over all blocks and ranks (us).
+    dispatch_phases_us: Vec<f64>,
+    /// Combine likewise (no routing step: its first figure is the setup).
+    combine_phases_us: Vec<f64>,
     bytes_per_token_ep_rs: f64,
     bytes_per_token_deepep: f64,
 }
@@ -295,6 +300,22 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             .map_err(gpu_err("timed empty gate"))
     })?;
 
+    // Phases of one plain dispatch and one plain combine (median over blocks of all ranks).
+    let slots = [1usize, 2, 4, 5, 6];
+    g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
+    let o = g.dispatch(&inputs, &dargs).map_err(gpu_err("dispatch"))?;
+    let dphases =
+        super::gpu::phase_split(&g.phase_times().map_err(gpu_err("phase stamps"))?, &slots);
+    g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
+    let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
+    let hs: Vec<_> = h.iter().collect();
+    g.combine(&hs, &y_in, false).map_err(gpu_err("combine"))?;
+    let cphases =
+        super::gpu::phase_split(&g.phase_times().map_err(gpu_err("phase stamps"))?, &slots);
+    g.measure_phases(false).map_err(gpu_err("phase stamps"))?;
+    rep.dispatch_phases_us = dphases;
+    rep.combine_phases_us = cphases;
+
     // Bytes per token: one row (+ scales) per destination rank vs per expert; DeepEP's
     // bandwidth convention counts per expert.
     let row = if fp8 {
@@ -351,6 +372,17 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     println!(
         "{:<22} {:>10.2}            (floor: the gate's release to an empty end, same run)",
         "empty call", rep.empty_launch_us
+    );
+    let ph = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.2}"))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    println!(
+        "phases (us, median over blocks: setup / send rows / gap / wait / receive rows / whole span): dispatch {}; combine {}",
+        ph(&rep.dispatch_phases_us),
+        ph(&rep.combine_phases_us)
     );
     if let Some(path) = &args.json {
         let doc = serde_json::json!({

@@ -210,6 +210,8 @@ pub struct LlGroup {
     absent: Option<usize>,
     gate: Option<Arc<CudaStream>>,
     smem_limit: usize,
+    /// Per rank: where the kernels stamp their phase times, when measuring.
+    phase_times: Option<Vec<DevTensor>>,
 }
 
 /// Where each shared-memory array of a kernel starts, and the bytes needed.
@@ -370,6 +372,7 @@ impl LlGroup {
             absent: None,
             gate: None,
             smem_limit,
+            phase_times: None,
         })
     }
 
@@ -664,10 +667,55 @@ impl LlGroup {
         a
     }
 
+    /// Measurement: from now on (`on`, which also zeroes the stamps) the kernels stamp
+    /// `%globaltimer` at their phase boundaries ([`LlGroup::phase_times`]); off with `false`.
+    pub fn measure_phases(&mut self, on: bool) -> Result<()> {
+        self.phase_times = if on {
+            let slots = abi::EP_PHASE_SLOTS as usize;
+            Some(
+                (0..self.num_ranks())
+                    .map(|_| {
+                        DevTensor::zeros(self.dev.context(), DType::I64, self.cfg.num_sms, slots)
+                    })
+                    .collect::<Result<_>>()?,
+            )
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// The stamps since [`LlGroup::measure_phases`]: per rank, per block, `EP_PHASE_SLOTS`
+    /// `%globaltimer` values (ns; 0 = not reached): send start, routing known, rows stored,
+    /// signals released (last block), receive start, sources acquired, end.
+    pub fn phase_times(&mut self) -> Result<Vec<Vec<Vec<u64>>>> {
+        self.sync()?;
+        let Some(bufs) = &self.phase_times else {
+            return Ok(Vec::new());
+        };
+        bufs.iter()
+            .map(|b| {
+                let t = b.download::<i64>()?;
+                Ok((0..t.rows())
+                    .map(|i| t.row(i).iter().map(|&v| v as u64).collect())
+                    .collect())
+            })
+            .collect()
+    }
+
     fn launch(&self, rank: usize, f: &CudaFunction, args: &LlArgs) -> Result<()> {
         if self.absent == Some(rank) || self.mask[rank] {
             return Ok(());
         }
+        let mut measured;
+        let args = match &self.phase_times {
+            Some(bufs) => {
+                measured = *args;
+                measured.phase_times = bufs[rank].ptr();
+                &measured
+            }
+            None => args,
+        };
         let smem = Smem::new(&self.cfg, args.num_tokens, args.num_topk.max(1));
         debug_assert!(smem.bytes as usize <= self.smem_limit);
         let mut b = self.ranks[rank].stream.launch_builder(f);
@@ -780,6 +828,12 @@ impl LlGroup {
             return Err(Error::Unsupported(
                 "use_ue8m0 needs round_scale (UE8M0 holds powers of two only)".into(),
             ));
+        }
+        if args.use_ue8m0 && !self.cfg.hidden.is_multiple_of(512) {
+            return Err(Error::Unsupported(format!(
+                "use_ue8m0 with hidden {}: UE8M0 scales pack four 128-channel blocks per int32, so hidden must be a multiple of 512",
+                self.cfg.hidden
+            )));
         }
         if !args.use_fp8 && (args.round_scale || args.use_ue8m0) {
             return Err(Error::Unsupported(
