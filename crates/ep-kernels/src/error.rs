@@ -163,6 +163,27 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A host collective between processes failed (a process out of step, gone, or an earlier
+    /// failure of the same exchange).
+    #[error("exchange #{op} failed on rank {rank}: {reason}")]
+    ExchangeFailed {
+        /// This process's rank in the exchange.
+        rank: u32,
+        /// The collective's number (counted from 1).
+        op: u64,
+        /// What happened, naming the process awaited.
+        reason: String,
+    },
+    /// A peer process described its ranks' arenas in a way this process cannot map.
+    #[error(
+        "the arenas of exchange process {process} cannot be mapped here: {reason}; every process must create its group with the same world size, num_sms and num_nvl_bytes, each world rank in exactly one process"
+    )]
+    PeerArena {
+        /// The describing process (its exchange rank).
+        process: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// A spawned rank process failed.
     #[error("rank process {rank} {what}")]
     RankProcess {
