@@ -3,6 +3,7 @@
 //!
 //! - [`tensor`]: [`DevTensor`], the typed view over device memory calls take and return;
 //! - [`mem`]: device buffers and host-mapped memory;
+//! - [`ipc`]: device buffers shared with other processes (CUDA IPC);
 //! - [`device`]: one GPU with its kernels and error record;
 //! - [`normal`]: layout, dispatch, cached dispatch, combine and the copy ceiling.
 //! - `host`: downloads of results as ep-core's host types (verification, digests);
@@ -11,6 +12,7 @@
 pub mod abi;
 pub mod device;
 mod host;
+pub mod ipc;
 pub mod mem;
 pub mod normal;
 pub mod tensor;
