@@ -227,9 +227,11 @@ pub enum Error {
         found: usize,
     },
     /// Per-rank inputs for a different number of ranks.
-    #[error("inputs for {found} ranks, the group has {expected}")]
+    #[error(
+        "inputs for {found} ranks, the group has {expected} local ranks: pass one per rank this process drives (NormalGroup::local_ranks)"
+    )]
     RankCountMismatch {
-        /// Ranks of the group.
+        /// Local ranks of the group.
         expected: usize,
         /// Inputs given.
         found: usize,

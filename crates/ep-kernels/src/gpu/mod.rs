@@ -15,6 +15,7 @@ mod host;
 pub mod ipc;
 pub mod mem;
 pub mod normal;
+mod peers;
 pub mod tensor;
 
 pub use device::Device;
