@@ -205,3 +205,38 @@ fn a_world_of_one_needs_no_network() {
         Err(Error::BadRank { .. })
     ));
 }
+
+#[test]
+fn processes_started_by_the_launcher_exchange_through_the_environment() {
+    use ep_kernels::nvshmem::launch::{RankLaunch, is_rank_process, launch_ranks};
+    const TEST: &str = "processes_started_by_the_launcher_exchange_through_the_environment";
+    if is_rank_process() {
+        // A rank: the same path as the GPU tests' (TcpExchange::from_env).
+        let mut ex = TcpExchange::from_env().unwrap();
+        let me = ex.rank();
+        let got = ex
+            .all_gather(format!("hello from {me}").as_bytes())
+            .unwrap();
+        ex.barrier().unwrap();
+        let got: Vec<String> = got
+            .into_iter()
+            .map(|b| String::from_utf8(b).unwrap())
+            .collect();
+        println!("RANK {me} GOT {}", got.join("|"));
+        return;
+    }
+    let res = launch_ranks(&RankLaunch {
+        program: std::env::current_exe().unwrap(),
+        args: vec![TEST.into(), "--exact".into(), "--nocapture".into()],
+        world: 3,
+        plan: Vec::new(),
+        extra_env: Vec::new(),
+        timeout: Duration::from_secs(60),
+    })
+    .unwrap();
+    for o in &res.outcomes {
+        assert_eq!(o.code, Some(0), "rank {}: {}", o.rank, o.output);
+        let want = format!("RANK {} GOT hello from 0|hello from 1|hello from 2", o.rank);
+        assert!(o.output.contains(&want), "rank {}: {}", o.rank, o.output);
+    }
+}

@@ -133,10 +133,7 @@ fn check_all(
         }
         for &(r, c, dd) in &d.ranks {
             let Some(slot) = owner.get_mut(r) else {
-                return Err(bad(format!(
-                    "rank {r} in a world of {}",
-                    shape.world
-                )));
+                return Err(bad(format!("rank {r} in a world of {}", shape.world)));
             };
             if let Some(q) = *slot {
                 return Err(bad(format!("rank {r}, which process {q} holds too")));
