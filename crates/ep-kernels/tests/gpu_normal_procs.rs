@@ -51,9 +51,10 @@ fn spawn_or_run(test: &str, world: u32, rank_main: fn(u32) -> ep_kernels::Result
         println!("RANK {rank} OK");
         return;
     }
-    // SAFETY: only tries to dlopen libcuda.
-    let driver = unsafe { cudarc::driver::sys::is_culib_present() };
-    assert!(driver, "{test} needs a CUDA driver, and there is none here");
+    assert!(
+        driver_present(),
+        "{test} needs a CUDA driver, and there is none here"
+    );
     let launch = RankLaunch {
         program: std::env::current_exe().unwrap(),
         args: vec![
@@ -82,16 +83,20 @@ fn spawn_or_run(test: &str, world: u32, rank_main: fn(u32) -> ep_kernels::Result
     assert!(failed.is_empty(), "{test}:\n{}", failed.join("\n"));
 }
 
+fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
 /// This process's GPU: `LOCAL_RANK`'s, modulo the GPUs there are (one GPU: all share it).
 fn my_device() -> Arc<Device> {
     let local: usize = std::env::var("LOCAL_RANK")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    // SAFETY: only tries to dlopen libcuda.
     assert!(
-        unsafe { cudarc::driver::sys::is_culib_present() },
-        "no CUDA driver"
+        driver_present(),
+        "these tests need a CUDA driver, and there is none here"
     );
     let n = cudarc::driver::CudaContext::device_count().expect("cuDeviceGetCount") as usize;
     assert!(n >= 1, "these tests need a GPU, and there is none here");
