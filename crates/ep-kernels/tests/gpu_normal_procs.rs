@@ -105,10 +105,10 @@ fn my_device() -> Arc<Device> {
     device_at(ordinal)
 }
 
-/// The process-shaped group of `case` (one rank per process).
-fn process_group(case: &Case) -> ep_kernels::Result<NormalGroup> {
+/// The process-shaped group of `case` on `dev` (one rank per process).
+fn process_group(dev: &Arc<Device>, case: &Case) -> ep_kernels::Result<NormalGroup> {
     let ex = TcpExchange::from_env()?;
-    let mut g = NormalGroup::new_process(my_device(), case.sms, case.arena_bytes(), Box::new(ex))?;
+    let mut g = NormalGroup::new_process(dev.clone(), case.sms, case.arena_bytes(), Box::new(ex))?;
     g.set_timeout(DEVICE_TIMEOUT);
     Ok(g)
 }
@@ -144,8 +144,9 @@ fn small_cases() -> Vec<Case> {
 #[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
 fn one_rank_per_process_equals_the_plan() {
     spawn_or_run("one_rank_per_process_equals_the_plan", 2, |rank| {
+        let dev = my_device();
         for (i, base) in small_cases().iter().enumerate() {
-            let mut g = process_group(base)?;
+            let mut g = process_group(&dev, base)?;
             assert_eq!(g.local_ranks(), vec![rank as usize]);
             for round in 0..3u64 {
                 let mut c = base.clone();
@@ -175,7 +176,7 @@ fn an_absent_process_rank_times_out_and_the_collective_reset_recovers() {
         2,
         |rank| {
             let c = Case::new(2, 96, 2048, 4, 16);
-            let mut g = process_group(&c)?;
+            let mut g = process_group(&my_device(), &c)?;
             run_case(&mut g, &c);
             g.set_timeout(Duration::from_secs(2));
             let inputs = inputs_of(&c);
