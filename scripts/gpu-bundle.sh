@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds, on the development machine, the release test executables and examples that need a GPU
 # (ep-kernels, nvshmem-sys, ibgda-sys) and the `ep` binary, and collects them in bundle/ (git-ignored) for the GPU
-# machine, which has no Rust toolchain. Then, with the device tool:
+# machine, which has no Rust toolchain. Every test executable of those crates is collected, the
+# self-spawning ones included (ep-kernels--gpu_normal_procs, ep-kernels--nvshmem_bringup start
+# copies of themselves as rank processes). Then, with the device tool:
 #   run(command: "bash scripts/gpu-run.sh", carry: ["bundle"], kind: "nvidia-h200-x2")
 # nvcc must be reachable at build time for the kernels (see GPU.md: the pip toolchain in
 # .venv-cuda is found automatically).

@@ -3,6 +3,10 @@
 # enabled. Usage: bash scripts/gpu-run.sh [test-name-filter ...]
 # Logs go to $OUT (the device tool's folder) or bundle/out, plus a summary line
 # "N passed, N failed".
+# GPU_RUN_ONLY=<glob>: only the test executables whose name matches (e.g. '*gpu_normal_procs'),
+#   no examples, doctor or bench.
+# GPU_RUN_MPS=1: the multi-process normal-mode tests (ep-kernels--gpu_normal_procs) run once more
+#   under MPS, started for that run only and stopped right after it (GPU.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Never NVLink multicast / SHArP on the shared machine (GPU.md).
@@ -25,20 +29,42 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
   skipped="list_devices_where_rdma_core_is_installed (no libibverbs.so.1)"
   echo "SKIPPED: $skipped"
 fi
+only="${GPU_RUN_ONLY:-}"
 for ex in bundle/examples/*; do
   [ -x "$ex" ] || continue
+  [ -z "$only" ] || continue
   echo "=== example $(basename "$ex")"
   timeout 60 "$ex" 2>&1 | tee "$out/example-$(basename "$ex").log"
 done
+run_test() { # executable, log name, test args...
+  local t="$1" name="$2"; shift 2
+  echo "=== $name"
+  timeout 300 "$t" --include-ignored --test-threads=1 --nocapture "${skip[@]}" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  grep -E "^test |SKIPPED|RANK|phase|transports|ibgda|NVSHMEM|init took|env |panicked|FAILED|test result" "$out/$name.log" | head -80
+  if [ $rc -eq 0 ]; then pass=$((pass+1)); else fail=$((fail+1)); echo "$name exited $rc"; tail -40 "$out/$name.log"; fi
+}
 for t in bundle/tests/*; do
   [ -x "$t" ] || continue
   name=$(basename "$t")
-  echo "=== $name"
-  timeout 300 "$t" --include-ignored --test-threads=1 --nocapture "${skip[@]}" "$@" >"$out/$name.log" 2>&1
-  rc=$?
-  grep -E "^test |SKIPPED|RANK|phase|transports|ibgda|NVSHMEM|init took|env |panicked|FAILED|test result" "$out/$name.log" | head -80
-  if [ $rc -eq 0 ]; then pass=$((pass+1)); else fail=$((fail+1)); echo "$name exited $rc"; tail -40 "$out/$name.log"; fi
+  # shellcheck disable=SC2053 # $only is a glob
+  [ -z "$only" ] || [[ $name == $only ]] || continue
+  run_test "$t" "$name" "$@"
 done
+procs=bundle/tests/ep-kernels--gpu_normal_procs
+if [ "${GPU_RUN_MPS:-0}" = 1 ] && [ -x "$procs" ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    run_test "$procs" "$(basename "$procs")-mps" "$@"
+    echo quit | nvidia-cuda-mps-control; trap - EXIT
+  else
+    echo "MPS did not start: the MPS run of $procs is skipped"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
+[ -n "$only" ] && { echo "$pass passed, $fail failed${skipped:+; skipped: $skipped}"; [ $fail -eq 0 ]; exit; }
 if [ -x bundle/ep ]; then
   # The doctor for real: live probes (CUDA, rdma-core, GDRCopy), then --probe (NVSHMEM started
   # in two child processes with the plan's environment; GPU-memory registration with a NIC).

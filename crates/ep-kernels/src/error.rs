@@ -163,6 +163,27 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A host collective between processes failed (a process out of step, gone, or an earlier
+    /// failure of the same exchange).
+    #[error("exchange #{op} failed on rank {rank}: {reason}")]
+    ExchangeFailed {
+        /// This process's rank in the exchange.
+        rank: u32,
+        /// The collective's number (counted from 1).
+        op: u64,
+        /// What happened, naming the process awaited.
+        reason: String,
+    },
+    /// A peer process described its ranks' arenas in a way this process cannot map.
+    #[error(
+        "the arenas of exchange process {process} cannot be mapped here: {reason}; every process must create its group with the same world size, num_sms and num_nvl_bytes, each world rank in exactly one process"
+    )]
+    PeerArena {
+        /// The describing process (its exchange rank).
+        process: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// A spawned rank process failed.
     #[error("rank process {rank} {what}")]
     RankProcess {
@@ -214,9 +235,11 @@ pub enum Error {
         num_ranks: usize,
     },
     /// Per-rank inputs for a different number of ranks.
-    #[error("inputs for {found} ranks, the group has {expected}")]
+    #[error(
+        "inputs for {found} ranks, the group has {expected} local ranks: pass one per rank this process drives (NormalGroup::local_ranks)"
+    )]
     RankCountMismatch {
-        /// Ranks of the group.
+        /// Local ranks of the group.
         expected: usize,
         /// Inputs given.
         found: usize,

@@ -7,7 +7,9 @@
 //!
 //! - [`nvshmem`]: NVSHMEM bring-up (version check, environment plan, rendezvous, init, report,
 //!   symmetric memory, peer pointers, finalize) and the one-process-per-rank launcher.
-//! - [`gpu`]: the GPU data path: device tensors, kernels, normal mode with co-resident ranks.
+//! - [`gpu`]: the GPU data path: device tensors, kernels, normal mode with co-resident ranks
+//!   and ranks of other processes mapped through CUDA IPC.
+//! - [`exchange`]: host all-gather and barrier between the processes of a job (TCP star).
 //! - [`kernels`]: the embedded cubins.
 //!
 //! Build time: nvcc optional (see `build.rs`). Run time: the NVIDIA driver (`libcuda.so.1`,
@@ -15,6 +17,7 @@
 //! `nvshmem_sys::search` says).
 
 mod error;
+pub mod exchange;
 pub mod gpu;
 pub mod kernels;
 pub mod nvshmem;

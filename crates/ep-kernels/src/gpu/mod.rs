@@ -1,8 +1,10 @@
-//! The GPU data path (normal intranode mode): device memory and tensors, the eagerly loaded
-//! kernels, and [`NormalGroup`], the co-resident ranks of one process on one GPU.
+//! The GPU data path: device memory and tensors, the eagerly loaded kernels, [`NormalGroup`]
+//! (normal mode: co-resident ranks of one process, or one rank per process over CUDA IPC) and
+//! [`LlGroup`] (low-latency mode, co-resident ranks).
 //!
 //! - [`tensor`]: [`DevTensor`], the typed view over device memory calls take and return;
 //! - [`mem`]: device buffers and host-mapped memory;
+//! - [`ipc`]: device buffers shared with other processes (CUDA IPC);
 //! - [`device`]: one GPU with its kernels and error record;
 //! - [`normal`]: layout, dispatch, cached dispatch, combine and the copy ceiling;
 //! - [`low_latency`]: [`LlGroup`], low-latency dispatch and combine (variant (a), peers by pointer).
@@ -12,9 +14,11 @@
 pub mod abi;
 pub mod device;
 mod host;
+pub mod ipc;
 pub mod low_latency;
 pub mod mem;
 pub mod normal;
+mod peers;
 pub mod tensor;
 
 pub use device::Device;

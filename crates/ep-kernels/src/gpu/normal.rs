@@ -1,9 +1,21 @@
-//! Normal intranode mode on one GPU with `R` co-resident ranks (docs/protocol.md §2): each rank
-//! has its own arena (`normal.ctrl` + `normal.data`, laid out by `ep_core::protocol::layout`),
-//! its own stream and its own kernels, which run concurrently and see each other only through
-//! the table of peer pointers in their arguments.
+//! Normal intranode mode (docs/protocol.md §2) over `R` ranks: each rank has its own arena
+//! (`normal.ctrl` + `normal.data`, laid out by `ep_core::protocol::layout`), its own stream and
+//! its own kernels, which run concurrently and see each other only through the table of peer
+//! pointers in their arguments.
 //!
-//! Calls take and return device tensors ([`DevTensor`]) of every local rank. Received rows are
+//! A [`NormalGroup`] drives the **local ranks** of one process: all `R` of them co-resident on
+//! one GPU ([`NormalGroup::new`]), or one rank per process — the deployment shape —
+//! ([`NormalGroup::new_process`]), or any subset ([`NormalGroup::with_peers`]). The arenas of
+//! ranks in other processes are mapped with CUDA IPC (`gpu::ipc`), exchanged over an
+//! [`Exchange`]; the kernels never know which case they are in.
+//!
+//! Calls take and return device tensors ([`DevTensor`]) of every **local** rank: each per-rank
+//! slice has one entry per local rank, in [`NormalGroup::local_ranks`] order (length
+//! [`NormalGroup::num_local_ranks`]), and so does each returned `Vec`; a `rank` argument
+//! ([`NormalGroup::stream`], [`NormalGroup::combine_rows`], ...) is a local index. Shapes and
+//! expert counts are those of the world (`R = num_ranks()`). Every process calls the same
+//! collective calls (`layout`, `dispatch`, `dispatch_cached`, `combine`, `ceiling*`, `reset`) in
+//! the same order: the kernels' signal values count the calls. Received rows are
 //! views into the rank's arena (row stride = the dispatch record), valid until the next dispatch
 //! on the group; the received meta outputs (`recv_src_idx`, `recv_topk_*`) likewise live in
 //! per-rank buffers reused by the next dispatch. Handles own their tensors.
@@ -23,8 +35,10 @@ use ep_core::protocol::layout::{NormalCtrl, NormalData, REGION_ALIGN, RowFormat,
 use super::abi::{self, ErrBlock, Mailbox, NormalArgs};
 use super::device::Device;
 use super::mem::{DevBuf, HostMapped};
+use super::peers::{self, Peer, Shape};
 use super::tensor::{DType, DevTensor};
 use crate::error::{Error, Result};
+use crate::exchange::Exchange;
 
 /// Ranks a normal-mode kernel can address.
 pub const MAX_RANKS: usize = abi::EP_GPU_MAX_RANKS as usize;
@@ -38,9 +52,11 @@ const _: () = assert!(
 /// Top-k a kernel handles (one lane per slot).
 pub const MAX_TOPK: usize = 32;
 
-/// One rank's resources.
+/// One local rank's resources.
 #[derive(Debug)]
 struct Rank {
+    /// Its rank in the world (what the kernels call `rank`).
+    world_rank: usize,
     stream: Arc<CudaStream>,
     ctrl: Arc<DevBuf>,
     data: Arc<DevBuf>,
@@ -192,11 +208,24 @@ struct LastDispatch {
     num_topk: usize,
 }
 
-/// `R` co-resident ranks on one GPU running normal mode (module docs).
+/// The local ranks of one process running normal mode over a world of `R` ranks (module docs).
 #[derive(Debug)]
 pub struct NormalGroup {
     dev: Arc<Device>,
+    /// `R`, the ranks the kernels address.
+    world: usize,
+    /// The local ranks, ascending world rank.
     ranks: Vec<Rank>,
+    /// The other processes' ranks, mapped here (alive while kernels may address them).
+    peers: Vec<Peer>,
+    /// Every world rank's `normal.ctrl` / `normal.data` address in this process: the kernels'
+    /// peer table (local buffers or mappings).
+    table_ctrl: [u64; MAX_RANKS],
+    table_data: [u64; MAX_RANKS],
+    /// Bytes of every rank's `normal.data`.
+    data_bytes: u64,
+    /// The processes' host collectives (`None`: every rank is local).
+    exchange: Option<Box<dyn Exchange>>,
     num_sms: usize,
     call: u64,
     timeout: Duration,
@@ -228,9 +257,81 @@ impl NormalGroup {
         num_sms: usize,
         num_nvl_bytes: u64,
     ) -> Result<Self> {
+        let local: Vec<usize> = (0..num_ranks).collect();
+        Self::local_part(dev, num_ranks, &local, num_sms, num_nvl_bytes)
+    }
+
+    /// One rank per process (the deployment shape): this process is rank `exchange.rank()` of
+    /// `exchange.world()`, each process calls this with the same `num_sms` and
+    /// `num_nvl_bytes`. Collective: returns once every process has mapped every other's arena
+    /// (bounded by the exchange's timeout).
+    pub fn new_process(
+        dev: Arc<Device>,
+        num_sms: usize,
+        num_nvl_bytes: u64,
+        exchange: Box<dyn Exchange>,
+    ) -> Result<Self> {
+        let (rank, world) = (exchange.rank() as usize, exchange.world() as usize);
+        Self::with_peers(dev, world, &[rank], num_sms, num_nvl_bytes, exchange)
+    }
+
+    /// This process's `local_ranks` (ascending) of a world of `num_ranks`, co-resident on
+    /// `dev` (`local_ranks.len() × num_sms ≤` its SMs), the other ranks held by the other
+    /// processes of `exchange` (each world rank in exactly one process; the exchange's ranks
+    /// are process indices). Collective like [`NormalGroup::new_process`].
+    ///
+    /// Processes sharing one GPU take turns without MPS (a cross-process flag round trip takes
+    /// milliseconds, GPU.md): give them generous timeouts, or run under MPS, where the blocks of
+    /// every process's kernels must fit the GPU at once.
+    pub fn with_peers(
+        dev: Arc<Device>,
+        num_ranks: usize,
+        local_ranks: &[usize],
+        num_sms: usize,
+        num_nvl_bytes: u64,
+        mut exchange: Box<dyn Exchange>,
+    ) -> Result<Self> {
+        let mut g = Self::local_part(dev, num_ranks, local_ranks, num_sms, num_nvl_bytes)?;
+        let shape = Shape {
+            world: num_ranks,
+            num_sms,
+            ctrl_bytes: g.ranks[0].ctrl.len() as u64,
+            data_bytes: g.data_bytes,
+        };
+        let local: Vec<(usize, &DevBuf, &DevBuf)> = g
+            .ranks
+            .iter()
+            .map(|r| (r.world_rank, &*r.ctrl, &*r.data))
+            .collect();
+        let peers = peers::map_peers(&mut *exchange, g.dev.context(), shape, &local)?;
+        for p in &peers {
+            g.table_ctrl[p.world_rank] = p.ctrl.ptr();
+            g.table_data[p.world_rank] = p.data.ptr();
+        }
+        g.peers = peers;
+        g.exchange = Some(exchange);
+        Ok(g)
+    }
+
+    /// The local ranks' resources, their entries of the peer table filled.
+    fn local_part(
+        dev: Arc<Device>,
+        num_ranks: usize,
+        local_ranks: &[usize],
+        num_sms: usize,
+        num_nvl_bytes: u64,
+    ) -> Result<Self> {
         if num_ranks == 0 || num_ranks > MAX_RANKS {
             return Err(Error::Unsupported(format!(
                 "{num_ranks} ranks: the normal-mode kernels address 1 to {MAX_RANKS} ranks"
+            )));
+        }
+        if local_ranks.is_empty()
+            || local_ranks.windows(2).any(|w| w[0] >= w[1])
+            || local_ranks.iter().any(|&r| r >= num_ranks)
+        {
+            return Err(Error::Unsupported(format!(
+                "local ranks {local_ranks:?}: give at least one rank of 0..{num_ranks}, ascending, each once"
             )));
         }
         if num_sms < 2
@@ -242,9 +343,10 @@ impl NormalGroup {
                 2 * ep_core::protocol::layout::MAX_CHANNELS
             )));
         }
-        if num_ranks * num_sms > dev.num_sms() {
+        // The co-resident ranks (this process's, on this device) must all be resident at once.
+        if local_ranks.len() * num_sms > dev.num_sms() {
             return Err(Error::NotEnoughSms {
-                ranks: num_ranks,
+                ranks: local_ranks.len(),
                 sms_per_rank: num_sms,
                 device_sms: dev.num_sms(),
             });
@@ -264,13 +366,17 @@ impl NormalGroup {
             });
         }
         let ctx = dev.context().clone();
-        let mut ranks = Vec::with_capacity(num_ranks);
-        for _ in 0..num_ranks {
+        let mut ranks = Vec::with_capacity(local_ranks.len());
+        let (mut table_ctrl, mut table_data) = ([0; MAX_RANKS], [0; MAX_RANKS]);
+        for &world_rank in local_ranks {
             let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
             let ctrl = Arc::new(DevBuf::zeroed(&ctx, ctrl_bytes as usize)?);
             let data = Arc::new(DevBuf::new(&ctx, (num_nvl_bytes - ctrl_bytes) as usize)?);
             debug_assert!(data.ptr() % REGION_ALIGN == 0);
+            table_ctrl[world_rank] = ctrl.ptr();
+            table_data[world_rank] = data.ptr();
             ranks.push(Rank {
+                world_rank,
                 stream,
                 ctrl,
                 data,
@@ -280,7 +386,13 @@ impl NormalGroup {
         }
         Ok(Self {
             dev,
+            world: num_ranks,
             ranks,
+            peers: Vec::new(),
+            table_ctrl,
+            table_data,
+            data_bytes: num_nvl_bytes - ctrl_bytes,
+            exchange: None,
             num_sms,
             call: 0,
             timeout: Duration::from_secs(10),
@@ -292,9 +404,52 @@ impl NormalGroup {
         })
     }
 
-    /// Ranks of the group.
+    /// Ranks of the world (`R`, what shapes and expert counts are relative to).
     pub fn num_ranks(&self) -> usize {
+        self.world
+    }
+
+    /// Ranks this process drives (the length of every per-rank slice of a call).
+    pub fn num_local_ranks(&self) -> usize {
         self.ranks.len()
+    }
+
+    /// The world ranks of the local ranks, in the order of every per-rank slice.
+    pub fn local_ranks(&self) -> Vec<usize> {
+        self.ranks.iter().map(|r| r.world_rank).collect()
+    }
+
+    /// The world rank of local rank `local`.
+    pub fn world_rank(&self, local: usize) -> Option<usize> {
+        self.ranks.get(local).map(|r| r.world_rank)
+    }
+
+    /// Waits until every process of the group has called it (nothing to wait for when every
+    /// rank is local). Host only: enqueued work is not waited for.
+    pub fn barrier(&mut self) -> Result<()> {
+        match &mut self.exchange {
+            Some(ex) => ex.barrier(),
+            None => Ok(()),
+        }
+    }
+
+    /// Collective teardown: waits for the local ranks' work, then for every process
+    /// ([`NormalGroup::barrier`]), so no peer's kernel still addresses this process's arenas
+    /// when they are freed. Dropping a group without it is safe for this process but may pull
+    /// the memory from under a peer's running kernels.
+    pub fn close(mut self) -> Result<()> {
+        let synced = self.sync_streams();
+        let met = self.barrier();
+        synced.and(met)
+    }
+
+    fn sync_streams(&self) -> Result<()> {
+        for r in &self.ranks {
+            r.stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        }
+        Ok(())
     }
 
     /// SMs per rank.
@@ -312,7 +467,7 @@ impl NormalGroup {
         &self.dev
     }
 
-    /// Rank `r`'s stream (every call of the group enqueues rank `r`'s work on it).
+    /// Local rank `r`'s stream (every call of the group enqueues that rank's work on it).
     pub fn stream(&self, r: usize) -> &Arc<CudaStream> {
         &self.ranks[r].stream
     }
@@ -330,7 +485,7 @@ impl NormalGroup {
     fn data_layout(&self) -> NormalData {
         NormalData {
             num_ranks: self.num_ranks(),
-            data_bytes: self.ranks[0].data.len() as u64,
+            data_bytes: self.data_bytes,
         }
     }
 
@@ -385,11 +540,7 @@ impl NormalGroup {
         if e.status == 0 {
             return Ok(());
         }
-        for r in &self.ranks {
-            r.stream
-                .synchronize()
-                .map_err(Error::cuda("cuStreamSynchronize"))?;
-        }
+        self.sync_streams()?;
         let e = self.dev.err.read();
         let err = self.decode(&e);
         if e.status == abi::EP_ERR_TIMEOUT {
@@ -437,79 +588,76 @@ impl NormalGroup {
         }
     }
 
-    /// Waits for every rank's stream and reports any device error ([`Error::Poisoned`] once a
-    /// timeout poisoned the group).
+    /// Waits for every local rank's stream and reports any device error
+    /// ([`Error::Poisoned`] once a timeout poisoned the group).
     pub fn sync(&mut self) -> Result<()> {
         if let Some(cause) = &self.poison {
             return Err(Error::Poisoned {
                 cause: cause.clone(),
             });
         }
-        for r in &self.ranks {
-            r.stream
-                .synchronize()
-                .map_err(Error::cuda("cuStreamSynchronize"))?;
-        }
+        self.sync_streams()?;
         self.check_device_error()
     }
 
-    /// Collective reset after a device timeout (docs/protocol.md §7.2): waits for every rank,
-    /// zeroes every control word, clears the error record. The call counter goes on.
+    /// Collective reset after a device timeout (docs/protocol.md §7.2): waits for the local
+    /// ranks, then for every process (no kernel anywhere still writes a control word), zeroes
+    /// the local ranks' control words, waits for every process again (nobody launches before
+    /// every word is zero), clears the error record. The call counter goes on.
     pub fn reset(&mut self) -> Result<()> {
-        for r in &self.ranks {
-            r.stream
-                .synchronize()
-                .map_err(Error::cuda("cuStreamSynchronize"))?;
-        }
+        self.sync_streams()?;
+        self.barrier()?;
         for r in &self.ranks {
             r.ctrl.memset_async(&r.stream, 0, 0, r.ctrl.len())?;
-            r.stream
-                .synchronize()
-                .map_err(Error::cuda("cuStreamSynchronize"))?;
         }
+        self.sync_streams()?;
+        self.barrier()?;
         self.dev.err.write(ErrBlock::default());
         self.poison = None;
         self.last = None;
         Ok(())
     }
 
-    fn base_args(&self, rank: usize) -> NormalArgs {
-        let mut a = NormalArgs {
-            rank: rank as u64,
+    /// The arguments every kernel of local rank `local` starts from.
+    fn base_args(&self, local: usize) -> NormalArgs {
+        NormalArgs {
+            rank: self.ranks[local].world_rank as u64,
             num_ranks: self.num_ranks() as u64,
             num_channels: self.num_channels() as u64,
-            data_bytes: self.ranks[0].data.len() as u64,
+            data_bytes: self.data_bytes,
             call: self.call,
             err: self.dev.err.dev_ptr(),
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            mailbox: self.ranks[rank].mailbox.dev_ptr(),
+            mailbox: self.ranks[local].mailbox.dev_ptr(),
+            peer_ctrl: self.table_ctrl,
+            peer_data: self.table_data,
             ..NormalArgs::default()
-        };
-        for (d, r) in self.ranks.iter().enumerate() {
-            a.peer_ctrl[d] = r.ctrl.ptr();
-            a.peer_data[d] = r.data.ptr();
         }
-        a
     }
 
-    /// Test hook: `Some(r)` stops launching rank `r`'s kernels, as if that rank never arrived
-    /// (its peers' waits must then time out, naming it).
+    /// World rank of local rank `local` (for messages).
+    fn who(&self, local: usize) -> usize {
+        self.ranks[local].world_rank
+    }
+
+    /// Test hook: `Some(r)` stops launching local rank `r`'s kernels, as if that rank never
+    /// arrived (its peers' waits must then time out, naming it).
     #[doc(hidden)]
     pub fn set_absent_rank_for_test(&mut self, rank: Option<usize>) {
         self.absent = rank;
     }
 
-    /// Test support: fills every rank's `normal.data` with `byte` (poisons received rows, count
-    /// records and tables before a call, so a row the kernels failed to write shows).
+    /// Test support: fills every local rank's `normal.data` with `byte` (poisons received
+    /// rows, count records and tables before a call, so a row the kernels failed to write
+    /// shows). Collective: returns when every process has filled its arenas, so no fill lands
+    /// on rows a peer already stored.
     #[doc(hidden)]
     pub fn fill_arenas_for_test(&mut self, byte: u8) -> Result<()> {
         for r in &self.ranks {
             r.data.memset_async(&r.stream, byte, 0, r.data.len())?;
-            r.stream
-                .synchronize()
-                .map_err(Error::cuda("cuStreamSynchronize"))?;
         }
-        Ok(())
+        self.sync_streams()?;
+        self.barrier()
     }
 
     /// Measurement: from now on (`on`) the dispatch and combine kernels stamp `%globaltimer` at
@@ -519,7 +667,7 @@ impl NormalGroup {
             let rows = 2 * ep_core::protocol::layout::MAX_CHANNELS;
             let slots = abi::EP_PHASE_SLOTS as usize;
             Some(
-                (0..self.num_ranks())
+                (0..self.num_local_ranks())
                     .map(|_| DevTensor::zeros(self.dev.context(), DType::I64, rows, slots))
                     .collect::<Result<_>>()?,
             )
@@ -529,7 +677,7 @@ impl NormalGroup {
         Ok(())
     }
 
-    /// The stamps of the last measured kernel of each rank: per block, `EP_PHASE_SLOTS`
+    /// The stamps of the last measured kernel of each local rank: per block, `EP_PHASE_SLOTS`
     /// `%globaltimer` values (ns; 0 = not reached). Dispatch: start, offsets known, rows stored,
     /// done released, done acquired, end; combine: start, y_ready acquired, rows reduced, -, -,
     /// end. Call after [`NormalGroup::sync`].
@@ -579,8 +727,8 @@ impl NormalGroup {
             .map_err(Error::cuda("cuLaunchKernel"))
     }
 
-    /// `get_dispatch_layout` of every rank on the device (spec §1.7). `topk_idx[r]` is `[T, K]`
-    /// i64.
+    /// `get_dispatch_layout` of every local rank on the device (spec §1.7). `topk_idx[i]` is
+    /// local rank `i`'s `[T, K]` i64.
     pub fn layout(
         &mut self,
         topk_idx: &[&DevTensor],
@@ -588,19 +736,20 @@ impl NormalGroup {
     ) -> Result<Vec<GpuLayout>> {
         self.check_ready()?;
         let r = self.num_ranks();
-        check_rank_count(r, topk_idx.len())?;
+        check_rank_count(self.num_local_ranks(), topk_idx.len())?;
         if num_experts == 0 || !num_experts.is_multiple_of(r) {
             return Err(Error::Unsupported(format!(
                 "{num_experts} experts over {r} ranks: the experts must divide evenly (and be at least 1)"
             )));
         }
-        let mut out = Vec::with_capacity(r);
+        let mut out = Vec::with_capacity(topk_idx.len());
         for (s, t) in topk_idx.iter().enumerate() {
-            t.expect(&format!("topk_idx of rank {s}"), DType::I64, None, None)?;
-            check_device(t, &self.dev, s)?;
+            let w = self.who(s);
+            t.expect(&format!("topk_idx of rank {w}"), DType::I64, None, None)?;
+            check_device(t, &self.dev, w)?;
             if t.cols() > MAX_TOPK || !t.is_contiguous() {
                 return Err(Error::Unsupported(format!(
-                    "topk_idx of rank {s}: {} columns (at most {MAX_TOPK}), contiguous rows needed",
+                    "topk_idx of rank {w}: {} columns (at most {MAX_TOPK}), contiguous rows needed",
                     t.cols()
                 )));
             }
@@ -644,7 +793,7 @@ impl NormalGroup {
             DType::F8E4M3 => true,
             d => {
                 return Err(Error::TensorMismatch {
-                    what: "x of rank 0".into(),
+                    what: format!("x of rank {}", self.who(0)),
                     expected: "Bf16 or F8E4M3".into(),
                     found: format!("{d:?}"),
                 });
@@ -665,7 +814,8 @@ impl NormalGroup {
             0
         };
         let mut tokens = Vec::with_capacity(inputs.len());
-        for (s, inp) in inputs.iter().enumerate() {
+        for (i, inp) in inputs.iter().enumerate() {
+            let s = self.who(i);
             let t = inp.x.rows();
             inp.x
                 .expect(&format!("x of rank {s}"), first.dtype(), None, Some(hidden))?;
@@ -734,9 +884,9 @@ impl NormalGroup {
         Ok((a.clone(), b.clone(), c.clone()))
     }
 
-    /// Normal dispatch of every rank (spec §1.8, docs/protocol.md §2.3): layout counts in,
-    /// every row stored once at its final row on each destination. `inputs[r]` and
-    /// `layouts[r]` are rank `r`'s.
+    /// Normal dispatch of every local rank (spec §1.8, docs/protocol.md §2.3): layout counts
+    /// in, every row stored once at its final row on each destination. `inputs[i]` and
+    /// `layouts[i]` are local rank `i`'s.
     pub fn dispatch(
         &mut self,
         inputs: &[GpuRankInputs<'_>],
@@ -746,8 +896,9 @@ impl NormalGroup {
     ) -> Result<Vec<GpuDispatch>> {
         self.check_ready()?;
         let r = self.num_ranks();
-        check_rank_count(r, inputs.len())?;
-        check_rank_count(r, layouts.len())?;
+        let n = self.num_local_ranks();
+        check_rank_count(n, inputs.len())?;
+        check_rank_count(n, layouts.len())?;
         if num_experts == 0 || !num_experts.is_multiple_of(r) {
             return Err(Error::Unsupported(format!(
                 "{num_experts} experts over {r} ranks: the experts must divide evenly"
@@ -772,7 +923,8 @@ impl NormalGroup {
             ));
         }
         let (fmt, tokens) = self.check_inputs(inputs, with_topk)?;
-        for (s, lay) in layouts.iter().enumerate() {
+        for (i, lay) in layouts.iter().enumerate() {
+            let s = self.who(i);
             lay.num_tokens_per_rank.expect(
                 &format!("num_tokens_per_rank of rank {s}"),
                 DType::I32,
@@ -788,7 +940,7 @@ impl NormalGroup {
             lay.is_token_in_rank.expect(
                 &format!("is_token_in_rank of rank {s}"),
                 DType::U8,
-                Some(tokens[s]),
+                Some(tokens[i]),
                 Some(r),
             )?;
         }
@@ -796,7 +948,7 @@ impl NormalGroup {
         let cap = self.dispatch_capacity(drec);
         if args.num_worst_tokens as u64 > cap {
             return Err(Error::DeviceCapacity {
-                rank: 0,
+                rank: self.who(0),
                 rows: args.num_worst_tokens as u64,
                 capacity: cap,
             });
@@ -804,8 +956,8 @@ impl NormalGroup {
         let c = self.num_channels();
         self.call += 1;
         let k = fmt.num_topk;
-        let mut handles = Vec::with_capacity(r);
-        let mut metas = Vec::with_capacity(r);
+        let mut handles = Vec::with_capacity(n);
+        let mut metas = Vec::with_capacity(n);
         // Every allocation (and release) before the first launch: a synchronous one would
         // wait for kernels already launched, which wait for ranks not launched yet.
         for (s, &t) in tokens.iter().enumerate() {
@@ -819,7 +971,7 @@ impl NormalGroup {
             ));
             metas.push(meta);
         }
-        for s in 0..r {
+        for s in 0..n {
             let (rpm, cpm, rcpm, send_head) = &handles[s];
             let meta = &metas[s];
             let inp = &inputs[s];
@@ -859,7 +1011,7 @@ impl NormalGroup {
         }
         self.last = Some(LastDispatch { fmt, num_topk: k });
         // The only host sync: num_recv and the expert list from each notify block.
-        let mut recv = vec![(None, Vec::new()); r];
+        let mut recv = vec![(None, Vec::new()); n];
         if args.num_worst_tokens == 0 {
             let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
             for (s, slot) in recv.iter_mut().enumerate() {
@@ -873,11 +1025,12 @@ impl NormalGroup {
                     }
                     if Instant::now() > deadline {
                         self.poison = Some(format!(
-                            "rank {s}'s notify of call {} never published num_recv",
+                            "rank {}'s notify of call {} never published num_recv",
+                            self.who(s),
                             self.call
                         ));
                         return Err(Error::HostWaitTimeout {
-                            rank: s,
+                            rank: self.who(s),
                             what: format!("num_recv of call {} from the notify block", self.call),
                             timeout: self.timeout,
                         });
@@ -891,7 +1044,7 @@ impl NormalGroup {
                 );
             }
         }
-        let mut out = Vec::with_capacity(r);
+        let mut out = Vec::with_capacity(n);
         for (s, ((rpm, cpm, rcpm, send_head), (src, idx, w))) in
             handles.into_iter().zip(metas).enumerate()
         {
@@ -931,8 +1084,8 @@ impl NormalGroup {
     }
 
     /// Cached dispatch (spec §1.8 with a handle, docs/protocol.md §2.4): no count exchange, the
-    /// offsets come from each rank's handle; no top-k. The handles must come from a dispatch of
-    /// this group with the same channel count.
+    /// offsets come from each local rank's handle; no top-k. The handles must come from a
+    /// dispatch of this group with the same channel count.
     pub fn dispatch_cached(
         &mut self,
         inputs: &[GpuRankInputs<'_>],
@@ -940,19 +1093,21 @@ impl NormalGroup {
     ) -> Result<Vec<GpuDispatch>> {
         self.check_ready()?;
         let r = self.num_ranks();
-        check_rank_count(r, inputs.len())?;
-        check_rank_count(r, handles.len())?;
+        let n = self.num_local_ranks();
+        check_rank_count(n, inputs.len())?;
+        check_rank_count(n, handles.len())?;
         let (fmt, tokens) = self.check_inputs(inputs, false)?;
         let c = self.num_channels();
         let drec = fmt.dispatch_record();
         let cap = self.dispatch_capacity(drec);
-        for (s, h) in handles.iter().enumerate() {
+        for (i, h) in handles.iter().enumerate() {
+            let s = self.who(i);
             h.check(s, r, c)?;
-            if h.num_tokens != tokens[s] {
+            if h.num_tokens != tokens[i] {
                 return Err(Error::TensorMismatch {
                     what: format!("x of rank {s} for a cached dispatch"),
                     expected: format!("{} rows (the handle's tokens)", h.num_tokens),
-                    found: format!("{} rows", tokens[s]),
+                    found: format!("{} rows", tokens[i]),
                 });
             }
             let rows = h.num_recv_tokens.ok_or_else(|| {
@@ -970,11 +1125,11 @@ impl NormalGroup {
             }
         }
         self.call += 1;
-        let mut metas = Vec::with_capacity(r);
-        for s in 0..r {
+        let mut metas = Vec::with_capacity(n);
+        for s in 0..n {
             metas.push(self.meta_buffers(s, cap as usize, 0)?);
         }
-        for s in 0..r {
+        for s in 0..n {
             let meta = &metas[s];
             let h = handles[s];
             let mut a = self.base_args(s);
@@ -1000,7 +1155,7 @@ impl NormalGroup {
             self.launch(s, &self.dev.normal.dispatch, 2 * c as u32, &a)?;
         }
         self.last = Some(LastDispatch { fmt, num_topk: 0 });
-        let mut out = Vec::with_capacity(r);
+        let mut out = Vec::with_capacity(n);
         for (s, (src, _, _)) in metas.into_iter().enumerate() {
             let h = handles[s];
             let rows = h.num_rows;
@@ -1025,7 +1180,7 @@ impl NormalGroup {
         Ok(out)
     }
 
-    /// Rank `rank`'s combine rows as views for the expert to write into (zero-copy combine
+    /// Local rank `rank`'s combine rows as views for the expert to write into (zero-copy combine
     /// input, docs/protocol.md §2.6): `[rows, H]` BF16 and, with `num_topk > 0`, `[rows, K]` f32
     /// weights, both with the combine record as row stride.
     pub fn combine_rows(
@@ -1043,9 +1198,15 @@ impl NormalGroup {
         };
         let yrec = fmt.combine_record();
         let d = self.data_layout();
+        if rank >= self.num_local_ranks() {
+            return Err(Error::Unsupported(format!(
+                "local rank {rank}: the group drives {} local ranks (index them from 0)",
+                self.num_local_ranks()
+            )));
+        }
         if rows as u64 > d.combine_capacity(yrec) {
             return Err(Error::DeviceCapacity {
-                rank,
+                rank: self.who(rank),
                 rows: rows as u64,
                 capacity: d.combine_capacity(yrec),
             });
@@ -1068,8 +1229,8 @@ impl NormalGroup {
         Ok((y, w))
     }
 
-    /// Copies expert outputs `y` (`[rows, H]` BF16) and weights (`[rows, K]` f32) of rank
-    /// `rank` into its combine rows, on its stream (the copying path of combine).
+    /// Copies expert outputs `y` (`[rows, H]` BF16) and weights (`[rows, K]` f32) of local
+    /// rank `rank` into its combine rows, on its stream (the copying path of combine).
     pub fn write_combine_rows(
         &self,
         rank: usize,
@@ -1092,8 +1253,8 @@ impl NormalGroup {
         Ok(())
     }
 
-    /// Combine of every rank (spec §1.8, docs/protocol.md §2.5): each rank pulls its tokens'
-    /// rows from every rank holding them and reduces in DeepEP's order.
+    /// Combine of every local rank (spec §1.8, docs/protocol.md §2.5): each rank pulls its
+    /// tokens' rows from every rank holding them and reduces in DeepEP's order.
     pub fn combine(
         &mut self,
         source: CombineSource,
@@ -1101,7 +1262,8 @@ impl NormalGroup {
     ) -> Result<Vec<GpuCombined>> {
         self.check_ready()?;
         let r = self.num_ranks();
-        check_rank_count(r, args.len())?;
+        let n = self.num_local_ranks();
+        check_rank_count(n, args.len())?;
         let c = self.num_channels();
         let last = self
             .last
@@ -1113,7 +1275,8 @@ impl NormalGroup {
                 "an in-place combine needs BF16 dispatch rows (FP8 rows have no room for BF16 outputs): write the outputs with write_combine_rows and combine from Rows".into(),
             ));
         }
-        for (s, a) in args.iter().enumerate() {
+        for (i, a) in args.iter().enumerate() {
+            let s = self.who(i);
             let h = a.handle;
             h.check(s, r, c)?;
             if a.with_weights && k == 0 {
@@ -1146,7 +1309,7 @@ impl NormalGroup {
             num_topk: k,
         };
         // Every allocation before the first launch (see `dispatch`).
-        let mut out = Vec::with_capacity(r);
+        let mut out = Vec::with_capacity(n);
         for (s, a) in args.iter().enumerate() {
             let st = &self.ranks[s].stream;
             let t = a.handle.num_tokens;
@@ -1185,10 +1348,10 @@ impl NormalGroup {
         Ok(out)
     }
 
-    /// The ceiling of a dispatch's data movement (BASELINES.md): on every rank, `blocks` blocks
-    /// load each row of `x[r]` once and store it to each of its final rows `dst_rows[r]`
-    /// (`[T, R]` i32, `-1` = not sent) on the destinations' arenas, records of `drec` bytes.
-    /// No protocol, no signals.
+    /// The ceiling of a dispatch's data movement (BASELINES.md): on every local rank `i`,
+    /// `blocks` blocks load each row of `x[i]` once and store it to each of its final rows
+    /// `dst_rows[i]` (`[T, R]` i32, `-1` = not sent) on the destinations' arenas, records of
+    /// `drec` bytes. No protocol, no signals.
     pub fn ceiling(
         &mut self,
         x: &[&DevTensor],
@@ -1198,19 +1361,20 @@ impl NormalGroup {
     ) -> Result<()> {
         self.check_ready()?;
         let r = self.num_ranks();
-        check_rank_count(r, x.len())?;
-        check_rank_count(r, dst_rows.len())?;
-        for s in 0..r {
+        check_rank_count(self.num_local_ranks(), x.len())?;
+        check_rank_count(self.num_local_ranks(), dst_rows.len())?;
+        for s in 0..x.len() {
             let row_bytes = (x[s].cols() * x[s].dtype().size()) as u64;
             dst_rows[s].expect(
-                &format!("dst_rows of rank {s}"),
+                &format!("dst_rows of rank {}", self.who(s)),
                 DType::I32,
                 Some(x[s].rows()),
                 Some(r),
             )?;
             if !row_bytes.is_multiple_of(16) || row_bytes > drec || !x[s].is_contiguous() {
                 return Err(Error::Unsupported(format!(
-                    "ceiling rows of rank {s}: {row_bytes} bytes"
+                    "ceiling rows of rank {}: {row_bytes} bytes",
+                    self.who(s)
                 )));
             }
             let mut a = self.base_args(s);
@@ -1226,9 +1390,9 @@ impl NormalGroup {
 }
 
 impl NormalGroup {
-    /// The ceiling of a combine's data movement: every token of rank `r` reduces its rows of
-    /// the last dispatch (BF16 x parts; `src_rows[r]` `[T, R]` i32, the token's row on each
-    /// rank or -1) into `out[r]` (`[T, H]` BF16), `blocks` blocks per rank, no signals.
+    /// The ceiling of a combine's data movement: every token of local rank `i` reduces its
+    /// rows of the last dispatch (BF16 x parts; `src_rows[i]` `[T, R]` i32, the token's row on
+    /// each rank or -1) into `out[i]` (`[T, H]` BF16), `blocks` blocks per rank, no signals.
     pub fn ceiling_combine(
         &mut self,
         src_rows: &[&DevTensor],
@@ -1237,8 +1401,8 @@ impl NormalGroup {
     ) -> Result<()> {
         self.check_ready()?;
         let r = self.num_ranks();
-        check_rank_count(r, src_rows.len())?;
-        check_rank_count(r, out.len())?;
+        check_rank_count(self.num_local_ranks(), src_rows.len())?;
+        check_rank_count(self.num_local_ranks(), out.len())?;
         let last = self.last.ok_or_else(|| {
             Error::Unsupported(
                 "a combine ceiling reads the rows of a dispatch: dispatch first".into(),
@@ -1249,15 +1413,15 @@ impl NormalGroup {
                 "the combine ceiling reads BF16 dispatch rows".into(),
             ));
         }
-        for s in 0..r {
+        for s in 0..out.len() {
             out[s].expect(
-                &format!("ceiling output of rank {s}"),
+                &format!("ceiling output of rank {}", self.who(s)),
                 DType::Bf16,
                 None,
                 Some(last.fmt.hidden),
             )?;
             src_rows[s].expect(
-                &format!("src_rows of rank {s}"),
+                &format!("src_rows of rank {}", self.who(s)),
                 DType::I32,
                 Some(out[s].rows()),
                 Some(r),
@@ -1273,8 +1437,8 @@ impl NormalGroup {
         Ok(())
     }
 
-    /// Runs `f`, which enqueues work on every rank's stream, with every rank released at the
-    /// same moment (their streams wait behind a short spin on a gate stream while the host
+    /// Runs `f`, which enqueues work on every local rank's stream, with every local rank
+    /// released at the same moment (their streams wait behind a short spin on a gate stream while the host
     /// enqueues), and returns each rank's device time from that release to the end of its work,
     /// in seconds (CUDA events).
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
@@ -1298,7 +1462,7 @@ impl NormalGroup {
                 cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
             ))
             .map_err(Error::cuda("cuEventRecord"))?;
-        let mut starts = Vec::with_capacity(self.num_ranks());
+        let mut starts = Vec::with_capacity(self.num_local_ranks());
         for r in &self.ranks {
             r.stream
                 .wait(&open)
@@ -1310,7 +1474,7 @@ impl NormalGroup {
             );
         }
         let out = f(self)?;
-        let mut ends = Vec::with_capacity(self.num_ranks());
+        let mut ends = Vec::with_capacity(self.num_local_ranks());
         for r in &self.ranks {
             ends.push(
                 r.stream

@@ -11,6 +11,10 @@
 //! client → root: `b"EPRDV001"`, token length `u16`, token bytes, rank `u32`, world `u32`;
 //! root → client: status `u8` (0 ok, 1 refused), then 128 id bytes (ok) or a `u16` length and a
 //! UTF-8 reason (refused).
+//!
+//! The star itself (root accepts every client rank after a hello with a magic and the token,
+//! clients join with retries, reads and writes bounded by a deadline) is shared with
+//! [`crate::exchange::TcpExchange`], which keeps the connections for all-gathers and barriers.
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
@@ -242,7 +246,7 @@ impl TcpRendezvous {
         self.addr
     }
 
-    fn io(&self, op: &'static str) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    pub(crate) fn io(&self, op: &'static str) -> impl FnOnce(std::io::Error) -> Error + '_ {
         move |source| Error::RendezvousIo {
             op,
             addr: self.addr,
@@ -250,7 +254,25 @@ impl TcpRendezvous {
         }
     }
 
+    /// The overall bound on one exchange.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     fn serve(&self, world: u32, id: &UniqueId) -> Result<()> {
+        self.accept_clients(MAGIC, world, &id.0).map(drop)
+    }
+
+    /// Root side of a star: listens until every client rank `1..world` has said a valid hello
+    /// with `magic` (bad clients are refused and the wait goes on), replies status 0 and
+    /// `ok_payload` to each, and returns the streams by rank (`[0]` is `None`). Bounded by the
+    /// timeout; the error names the ranks that never connected.
+    pub(crate) fn accept_clients(
+        &self,
+        magic: &[u8; 8],
+        world: u32,
+        ok_payload: &[u8],
+    ) -> Result<Vec<Option<TcpStream>>> {
         if self.addr.ip().is_unspecified() && !self.allow_all_interfaces {
             return Err(Error::RendezvousUnspecifiedAddress { addr: self.addr });
         }
@@ -259,19 +281,27 @@ impl TcpRendezvous {
             .set_nonblocking(true)
             .map_err(self.io("set_nonblocking"))?;
         let deadline = Instant::now() + self.timeout;
-        let mut served = vec![false; world as usize];
-        served[0] = true;
-        while served.iter().any(|s| !s) {
+        let mut clients: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let joined = |c: &[Option<TcpStream>]| -> Vec<bool> {
+            c.iter()
+                .enumerate()
+                .map(|(i, s)| i == 0 || s.is_some())
+                .collect()
+        };
+        while joined(&clients).iter().any(|j| !j) {
             match listener.accept() {
                 Ok((stream, _)) => {
                     // A bad client is refused and the root keeps waiting for the real ones.
-                    if let Some(rank) = self.serve_one(stream, world, &served, id)? {
-                        served[rank as usize] = true;
+                    let served = joined(&clients);
+                    if let Some((rank, s)) =
+                        self.serve_one(stream, magic, world, &served, ok_payload)
+                    {
+                        clients[rank as usize] = Some(s);
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
-                        let missing: Vec<usize> = served
+                        let missing: Vec<usize> = joined(&clients)
                             .iter()
                             .enumerate()
                             .filter(|(_, s)| !**s)
@@ -289,17 +319,18 @@ impl TcpRendezvous {
                 Err(e) => return Err(self.io("accept")(e)),
             }
         }
-        Ok(())
+        Ok(clients)
     }
 
-    /// Handles one connection; `Some(rank)` when that rank got the id.
+    /// Handles one connection; `Some((rank, stream))` when that rank was accepted.
     fn serve_one(
         &self,
         mut s: TcpStream,
+        magic: &[u8; 8],
         world: u32,
         served: &[bool],
-        id: &UniqueId,
-    ) -> Result<Option<u32>> {
+        ok_payload: &[u8],
+    ) -> Option<(u32, TcpStream)> {
         let hello = (|| -> std::io::Result<(Vec<u8>, Vec<u8>, u32, u32)> {
             s.set_nonblocking(false)?;
             s.set_read_timeout(Some(IO_TIMEOUT))?;
@@ -318,11 +349,11 @@ impl TcpRendezvous {
             Ok((magic.to_vec(), token, rank, w))
         })();
         // A client that cannot even say hello is dropped; it is not one of ours or it died.
-        let Ok((magic, token, rank, w)) = hello else {
-            return Ok(None);
+        let Ok((got_magic, token, rank, w)) = hello else {
+            return None;
         };
-        let refusal = if magic != MAGIC {
-            Some("not an ep-rs rendezvous client".to_string())
+        let refusal = if got_magic != magic {
+            Some("not an ep-rs rendezvous client of this kind".to_string())
         } else if !self.token.matches(&token) {
             Some("wrong session token".to_string())
         } else if w != world {
@@ -332,94 +363,193 @@ impl TcpRendezvous {
                 "rank {rank} is not a client rank of a world of {world}"
             ))
         } else if served[rank as usize] {
-            Some(format!("rank {rank} already received the id"))
+            Some(format!("rank {rank} already connected"))
         } else {
             None
         };
-        let mut reply = Vec::with_capacity(1 + UNIQUE_ID_BYTES);
+        let mut reply = Vec::with_capacity(1 + ok_payload.len());
         match &refusal {
             None => {
                 reply.push(0);
-                reply.extend_from_slice(&id.0);
+                reply.extend_from_slice(ok_payload);
             }
             Some(reason) => {
                 reply.push(1);
-                let r = &reason.as_bytes()[..reason.len().min(1024)];
-                reply.extend_from_slice(&(r.len() as u16).to_le_bytes());
-                reply.extend_from_slice(r);
+                put_reason(&mut reply, reason);
             }
         }
         if s.write_all(&reply).and_then(|_| s.flush()).is_err() {
-            return Ok(None);
+            return None;
         }
-        Ok(if refusal.is_none() { Some(rank) } else { None })
+        if refusal.is_none() {
+            Some((rank, s))
+        } else {
+            None
+        }
     }
 
     fn fetch(&self, rank: u32, world: u32) -> Result<UniqueId> {
-        let deadline = Instant::now() + self.timeout;
-        let timeout_err = || Error::RendezvousTimeout {
+        let waiting_for = "rank 0 (the root) to serve the unique id";
+        let (mut s, deadline) = self.join(MAGIC, rank, world, waiting_for)?;
+        let mut id = [0u8; UNIQUE_ID_BYTES];
+        read_exact_by(&mut s, &mut id, deadline).map_err(self.client_err(
             rank,
-            waiting_for: "rank 0 (the root) to serve the unique id".into(),
-            addr: self.addr,
-            timeout: self.timeout,
-        };
+            waiting_for,
+            "read unique id",
+        ))?;
+        Ok(UniqueId(id))
+    }
+
+    /// Client side of a star: connects to the root (retrying while it is not listening yet),
+    /// says hello with `magic`, and returns the stream once the root accepted it, with the
+    /// deadline of the whole join. A refusal is [`Error::RendezvousRefused`]; running out of
+    /// time is [`Error::RendezvousTimeout`] naming `waiting_for`.
+    pub(crate) fn join(
+        &self,
+        magic: &[u8; 8],
+        rank: u32,
+        world: u32,
+        waiting_for: &str,
+    ) -> Result<(TcpStream, Instant)> {
+        let deadline = Instant::now() + self.timeout;
         // The root may not be listening yet: retry connecting until the deadline.
         let mut s = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(timeout_err());
+                return Err(self.timeout_err(rank, waiting_for));
             }
             match TcpStream::connect_timeout(&self.addr, left.min(IO_TIMEOUT)) {
                 Ok(s) => break s,
                 Err(_) => std::thread::sleep(Duration::from_millis(20).min(left)),
             }
         };
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
-        s.set_read_timeout(Some(left))
-            .map_err(self.io("set_read_timeout"))?;
-        s.set_write_timeout(Some(left))
-            .map_err(self.io("set_write_timeout"))?;
         let mut hello = Vec::new();
-        hello.extend_from_slice(MAGIC);
+        hello.extend_from_slice(magic);
         hello.extend_from_slice(&(self.token.0.len() as u16).to_le_bytes());
         hello.extend_from_slice(&self.token.0);
         hello.extend_from_slice(&rank.to_le_bytes());
         hello.extend_from_slice(&world.to_le_bytes());
-        let is_timeout = |e: &std::io::Error| {
-            matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            )
-        };
-        let map = |op: &'static str| {
-            move |e: std::io::Error| {
-                if is_timeout(&e) {
-                    timeout_err()
-                } else {
-                    self.io(op)(e)
-                }
-            }
-        };
-        s.write_all(&hello).map_err(map("send hello"))?;
+        write_all_by(&mut s, &hello, deadline).map_err(self.client_err(
+            rank,
+            waiting_for,
+            "send hello",
+        ))?;
         let mut status = [0u8; 1];
-        s.read_exact(&mut status).map_err(map("read status"))?;
+        read_exact_by(&mut s, &mut status, deadline).map_err(self.client_err(
+            rank,
+            waiting_for,
+            "read status",
+        ))?;
         if status[0] == 0 {
-            let mut id = [0u8; UNIQUE_ID_BYTES];
-            s.read_exact(&mut id).map_err(map("read unique id"))?;
-            return Ok(UniqueId(id));
+            return Ok((s, deadline));
         }
-        let mut len = [0u8; 2];
-        s.read_exact(&mut len).map_err(map("read refusal"))?;
-        let mut reason = vec![0u8; usize::from(u16::from_le_bytes(len))];
-        s.read_exact(&mut reason).map_err(map("read refusal"))?;
+        let reason = read_reason(&mut s, deadline).map_err(self.client_err(
+            rank,
+            waiting_for,
+            "read refusal",
+        ))?;
         Err(Error::RendezvousRefused {
             rank,
             addr: self.addr,
-            reason: String::from_utf8_lossy(&reason).into(),
+            reason,
         })
     }
+
+    pub(crate) fn timeout_err(&self, rank: u32, waiting_for: &str) -> Error {
+        Error::RendezvousTimeout {
+            rank,
+            waiting_for: waiting_for.into(),
+            addr: self.addr,
+            timeout: self.timeout,
+        }
+    }
+
+    /// A socket error of a client as an error: a timeout names who was awaited.
+    pub(crate) fn client_err<'a>(
+        &'a self,
+        rank: u32,
+        waiting_for: &'a str,
+        op: &'static str,
+    ) -> impl FnOnce(std::io::Error) -> Error + 'a {
+        move |e| {
+            if is_timeout(&e) {
+                self.timeout_err(rank, waiting_for)
+            } else {
+                self.io(op)(e)
+            }
+        }
+    }
+}
+
+/// Whether a socket error is a timeout (`SO_RCVTIMEO`/`SO_SNDTIMEO` or our deadline).
+pub(crate) fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
+fn left_until(deadline: Instant) -> std::io::Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(std::io::ErrorKind::TimedOut.into());
+    }
+    Ok(left)
+}
+
+/// `read_exact` that gives up at `deadline` (each read bounded by the time left).
+pub(crate) fn read_exact_by(
+    s: &mut TcpStream,
+    mut buf: &mut [u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        s.set_read_timeout(Some(left_until(deadline)?))?;
+        match s.read(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// `write_all` that gives up at `deadline`.
+pub(crate) fn write_all_by(
+    s: &mut TcpStream,
+    mut buf: &[u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        s.set_write_timeout(Some(left_until(deadline)?))?;
+        match s.write(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    s.flush()
+}
+
+/// Appends a refusal or failure reason: `u16` length, UTF-8 (at most 1024 bytes).
+pub(crate) fn put_reason(out: &mut Vec<u8>, reason: &str) {
+    let mut end = reason.len().min(1024);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.extend_from_slice(&(end as u16).to_le_bytes());
+    out.extend_from_slice(&reason.as_bytes()[..end]);
+}
+
+/// Reads what [`put_reason`] wrote.
+pub(crate) fn read_reason(s: &mut TcpStream, deadline: Instant) -> std::io::Result<String> {
+    let mut len = [0u8; 2];
+    read_exact_by(s, &mut len, deadline)?;
+    let mut reason = vec![0u8; usize::from(u16::from_le_bytes(len))];
+    read_exact_by(s, &mut reason, deadline)?;
+    Ok(String::from_utf8_lossy(&reason).into())
 }
 
 impl Rendezvous for TcpRendezvous {

@@ -1,0 +1,251 @@
+//! Normal mode with ranks in separate processes (the deployment shape, docs/protocol.md §2.7):
+//! the test spawns itself as two rank processes (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, a loopback
+//! rendezvous with a session token); each maps the other's arena through CUDA IPC
+//! ([`NormalGroup::new_process`] / [`NormalGroup::with_peers`]) and runs layout, dispatch (BF16
+//! and FP8, top-k, masked entries, wide-range values), cached dispatch and combine, each compared
+//! with the plan bit for bit exactly as `gpu_normal` does (the shared helpers of
+//! `tests/common`), DeepEP's round trip (`calc_diff < 5e-6`), a rank that never arrives and the
+//! collective reset, over a few rounds.
+//!
+//! The processes use GPU `LOCAL_RANK % (number of GPUs)`: on one GPU both share it. Without MPS
+//! their kernels only take turns (a cross-process flag round trip takes ~4.5 ms, GPU.md), so the
+//! shapes are small and the device timeouts generous. Under MPS they overlap; start it around
+//! the run (environment only):
+//!
+//! ```text
+//! export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+//! mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY; nvidia-cuda-mps-control -d
+//! trap 'echo quit | nvidia-cuda-mps-control' EXIT
+//! bash scripts/gpu-run.sh gpu_normal_procs   # or the test binary with --include-ignored
+//! ```
+//!
+//! These tests need a GPU: they are `#[ignore]`d, and `scripts/gpu-run.sh` runs them with
+//! `--include-ignored`. Without a GPU they fail (they never pass unrun).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Case, device_at, inputs_of, rank_inputs, round_trip_calc_diff, run_cached, run_case};
+use ep_core::workload::Routing;
+use ep_kernels::Error;
+use ep_kernels::exchange::TcpExchange;
+use ep_kernels::gpu::{DevTensor, Device, GpuDispatchArgs, NormalGroup};
+use ep_kernels::nvshmem::launch::{RankLaunch, is_rank_process, launch_ranks, rank_from_env};
+
+/// Device waits: generous, the processes take turns on one GPU without MPS.
+const DEVICE_TIMEOUT: Duration = Duration::from_secs(20);
+/// The whole two-process run (below gpu-run.sh's bound on the test binary).
+const RUN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// In the parent: spawns `world` copies of this test binary running only `test`, waits for
+/// them (bounded), and fails with every rank's output unless each one exited 0 saying
+/// `RANK r OK`. In a rank process: runs `rank_main` and says so.
+fn spawn_or_run(test: &str, world: u32, rank_main: fn(u32) -> ep_kernels::Result<()>) {
+    if is_rank_process() {
+        let (rank, _) = rank_from_env().expect("RANK and WORLD_SIZE");
+        if let Err(e) = rank_main(rank) {
+            panic!("rank {rank} failed: {e}");
+        }
+        println!("RANK {rank} OK");
+        return;
+    }
+    assert!(
+        driver_present(),
+        "{test} needs a CUDA driver, and there is none here"
+    );
+    let launch = RankLaunch {
+        program: std::env::current_exe().unwrap(),
+        args: vec![
+            test.into(),
+            "--exact".into(),
+            "--include-ignored".into(),
+            "--nocapture".into(),
+            "--test-threads=1".into(),
+        ],
+        world,
+        plan: Vec::new(),
+        extra_env: Vec::new(),
+        timeout: RUN_TIMEOUT,
+    };
+    let res = launch_ranks(&launch)
+        .unwrap_or_else(|e| panic!("{test}: {e} (each rank's output is above, prefixed [rank r])"));
+    let mut failed = Vec::new();
+    for o in &res.outcomes {
+        if o.code != Some(0) || !o.output.contains(&format!("RANK {} OK", o.rank)) {
+            failed.push(format!(
+                "rank {} exited {:?}; its output:\n{}",
+                o.rank, o.code, o.output
+            ));
+        }
+    }
+    assert!(failed.is_empty(), "{test}:\n{}", failed.join("\n"));
+}
+
+fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// This process's GPU: `LOCAL_RANK`'s, modulo the GPUs there are (one GPU: all share it).
+fn my_device() -> Arc<Device> {
+    let local: usize = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        driver_present(),
+        "these tests need a CUDA driver, and there is none here"
+    );
+    let n = cudarc::driver::CudaContext::device_count().expect("cuDeviceGetCount") as usize;
+    assert!(n >= 1, "these tests need a GPU, and there is none here");
+    let ordinal = local % n;
+    eprintln!("LOCAL_RANK {local}: GPU {ordinal} of {n}");
+    device_at(ordinal)
+}
+
+/// The process-shaped group of `case` on `dev` (one rank per process).
+fn process_group(dev: &Arc<Device>, case: &Case) -> ep_kernels::Result<NormalGroup> {
+    let ex = TcpExchange::from_env()?;
+    let mut g = NormalGroup::new_process(dev.clone(), case.sms, case.arena_bytes(), Box::new(ex))?;
+    g.set_timeout(DEVICE_TIMEOUT);
+    Ok(g)
+}
+
+fn small_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for (i, &(tokens, topk, experts, fp8)) in [
+        (256, 8, 32, false),
+        (128, 4, 16, true),
+        (64, 2, 16, false),
+        (200, 6, 32, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut c = Case::new(2, tokens, 2048, topk, experts);
+        c.fp8 = fp8;
+        c.sms = [8, 4, 2, 6][i];
+        c.routing = match i % 3 {
+            0 => Routing::Uniform,
+            1 => Routing::Zipf { exponent: 1.2 },
+            _ => Routing::Hot { fraction: 0.6 },
+        };
+        c.alignment = [1, 4, 1, 8][i];
+        c.biases = i % 3;
+        c.worst = i == 3;
+        cases.push(c);
+    }
+    cases
+}
+
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn one_rank_per_process_equals_the_plan() {
+    spawn_or_run("one_rank_per_process_equals_the_plan", 2, |rank| {
+        let dev = my_device();
+        for (i, base) in small_cases().iter().enumerate() {
+            let mut g = process_group(&dev, base)?;
+            assert_eq!(g.local_ranks(), vec![rank as usize]);
+            for round in 0..3u64 {
+                let mut c = base.clone();
+                c.seed = 1000 * i as u64 + round;
+                c.masked = (c.tokens / 7 + 13 * round as usize) % c.tokens;
+                let d = run_case(&mut g, &c);
+                eprintln!("ok round {round}: {c:?} digest {}", d[0]);
+            }
+            if !base.fp8 {
+                let diff = round_trip_calc_diff(&mut g, base);
+                eprintln!("round trip calc_diff {diff:e}");
+            }
+            if !base.fp8 && !base.worst {
+                run_cached(&mut g, base, 2);
+            }
+            g.close()?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn an_absent_process_rank_times_out_and_the_collective_reset_recovers() {
+    spawn_or_run(
+        "an_absent_process_rank_times_out_and_the_collective_reset_recovers",
+        2,
+        |rank| {
+            let c = Case::new(2, 96, 2048, 4, 16);
+            let mut g = process_group(&my_device(), &c)?;
+            run_case(&mut g, &c);
+            g.set_timeout(Duration::from_secs(2));
+            let inputs = inputs_of(&c);
+            let dins = common::upload(g.device(), &inputs, &[rank as usize]);
+            let idx: Vec<&DevTensor> = dins.iter().map(|d| &d.idx).collect();
+            let glay = g.layout(&idx, c.experts)?;
+            g.sync()?;
+            // Rank 1's process launches nothing: rank 0's kernels wait for it and time out
+            // naming it; rank 1's host wait for its own count times out.
+            g.set_absent_rank_for_test((rank == 1).then_some(0));
+            let err = g
+                .dispatch(
+                    &rank_inputs(&dins, true),
+                    &glay,
+                    c.experts,
+                    &GpuDispatchArgs::default(),
+                )
+                .and_then(|_| g.sync())
+                .unwrap_err();
+            eprintln!("planted: {err}");
+            match (rank, &err) {
+                (0, Error::DeviceWaitTimeout { writer, .. }) => {
+                    assert_eq!(*writer, Some(1), "{err}")
+                }
+                (1, Error::HostWaitTimeout { rank: 1, .. }) => {}
+                _ => panic!("rank {rank}: unexpected {err}"),
+            }
+            assert!(matches!(g.sync(), Err(Error::Poisoned { .. })));
+            g.set_absent_rank_for_test(None);
+            g.reset()?;
+            g.set_timeout(DEVICE_TIMEOUT);
+            for seed in 0..2 {
+                let mut c2 = c.clone();
+                c2.seed = 700 + seed;
+                run_case(&mut g, &c2);
+            }
+            g.close()
+        },
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn a_process_with_two_ranks_and_one_with_one_equal_the_plan() {
+    // World 3: process 0 holds ranks 0 and 2 (co-resident), process 1 holds rank 1.
+    spawn_or_run(
+        "a_process_with_two_ranks_and_one_with_one_equal_the_plan",
+        2,
+        |process| {
+            let mut c = Case::new(3, 160, 2048, 6, 24);
+            c.sms = 6;
+            let local: &[usize] = if process == 0 { &[0, 2] } else { &[1] };
+            let ex = TcpExchange::from_env()?;
+            let mut g = NormalGroup::with_peers(
+                my_device(),
+                3,
+                local,
+                c.sms,
+                c.arena_bytes(),
+                Box::new(ex),
+            )?;
+            g.set_timeout(DEVICE_TIMEOUT);
+            assert_eq!((g.num_ranks(), g.local_ranks()), (3, local.to_vec()));
+            for (round, fp8) in [(0u64, false), (1, true), (2, false)] {
+                c.seed = 300 + round;
+                c.fp8 = fp8;
+                run_case(&mut g, &c);
+            }
+            g.close()
+        },
+    );
+}
