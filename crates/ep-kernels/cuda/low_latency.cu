@@ -25,6 +25,8 @@
 #define MAXR EP_GPU_MAX_RANKS
 #define MAXK EP_LL_MAX_TOPK
 #define FULL 0xffffffffu
+// 32-lane chunks a warp moves per unit of work (loads in flight per lane).
+#define UNITS 4
 
 typedef ep_ll_args Args;
 
@@ -306,59 +308,79 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
     }
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const float *weights = (const float *)a.topk_weights;
-    // A block per token: its row is split over every thread (short dependency chains), its
-    // meta records are written by warp 0 (lane k = top-k slot k).
-    for (uint32_t t = blockIdx.x; t < T; t += gridDim.x) {
+    // Meta records: warp gw writes those of tokens gw, gw + GW, ... (lane k = top-k slot k).
+    const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
+    for (uint32_t t = gw; t < T; t += GW) {
         const uint32_t dm = sm.dmask[t];
-        if (dm == 0) continue;
-        uint8_t *row_dst[MAXR];
+        const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
+        for (uint32_t d = 0; d < R; ++d) {
+            if (!((dm >> d) & 1u)) continue;
+            uint8_t *meta = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + hdr +
+                            (uint64_t)sm.slot[t * R + d] * meta_bytes;
+            const bool on_d = e >= 0 && (uint32_t)e / L == d;
+            const uint32_t bal = __ballot_sync(FULL, on_d);
+            if (on_d) {
+                const uint32_t i = __popc(bal & lanemask_lt());
+                const uint32_t l = (uint32_t)e - d * L;
+                const uint32_t w = __float_as_uint(weights[t * K + lane]);
+                *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
+            }
+            if (lane == 0) *(uint64_t *)meta = (uint64_t)t | ((uint64_t)__popc(bal) << 32);
+        }
+    }
+    // Rows: units of UNITS x 32 chunks of one token spread over every warp of the grid, the
+    // unit's loads issued before its stores (short dependency chains); each row loaded once,
+    // cast once, stored to each destination.
+    if (!fp8) {
+        const uint32_t C = H * 2 / 16, per_row = (C + 32 * UNITS - 1) / (32 * UNITS);
+        for (uint32_t u = gw; u < T * per_row; u += GW) {
+            const uint32_t t = u / per_row, c0 = (u % per_row) * 32 * UNITS;
+            const uint32_t dm = sm.dmask[t];
+            if (dm == 0) continue;
+            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
+            int4 v[UNITS];
 #pragma unroll
-        for (uint32_t d = 0; d < MAXR; ++d)
-            row_dst[d] = d < R && ((dm >> d) & 1u)
-                             ? half_of(a, d, a.half) + ep_ll_drecv_row(ly, a.rank, sm.slot[t * R + d])
-                             : nullptr;
-        if (warp == 0) {
-            const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t c = c0 + k * 32 + lane;
+                if (c < C) v[k] = ep_ld_nc(src + c);
+            }
             for (uint32_t d = 0; d < R; ++d) {
                 if (!((dm >> d) & 1u)) continue;
-                uint8_t *meta = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + hdr +
-                                (uint64_t)sm.slot[t * R + d] * meta_bytes;
-                const bool on_d = e >= 0 && (uint32_t)e / L == d;
-                const uint32_t bal = __ballot_sync(FULL, on_d);
-                if (on_d) {
-                    const uint32_t i = __popc(bal & lanemask_lt());
-                    const uint32_t l = (uint32_t)e - d * L;
-                    const uint32_t w = __float_as_uint(weights[t * K + lane]);
-                    *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
+                int4 *dst = (int4 *)(half_of(a, d, a.half) + ep_ll_drecv_row(ly, a.rank, sm.slot[t * R + d]));
+#pragma unroll
+                for (uint32_t k = 0; k < UNITS; ++k) {
+                    const uint32_t c = c0 + k * 32 + lane;
+                    if (c < C) dst[c] = v[k];
                 }
-                if (lane == 0) *(uint64_t *)meta = (uint64_t)t | ((uint64_t)__popc(bal) << 32);
             }
         }
-        // The row, loaded once, cast once, stored to each destination.
-        const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
-        if (!fp8) {
-            for (uint32_t c = threadIdx.x; c < H * 2 / 16; c += NT) {
-                const int4 v = ep_ld_nc(src + c);
+    } else {
+        // A half warp per 128-channel block: a unit is 2 x UNITS blocks of one token.
+        const uint32_t S = H / 128, per_row = (S + 2 * UNITS - 1) / (2 * UNITS);
+        const uint64_t soff = ep_ll_fp8_scales_offset(ly);
+        const uint32_t half_id = lane / 16, sub = lane % 16;
+        for (uint32_t u = gw; u < T * per_row; u += GW) {
+            const uint32_t t = u / per_row, b0 = (u % per_row) * 2 * UNITS;
+            const uint32_t dm = sm.dmask[t];
+            if (dm == 0) continue;
+            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
+            int4 raw[UNITS];
 #pragma unroll
-                for (uint32_t d = 0; d < MAXR; ++d)
-                    if (row_dst[d] != nullptr) ((int4 *)row_dst[d])[c] = v;
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t blk = b0 + 2 * k + half_id;
+                raw[k] = blk < S ? ep_ld_nc(src + blk * 16 + sub) : make_int4(0, 0, 0, 0);
             }
-        } else {
-            const uint64_t soff = ep_ll_fp8_scales_offset(ly);
-            // 16 threads (a half warp) per 128-channel block; every thread runs every step.
-            for (uint32_t base = 0; base < H; base += NT * 8) {
-                const uint32_t ch = base + threadIdx.x * 8;
-                const bool live = ch < H; // H is a multiple of 128: whole half warps
-                const int4 raw = live ? ep_ld_nc(src + ch / 8) : make_int4(0, 0, 0, 0);
-                float sinv;
-                const uint2 q = cast8(raw, round_scale, &sinv);
-                if (live) {
 #pragma unroll
-                    for (uint32_t d = 0; d < MAXR; ++d) {
-                        if (row_dst[d] == nullptr) continue;
-                        *(uint2 *)(row_dst[d] + ch) = q;
-                        if ((lane & 15u) == 0) *(float *)(row_dst[d] + soff + 4ull * (ch / 128)) = sinv;
-                    }
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t blk = b0 + 2 * k + half_id;
+                float sinv;
+                const uint2 q = cast8(raw[k], round_scale, &sinv); // every lane: it shuffles
+                if (blk >= S) continue;
+                for (uint32_t d = 0; d < R; ++d) {
+                    if (!((dm >> d) & 1u)) continue;
+                    uint8_t *dst = half_of(a, d, a.half) + ep_ll_drecv_row(ly, a.rank, sm.slot[t * R + d]);
+                    *(uint2 *)(dst + blk * 128 + sub * 8) = q;
+                    if (sub == 0) *(float *)(dst + soff + 4ull * blk) = sinv;
                 }
             }
         }
@@ -386,6 +408,7 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
 
 // The receive part on rank d: wait for every unmasked source, place its messages.
 __device__ void dispatch_recv(const Args &a, uint8_t *smem) {
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __shared__ uint32_t count[MAXR];
     __shared__ uint32_t first_msg[MAXR + 1];
     const ep_ll_layout ly = layout_of(a);
@@ -426,49 +449,64 @@ __device__ void dispatch_recv(const Args &a, uint8_t *smem) {
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const uint32_t S = H / 128, S4 = (S + 3) / 4;
     const uint32_t total = first_msg[R];
-    // A block per message: every thread reads the meta record (a broadcast) and copies its share
-    // of the row to each entry's place.
-    for (uint32_t q = blockIdx.x; q < total; q += gridDim.x) {
+    // Units of UNITS x 32 chunks of one message over every warp of the grid: the warp reads the
+    // meta record once (lane j: entry j), then copies its chunks to each entry's place; the
+    // message's first unit also writes src_info and the scales.
+    const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
+    const uint64_t xbytes = fp8 ? H : 2ull * H;
+    const uint32_t C = (uint32_t)(xbytes / 16), per_msg = (C + 32 * UNITS - 1) / (32 * UNITS);
+    for (uint32_t u = gw; u < total * per_msg; u += GW) {
+        const uint32_t q = u / per_msg, c0 = (u % per_msg) * 32 * UNITS;
         uint32_t s = 0;
         while (q >= first_msg[s + 1]) ++s;
         const uint32_t i = q - first_msg[s];
         const uint8_t *recv = mine + ep_ll_drecv(ly, s);
         const uint8_t *meta = recv + hdr + (uint64_t)i * meta_bytes;
+        const uint8_t *row = mine + ep_ll_drecv_row(ly, s, i);
+        // The row's loads go first: they do not depend on the meta record.
+        int4 v[UNITS];
+#pragma unroll
+        for (uint32_t k = 0; k < UNITS; ++k) {
+            const uint32_t c = c0 + k * 32 + lane;
+            if (c < C) v[k] = ld_cg16(row + 16ull * c);
+        }
         const uint64_t head = __ldcg((const unsigned long long *)meta);
         const uint32_t t = (uint32_t)head, n = min((uint32_t)(head >> 32), (uint32_t)MAXK);
+        uint32_t my_l = 0, my_row = 0;
+        if (lane < n) {
+            const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
+            my_l = (uint32_t)(ent & 0xffffu);
+            my_row = begin[s * L + my_l] + (uint32_t)((ent >> 16) & 0xffffu);
+            if (c0 == 0) ((int32_t *)a.recv_src_info)[(uint64_t)my_l * rows + my_row] = (int32_t)t;
+        }
         uint32_t el[MAXK], er[MAXK];
 #pragma unroll
         for (uint32_t j = 0; j < MAXK; ++j) {
-            el[j] = 0;
-            er[j] = 0;
-            if (j < n) {
-                const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * j));
-                el[j] = (uint32_t)(ent & 0xffffu);
-                er[j] = begin[s * L + el[j]] + (uint32_t)((ent >> 16) & 0xffffu);
+            el[j] = __shfl_sync(FULL, my_l, j);
+            er[j] = __shfl_sync(FULL, my_row, j);
+        }
+#pragma unroll
+        for (uint32_t j = 0; j < MAXK; ++j) {
+            if (j >= n) continue;
+            int4 *dst = (int4 *)((uint8_t *)a.recv_x + ((uint64_t)el[j] * rows + er[j]) * xbytes);
+#pragma unroll
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t c = c0 + k * 32 + lane;
+                if (c < C) dst[c] = v[k];
             }
         }
-        if (threadIdx.x < n)
-            ((int32_t *)a.recv_src_info)[(uint64_t)el[threadIdx.x] * rows + er[threadIdx.x]] = (int32_t)t;
-        const uint8_t *row = mine + ep_ll_drecv_row(ly, s, i);
-        const uint64_t xbytes = fp8 ? H : 2ull * H;
-        for (uint32_t c = threadIdx.x; c < xbytes / 16; c += NT) {
-            const int4 v = ld_cg16(row + 16ull * c);
-#pragma unroll
-            for (uint32_t j = 0; j < MAXK; ++j)
-                if (j < n) ((int4 *)((uint8_t *)a.recv_x + ((uint64_t)el[j] * rows + er[j]) * xbytes))[c] = v;
-        }
-        if (fp8) {
+        if (fp8 && c0 == 0) {
             // Scales, in DeepEP's memory order [L][S][R*N] (f32) or [L][S/4][R*N] (UE8M0 words).
             const float *sc = (const float *)(row + ep_ll_fp8_scales_offset(ly));
             if (!ue8m0) {
-                for (uint32_t k = threadIdx.x; k < S; k += NT) {
-                    const float v = __ldcg(sc + k);
+                for (uint32_t k = lane; k < S; k += 32) {
+                    const float x = __ldcg(sc + k);
 #pragma unroll
                     for (uint32_t j = 0; j < MAXK; ++j)
-                        if (j < n) ((float *)a.recv_scales)[((uint64_t)el[j] * S + k) * rows + er[j]] = v;
+                        if (j < n) ((float *)a.recv_scales)[((uint64_t)el[j] * S + k) * rows + er[j]] = x;
                 }
             } else {
-                for (uint32_t k = threadIdx.x; k < S4; k += NT) {
+                for (uint32_t k = lane; k < S4; k += 32) {
                     uint32_t word = 0;
                     for (uint32_t b = 0; b < 4 && 4 * k + b < S; ++b)
                         word |= ((__float_as_uint(__ldcg(sc + 4 * k + b)) >> 23) & 0xffu) << (8 * b);
@@ -494,6 +532,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a)
 // The send part on the expert's rank d: one BF16 partial per message of the dispatch (read from
 // its meta records, in the dispatch's half), into the source's crecv[d]; then the signals.
 __device__ void combine_send(const Args &a, uint8_t *smem) {
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __shared__ uint32_t count[MAXR];
     __shared__ uint32_t first_msg[MAXR + 1];
     const ep_ll_layout ly = layout_of(a);
@@ -517,64 +556,64 @@ __device__ void combine_send(const Args &a, uint8_t *smem) {
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const uint32_t total = first_msg[R];
     const __nv_bfloat16 *y = (const __nv_bfloat16 *)a.combine_y;
-    // A block per message: every thread reads the meta record and reduces its share of the row.
-    for (uint32_t q = blockIdx.x; q < total; q += gridDim.x) {
+    // Units of UNITS x 32 chunks of one message over every warp of the grid: the warp reads the
+    // meta record once (lane j: entry j), then reduces its chunks.
+    const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
+    const uint32_t C = H * 2 / 16, per_msg = (C + 32 * UNITS - 1) / (32 * UNITS);
+    for (uint32_t u = gw; u < total * per_msg; u += GW) {
+        const uint32_t q = u / per_msg, c0 = (u % per_msg) * 32 * UNITS;
         uint32_t s = 0;
         while (q >= first_msg[s + 1]) ++s;
         const uint32_t i = q - first_msg[s];
         const uint8_t *meta = dhalf + ep_ll_drecv(ly, s) + hdr + (uint64_t)i * meta_bytes;
         const uint64_t head = __ldcg((const unsigned long long *)meta);
         const uint32_t n = min((uint32_t)(head >> 32), (uint32_t)MAXK);
+        uint32_t my_l = 0xffffffffu, my_row = 0, my_w = 0;
+        if (lane < n) {
+            const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
+            my_l = (uint32_t)(ent & 0xffffu);
+            my_row = begin[s * L + my_l] + (uint32_t)((ent >> 16) & 0xffffu);
+            my_w = (uint32_t)(ent >> 32);
+        }
+        // Duplicates of an expert read the row of its first entry.
+        const uint32_t same = __match_any_sync(FULL, my_l);
+        const uint32_t src_row = __shfl_sync(FULL, my_row, __ffs(same) - 1);
         uint32_t el[MAXK], er[MAXK];
         float ew[MAXK];
 #pragma unroll
         for (uint32_t j = 0; j < MAXK; ++j) {
-            el[j] = 0;
-            er[j] = 0;
-            ew[j] = 0.0f;
-            if (j < n) {
-                const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * j));
-                el[j] = (uint32_t)(ent & 0xffffu);
-                er[j] = begin[s * L + el[j]] + (uint32_t)((ent >> 16) & 0xffffu);
-                ew[j] = __uint_as_float((uint32_t)(ent >> 32));
-            }
+            el[j] = __shfl_sync(FULL, my_l, j);
+            er[j] = __shfl_sync(FULL, src_row, j);
+            ew[j] = __uint_as_float(__shfl_sync(FULL, my_w, j));
         }
-        // Duplicates of an expert read the row of its first entry.
-#pragma unroll
-        for (uint32_t j = 1; j < MAXK; ++j) {
-#pragma unroll
-            for (uint32_t p = 0; p < j; ++p)
-                if (j < n && el[p] == el[j]) {
-                    er[j] = er[p];
-                    break;
-                }
-        }
-        uint8_t *dst = half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i);
-        for (uint32_t c = threadIdx.x; c < H * 2 / 16; c += NT) {
+        int4 *dst = (int4 *)(half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i));
+        for (uint32_t k = 0; k < UNITS; ++k) {
+            const uint32_t c = c0 + k * 32 + lane;
+            if (c >= C) break;
             int4 v[MAXK];
 #pragma unroll
             for (uint32_t j = 0; j < MAXK; ++j)
                 if (j < n) v[j] = ep_ld_nc((const int4 *)(y + ((uint64_t)el[j] * rows + er[j]) * H) + c);
             float acc[8];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+            for (int x = 0; x < 8; ++x) acc[x] = 0.0f;
 #pragma unroll
             for (uint32_t j = 0; j < MAXK; ++j) {
                 if (j < n) {
                     const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[j];
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) {
-                        float2 f = __bfloat1622float2(h2[u]);
-                        acc[2 * u] = __fmaf_rn(f.x, ew[j], acc[2 * u]);
-                        acc[2 * u + 1] = __fmaf_rn(f.y, ew[j], acc[2 * u + 1]);
+                    for (int x = 0; x < 4; ++x) {
+                        float2 f = __bfloat1622float2(h2[x]);
+                        acc[2 * x] = __fmaf_rn(f.x, ew[j], acc[2 * x]);
+                        acc[2 * x + 1] = __fmaf_rn(f.y, ew[j], acc[2 * x + 1]);
                     }
                 }
             }
             int4 out;
             __nv_bfloat162 *o2 = (__nv_bfloat162 *)&out;
 #pragma unroll
-            for (int u = 0; u < 4; ++u) o2[u] = __floats2bfloat162_rn(acc[2 * u], acc[2 * u + 1]);
-            ((int4 *)dst)[c] = out;
+            for (int x = 0; x < 4; ++x) o2[x] = __floats2bfloat162_rn(acc[2 * x], acc[2 * x + 1]);
+            dst[c] = out;
         }
     }
     stamp(a, 2);
@@ -592,6 +631,7 @@ __device__ void combine_send(const Args &a, uint8_t *smem) {
 // The receive part on the token's rank s: wait for every unmasked expert rank, then
 // combined[t] = bf16(sum over d ascending of f32(partial_d)).
 __device__ void combine_recv(const Args &a) {
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __shared__ uint32_t count[MAXR];
     const ep_ll_layout ly = layout_of(a);
     const uint32_t R = a.num_ranks, H = a.hidden, T = a.num_tokens;
@@ -601,37 +641,42 @@ __device__ void combine_recv(const Args &a) {
     const uint8_t *mine = half_of(a, a.rank, a.half);
     const int32_t *slots = (const int32_t *)a.slots;
     const uint32_t n16 = H * 2 / 16;
-    // A block per token.
-    for (uint32_t t = blockIdx.x; t < T; t += gridDim.x) {
+    // Units of UNITS x 32 chunks of one token over every warp of the grid.
+    const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
+    const uint32_t per_tok = (n16 + 32 * UNITS - 1) / (32 * UNITS);
+    for (uint32_t u = gw; u < T * per_tok; u += GW) {
+        const uint32_t t = u / per_tok, c0 = (u % per_tok) * 32 * UNITS;
+        const int32_t my_slot = lane < R && !masked(a, lane) ? __ldcg(&slots[t * R + lane]) : -1;
         int32_t sl[MAXR];
 #pragma unroll
-        for (uint32_t d = 0; d < MAXR; ++d)
-            sl[d] = d < R && !masked(a, d) ? __ldcg(&slots[t * R + d]) : -1;
+        for (uint32_t d = 0; d < MAXR; ++d) sl[d] = __shfl_sync(FULL, my_slot, d);
         int4 *out = (int4 *)((uint8_t *)a.combined_x + (uint64_t)t * H * 2);
-        for (uint32_t c = threadIdx.x; c < n16; c += NT) {
+        for (uint32_t k = 0; k < UNITS; ++k) {
+            const uint32_t c = c0 + k * 32 + lane;
+            if (c >= n16) break;
             int4 v[MAXR];
 #pragma unroll
             for (uint32_t d = 0; d < MAXR; ++d)
                 if (sl[d] >= 0) v[d] = ld_cg16(mine + ep_ll_crecv(ly, d, (uint32_t)sl[d]) + 16ull * c);
             float acc[8];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+            for (int x = 0; x < 8; ++x) acc[x] = 0.0f;
 #pragma unroll
             for (uint32_t d = 0; d < MAXR; ++d) {
                 if (sl[d] >= 0) {
                     const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&v[d];
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) {
-                        float2 f = __bfloat1622float2(h2[u]);
-                        acc[2 * u] = __fadd_rn(acc[2 * u], f.x);
-                        acc[2 * u + 1] = __fadd_rn(acc[2 * u + 1], f.y);
+                    for (int x = 0; x < 4; ++x) {
+                        float2 f = __bfloat1622float2(h2[x]);
+                        acc[2 * x] = __fadd_rn(acc[2 * x], f.x);
+                        acc[2 * x + 1] = __fadd_rn(acc[2 * x + 1], f.y);
                     }
                 }
             }
             int4 o;
             __nv_bfloat162 *o2 = (__nv_bfloat162 *)&o;
 #pragma unroll
-            for (int u = 0; u < 4; ++u) o2[u] = __floats2bfloat162_rn(acc[2 * u], acc[2 * u + 1]);
+            for (int x = 0; x < 4; ++x) o2[x] = __floats2bfloat162_rn(acc[2 * x], acc[2 * x + 1]);
             out[c] = o;
         }
     }

@@ -25,9 +25,10 @@ use ep_core::routing::{Activations, RankInputs};
 use ep_core::tensor::Tensor2;
 use ep_core::workload::{Routing, WorkloadSpec};
 use ep_kernels::Error;
+use ep_kernels::gpu::mem::DevBuf;
 use ep_kernels::gpu::{
-    DType, DevTensor, Device, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup,
-    LlPoison, LlRankInputs,
+    DType, DevTensor, Device, HostElem, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch,
+    LlGroup, LlPoison, LlRankInputs,
 };
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -149,6 +150,53 @@ struct DevInputs {
     w: DevTensor,
 }
 
+/// Device buffers reused round after round (allocation is what a round would otherwise spend
+/// its time on): per rank x, topk_idx, topk_weights and the expert outputs, at capacity.
+#[derive(Default)]
+struct Pool {
+    bufs: Vec<[Arc<DevBuf>; 4]>,
+}
+
+impl Pool {
+    fn view<T: HostElem>(
+        &mut self,
+        dev: &Device,
+        r: usize,
+        which: usize,
+        t: &Tensor2<T>,
+        dtype: DType,
+    ) -> DevTensor {
+        let bytes = T::to_bytes(t.data());
+        while self.bufs.len() <= r {
+            let mk = || Arc::new(DevBuf::new(dev.context(), 16).unwrap());
+            self.bufs.push([mk(), mk(), mk(), mk()]);
+        }
+        if self.bufs[r][which].len() < bytes.len() {
+            self.bufs[r][which] = Arc::new(DevBuf::new(dev.context(), bytes.len()).unwrap());
+        }
+        let buf = self.bufs[r][which].clone();
+        buf.write(0, &bytes).unwrap();
+        DevTensor::contiguous(buf, 0, dtype, t.rows(), t.cols())
+    }
+}
+
+fn upload_pooled(dev: &Device, pool: &mut Pool, inputs: &[RankInputs]) -> Vec<DevInputs> {
+    inputs
+        .iter()
+        .enumerate()
+        .map(|(r, inp)| {
+            let Activations::Bf16(x) = &inp.x else {
+                panic!("low-latency inputs are BF16")
+            };
+            DevInputs {
+                x: pool.view(dev, r, 0, x, DType::Bf16),
+                idx: pool.view(dev, r, 1, &inp.topk_idx, DType::I64),
+                w: pool.view(dev, r, 2, &inp.topk_weights, DType::F32),
+            }
+        })
+        .collect()
+}
+
 fn upload(dev: &Device, inputs: &[RankInputs]) -> Vec<DevInputs> {
     let ctx = dev.context();
     inputs
@@ -262,10 +310,14 @@ fn check_dispatch(case: &Case, d: usize, gpu: &LlGpuDispatch, plan: &LlDispatchO
 
 /// One dispatch + combine round checked against the plan, outputs poisoned before each call.
 fn round(g: &mut LlGroup, dev: &Arc<Device>, case: &Case, masked: &[bool]) {
+    round_pooled(g, dev, &mut Pool::default(), case, masked);
+}
+
+fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case, masked: &[bool]) {
     let inputs = inputs_of(case);
     let params = case.params(masked);
     let plan = plan_dispatch(&inputs, &params).expect("plan dispatch");
-    let dins = upload(dev, &inputs);
+    let dins = upload_pooled(dev, pool, &inputs);
     g.poison_for_test(LlPoison::Dispatch, 0xa5).unwrap();
     let outs = g.dispatch(&rank_inputs(&dins), &case.args()).unwrap();
     if case.hook {
@@ -327,7 +379,8 @@ fn round(g: &mut LlGroup, dev: &Arc<Device>, case: &Case, masked: &[bool]) {
     } else {
         y_host
             .iter()
-            .map(|y| DevTensor::upload(dev.context(), y).unwrap())
+            .enumerate()
+            .map(|(r, y)| pool.view(dev, r, 3, y, DType::Bf16))
             .collect()
     };
     let handles: Vec<_> = outs.iter().map(|o| o.handle.clone()).collect();
@@ -473,6 +526,7 @@ fn ten_thousand_rounds_with_fresh_routings() {
     c.sms = 8;
     let mut g = group(&dev, &c);
     let rounds = 10_000;
+    let mut pool = Pool::default();
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     for i in 0..rounds {
         c.seed = 1000 + i;
@@ -484,7 +538,7 @@ fn ten_thousand_rounds_with_fresh_routings() {
         };
         c.hook = i % 5 == 0;
         c.zero_copy = i % 2 == 0;
-        round(&mut g, &dev, &c, &[false, false]);
+        round_pooled(&mut g, &dev, &mut pool, &c, &[false, false]);
     }
     let stats = g.stats().unwrap();
     assert!(
