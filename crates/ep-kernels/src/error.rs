@@ -226,6 +226,9 @@ pub enum Error {
         /// The tensor's GPU.
         found: usize,
     },
+    /// The protocol's own shape rules refused the call (the plan's checks, shared).
+    #[error("{0}")]
+    Shape(#[from] ep_core::Error),
     /// A rank number outside the group.
     #[error("rank {rank} is outside the group of {num_ranks} ranks")]
     RankOutOfRange {

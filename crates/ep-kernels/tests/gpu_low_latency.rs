@@ -155,6 +155,16 @@ struct DevInputs {
 #[derive(Default)]
 struct Pool {
     bufs: Vec<[Arc<DevBuf>; 4]>,
+    /// Expert outputs for one shape, generated once (their values need not change from round
+    /// to round: each routing reads other rows of them).
+    y: Option<ExpertOutputs>,
+}
+
+/// Expert outputs of every rank: `[L·R·N, H]` for the device, per expert for the plan.
+struct ExpertOutputs {
+    key: (usize, usize, usize, Vec<bool>),
+    flat: Vec<Tensor2<bf16>>,
+    per_expert: Vec<Option<Vec<Tensor2<bf16>>>>,
 }
 
 impl Pool {
@@ -338,21 +348,31 @@ fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case
         case.ranks * case.max_tokens,
         case.hidden,
     );
-    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0xc0);
-    let y_host: Vec<Tensor2<bf16>> = (0..case.ranks)
-        .map(|_| wide_tensor(&mut rng, l_count * rows, h))
-        .collect();
-    let expert_out: Vec<Option<Vec<Tensor2<bf16>>>> = y_host
-        .iter()
-        .enumerate()
-        .map(|(d, y)| {
-            (!masked[d]).then(|| {
-                (0..l_count)
-                    .map(|l| Tensor2::from_fn(rows, h, |r, c| y.get(l * rows + r, c)))
-                    .collect()
+    let key = (case.ranks, l_count * rows, h, masked.to_vec());
+    if pool.y.as_ref().is_none_or(|y| y.key != key) {
+        let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0xc0);
+        let flat: Vec<Tensor2<bf16>> = (0..case.ranks)
+            .map(|_| wide_tensor(&mut rng, l_count * rows, h))
+            .collect();
+        let per_expert = flat
+            .iter()
+            .enumerate()
+            .map(|(d, y)| {
+                (!masked[d]).then(|| {
+                    (0..l_count)
+                        .map(|l| Tensor2::from_fn(rows, h, |r, c| y.get(l * rows + r, c)))
+                        .collect()
+                })
             })
-        })
-        .collect();
+            .collect();
+        pool.y = Some(ExpertOutputs {
+            key,
+            flat,
+            per_expert,
+        });
+    }
+    let ys = pool.y.take().expect("set above");
+    let (y_host, expert_out) = (&ys.flat, &ys.per_expert);
     let plan_handles: Vec<Option<LlHandle>> = plan
         .iter()
         .map(|p| p.as_ref().map(|p| p.handle.clone()))
@@ -360,7 +380,7 @@ fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case
     let want = combine_reduced_on_expert_rank(
         &inputs,
         &plan_handles,
-        &expert_out,
+        expert_out,
         &params,
         PartialPrecision::Bf16,
     )
@@ -420,6 +440,7 @@ fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case
             other => panic!("rank {s}: plan/mask disagree: {:?}", other.1),
         }
     }
+    pool.y = Some(ys);
 }
 
 fn group(dev: &Arc<Device>, case: &Case) -> LlGroup {
@@ -443,7 +464,7 @@ fn dispatch_and_combine_equal_the_plan_bf16_and_fp8() {
         (2, 64, 2048, 8, 32),
         (4, 96, 4096, 6, 64),
         (8, 32, 1024, 8, 64),
-        (3, 50, 512, 11, 33),
+        (3, 48, 512, 11, 33),
         (1, 40, 256, 4, 8),
     ] {
         for fp8 in [

@@ -398,8 +398,9 @@ pub fn validate_dispatch(inputs: &[RankInputs], params: &LlParams) -> Result<LlS
     })
 }
 
-/// Checks of the call's scalars, shared by dispatch and combine.
-fn validate_params(r: usize, params: &LlParams) -> Result<()> {
+/// Checks of the call's scalars, shared by dispatch and combine (and by the GPU backend, which
+/// refuses the same shapes before any launch).
+pub fn validate_params(r: usize, params: &LlParams) -> Result<()> {
     if r == 0 {
         return Err(Error::InvalidRankCount {
             num_ranks: 0,
@@ -440,7 +441,7 @@ fn validate_params(r: usize, params: &LlParams) -> Result<()> {
 }
 
 /// `H` a positive multiple of 128, and of 512 with FP8 (spec §1.9).
-fn validate_hidden(hidden: usize, use_fp8: bool) -> Result<()> {
+pub fn validate_hidden(hidden: usize, use_fp8: bool) -> Result<()> {
     if hidden == 0 || !hidden.is_multiple_of(LL_HIDDEN_MULTIPLE) {
         return Err(Error::HiddenMisaligned {
             what: "hidden",

@@ -92,6 +92,10 @@ impl Device {
             .map_err(Error::cuda(
                 "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)",
             ))? as usize;
+        // The LL kernels size their shared memory per call (LlGroup checks it against this).
+        for f in [&ll.dispatch, &ll.combine] {
+            set_max_dynamic_smem(f, max_dynamic_smem)?;
+        }
         let num_sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
@@ -122,27 +126,27 @@ impl Device {
         self.max_dynamic_smem
     }
 
-    /// Lets `f` launch with up to `bytes` of dynamic shared memory.
-    pub(crate) fn set_max_dynamic_smem(&self, f: &CudaFunction, bytes: usize) -> Result<()> {
-        let bytes = i32::try_from(bytes)
-            .map_err(|_| Error::Unsupported(format!("{bytes} bytes of shared memory per block")))?;
-        // SAFETY: `f` is a loaded function of this context; the attribute takes a byte count
-        // the device allows (checked by the caller against max_dynamic_smem).
-        unsafe {
-            sys::cuFuncSetAttribute(
-                f.cu_function(),
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes,
-            )
-        }
-        .result()
-        .map_err(Error::cuda(
-            "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
-        ))
-    }
-
     /// The device ordinal.
     pub fn ordinal(&self) -> usize {
         self.ctx.ordinal()
     }
+}
+
+/// Lets `f` launch with up to `bytes` of dynamic shared memory.
+fn set_max_dynamic_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
+    let bytes = i32::try_from(bytes)
+        .map_err(|_| Error::Unsupported(format!("{bytes} bytes of shared memory per block")))?;
+    // SAFETY: `f` is a loaded function of this context; `bytes` is the device's opt-in maximum
+    // (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), a value the attribute accepts.
+    unsafe {
+        sys::cuFuncSetAttribute(
+            f.cu_function(),
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes,
+        )
+    }
+    .result()
+    .map_err(Error::cuda(
+        "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+    ))
 }

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use ep_core::plan::low_latency::{LlParams, validate_hidden, validate_params};
 use ep_core::protocol::layout::{LlLayout, REGION_ALIGN, ll_half, ll_signal_bytes};
 
 use super::abi::{self, ErrBlock, LlArgs, NormalArgs};
@@ -292,12 +293,11 @@ impl LlGroup {
                 i16::MAX
             )));
         }
-        if cfg.hidden == 0 || !cfg.hidden.is_multiple_of(128) {
-            return Err(Error::Unsupported(format!(
-                "hidden {}: low-latency rows are cast in blocks of 128 channels; use a multiple of 128",
-                cfg.hidden
-            )));
-        }
+        validate_hidden(cfg.hidden, false)?;
+        validate_params(
+            r,
+            &LlParams::new(cfg.num_max_dispatch_tokens_per_rank, cfg.num_experts),
+        )?;
         let n = cfg.num_max_dispatch_tokens_per_rank;
         if n == 0 || n * MAX_TOPK >= u16::MAX as usize {
             return Err(Error::Unsupported(format!(
@@ -319,9 +319,6 @@ impl LlGroup {
                 "{n} tokens x top-{MAX_TOPK} over {} experts need {} bytes of shared memory per block; the GPU allows {smem_limit}: fewer tokens per call or experts",
                 cfg.num_experts, smem.bytes
             )));
-        }
-        for f in [&dev.ll.dispatch, &dev.ll.combine] {
-            dev.set_max_dynamic_smem(f, smem.bytes as usize)?;
         }
         let ly = cfg.layout();
         let ctx = dev.context().clone();
@@ -824,17 +821,15 @@ impl LlGroup {
         args: &LlDispatchArgs,
     ) -> Result<Vec<LlGpuDispatch>> {
         let k = self.check_dispatch_inputs(inputs)?;
-        if args.use_ue8m0 && !args.round_scale {
-            return Err(Error::Unsupported(
-                "use_ue8m0 needs round_scale (UE8M0 holds powers of two only)".into(),
-            ));
+        let mut params = LlParams::new(
+            self.cfg.num_max_dispatch_tokens_per_rank,
+            self.cfg.num_experts,
+        );
+        if args.use_fp8 {
+            params = params.with_fp8(args.round_scale, args.use_ue8m0);
         }
-        if args.use_ue8m0 && !self.cfg.hidden.is_multiple_of(512) {
-            return Err(Error::Unsupported(format!(
-                "use_ue8m0 with hidden {}: UE8M0 scales pack four 128-channel blocks per int32, so hidden must be a multiple of 512",
-                self.cfg.hidden
-            )));
-        }
+        validate_params(self.num_ranks(), &params)?;
+        validate_hidden(self.cfg.hidden, args.use_fp8)?;
         if !args.use_fp8 && (args.round_scale || args.use_ue8m0) {
             return Err(Error::Unsupported(
                 "round_scale / use_ue8m0 apply to FP8 dispatch: set use_fp8".into(),
