@@ -79,11 +79,14 @@ pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
     if let Some(dir) = &w.dump_inputs {
         println!("inputs written to {}", dir.display());
     }
+    let cast = workload.ll_cast();
     let Workload {
         inputs,
         num_experts: experts,
         mut info,
         fp8,
+        round_scale,
+        use_ue8m0,
         ..
     } = workload;
 
@@ -93,7 +96,7 @@ pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
         ..DispatchOptions::default()
     };
     let (ok, outputs) = if ll_mode {
-        let params = workload::ll_params(fp8, &s, experts);
+        let params = workload::ll_params(cast, &s, experts);
         info.options.extend(
             json!({
                 "num_max_dispatch_tokens_per_rank": params.num_max_dispatch_tokens_per_rank,
@@ -139,6 +142,8 @@ pub(crate) fn run(args: &LayoutArgs) -> anyhow::Result<i32> {
                 "topk": s.topk,
                 "experts": experts,
                 "fp8": fp8,
+                "round_scale": round_scale,
+                "use_ue8m0": use_ue8m0,
             })
             .as_object()
             .cloned()

@@ -78,7 +78,9 @@ fn exit_code(e: &anyhow::Error) -> i32 {
         return p.exit_code();
     }
     match e.downcast_ref::<OptionsError>() {
-        Some(OptionsError::ExpertsRequired | OptionsError::Generate(_)) => 2,
+        Some(OptionsError::ExpertsRequired | OptionsError::Generate(_) | OptionsError::Cast(_)) => {
+            2
+        }
         _ => 3,
     }
 }

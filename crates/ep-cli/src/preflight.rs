@@ -15,7 +15,7 @@ use std::path::Path;
 use ep_core::config::{BufferConfig, Config, LowLatencyCall, NormalCall, NvshmemResources};
 use ep_core::protocol::layout::{MAX_CHANNELS, MAX_LOCAL_EXPERTS};
 
-use crate::workload::{Defaults, Mode, Workload, WorkloadArgs, ll_params};
+use crate::workload::{CastError, Defaults, LlCast, Mode, Workload, WorkloadArgs, ll_params};
 
 /// Share of the available memory a run may plan to use (the estimate is a model; the rest is
 /// left for what it does not count and for the other processes of the machine).
@@ -33,6 +33,9 @@ pub enum PreflightError {
     /// Options that cannot work (a zero size, a shape beyond the protocol's limits).
     #[error("{0}")]
     Usage(String),
+    /// `--round-scale` / `--ue8m0` where they cannot apply (a usage error).
+    #[error(transparent)]
+    Cast(#[from] CastError),
     /// The run would need more memory, address space or disk than this machine has.
     #[error(
         "this run needs about {} of {what} ({}), but {have_text}; {fits}",
@@ -70,7 +73,7 @@ impl PreflightError {
     #[must_use]
     pub fn exit_code(&self) -> i32 {
         match self {
-            Self::Usage(_) => 2,
+            Self::Usage(_) | Self::Cast(_) => 2,
             _ => 3,
         }
     }
@@ -116,6 +119,10 @@ pub struct Shape {
     pub experts: usize,
     /// FP8 dispatch.
     pub fp8: bool,
+    /// Low-latency FP8 scales rounded to powers of two (`--round-scale`).
+    pub round_scale: bool,
+    /// Low-latency FP8 scales stored as UE8M0 bytes (`--ue8m0`).
+    pub use_ue8m0: bool,
     /// SMs of normal mode.
     pub num_sms: usize,
     /// Rows all ranks receive per normal-mode call (one per (token, destination rank)): exact
@@ -144,6 +151,8 @@ impl Shape {
             topk,
             experts,
             fp8: args.fp8(defaults, args.fp8),
+            round_scale: args.round_scale,
+            use_ue8m0: args.use_ue8m0,
             num_sms: args.num_sms,
             recv_rows: expected_recv_rows(ranks, tokens, topk, experts),
         })
@@ -180,6 +189,8 @@ impl Shape {
             topk: s.topk,
             experts: w.num_experts,
             fp8: w.fp8,
+            round_scale: w.round_scale,
+            use_ue8m0: w.use_ue8m0,
             num_sms,
             recv_rows: rows,
         }
@@ -260,11 +271,45 @@ impl Shape {
                 })?;
             }
             Mode::LowLatency => {
+                let cast = LlCast {
+                    use_fp8: self.fp8,
+                    round_scale: self.round_scale,
+                    use_ue8m0: self.use_ue8m0,
+                };
+                let h = self.hidden;
+                // FP8 rows are cast 512 channels at a time (and UE8M0 packs four scales to an
+                // int32): said here with the fix, before ep-core's generic message.
+                if self.fp8 && h.is_multiple_of(128) && !h.is_multiple_of(512) {
+                    let flags = cast.flags();
+                    let (what, why, bf16) = if flags.is_empty() {
+                        (
+                            String::new(),
+                            "it casts 512 channels per step",
+                            " (or --no-fp8: BF16 rows need a multiple of 128)",
+                        )
+                    } else {
+                        (
+                            format!(" with{flags}"),
+                            if self.use_ue8m0 {
+                                "it casts 512 channels per step and packs four UE8M0 scales \
+                                 to an int32"
+                            } else {
+                                "it casts 512 channels per step"
+                            },
+                            "",
+                        )
+                    };
+                    return Err(usage(format!(
+                        "--hidden {h} is not a multiple of 512, which FP8 low-latency dispatch\
+                         {what} needs ({why}): use --hidden {}{bf16}",
+                        h.div_ceil(512) * 512
+                    )));
+                }
                 let mut cfg = BufferConfig::new(r);
                 cfg.low_latency_mode = true;
                 cfg.num_qps_per_rank = self.local_experts().max(1) as u32;
                 let params = ll_params(
-                    self.fp8,
+                    cast,
                     &crate::io::InputsSummary {
                         num_ranks: r,
                         tokens: vec![self.tokens],
@@ -298,9 +343,9 @@ impl Shape {
                         self.tokens,
                         self.hidden,
                         if self.fp8 {
-                            " (FP8 dispatch)"
+                            format!(" (FP8 dispatch){}", cast.flags())
                         } else {
-                            " --no-fp8"
+                            " --no-fp8".into()
                         }
                     );
                     limit(&what, x)
@@ -703,7 +748,8 @@ pub fn check_granularity(granularity: u64) -> Result<(), PreflightError> {
     Ok(())
 }
 
-/// The checks of a command's options before its workload is loaded: output paths, then for a
+/// The checks of a command's options before its workload is loaded: `--round-scale` /
+/// `--ue8m0` where they cannot apply ([`WorkloadArgs::ll_cast`]), output paths, then for a
 /// generated workload its shape (usage) and its need against this machine. Returns the need
 /// (`None` with `--inputs`: [`after_load`] checks the shape the files give).
 pub fn before_load(
@@ -712,6 +758,7 @@ pub fn before_load(
     command: Command,
     json: Option<&Path>,
 ) -> Result<Option<Need>, PreflightError> {
+    args.ll_cast(defaults)?;
     check_outputs(
         json,
         &[

@@ -79,6 +79,16 @@ pub struct WorkloadArgs {
     /// BF16 low-latency dispatch (turns off low-latency mode's FP8 default).
     #[arg(long)]
     pub no_fp8: bool,
+    /// Low-latency FP8 dispatch: round every per-128-channel scale up to a power of two
+    /// (DeepEP's round_scale; the scales stay float32). Refused in normal mode and with --no-fp8.
+    #[arg(long)]
+    pub round_scale: bool,
+    /// Low-latency FP8 dispatch: store the scales as UE8M0 exponent bytes, four per int32
+    /// (packed_recv_x_scales [.., H/512]; DeepEP's use_ue8m0). Requires --round-scale (not
+    /// implied: DeepEP's use_ue8m0 requires round_scale) and a hidden size that is a multiple of
+    /// 512; refused in normal mode and with --no-fp8.
+    #[arg(long = "ue8m0")]
+    pub use_ue8m0: bool,
     /// SMs given to normal mode: its channels are SMs / 2, as DeepEP's Config(24, 8, 256) in
     /// its tests.
     #[arg(long, default_value_t = DEFAULT_NUM_SMS)]
@@ -118,12 +128,84 @@ pub struct Workload {
     pub summary: InputsSummary,
     /// FP8 dispatch: FP8 inputs in normal mode, the cast in low-latency mode.
     pub fp8: bool,
+    /// `--round-scale`: low-latency FP8 scales rounded to powers of two (false otherwise).
+    pub round_scale: bool,
+    /// `--ue8m0`: low-latency FP8 scales stored as UE8M0 bytes (false otherwise).
+    pub use_ue8m0: bool,
     /// Top-k slots set to -1 per rank of a generated workload (`None` for files).
     pub masked_per_rank: Option<usize>,
     /// Seed, routing, input directory and options, for manifests.
     pub info: RunInfo,
     /// One line describing the workload (mode, shapes, seed or directory, workload digest).
     pub description: String,
+}
+
+/// How low-latency dispatch casts its rows: DeepEP's `use_fp8`, `round_scale` and `use_ue8m0`
+/// (spec §1.9). All false in normal mode, and the last two false unless FP8.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LlCast {
+    /// Cast to e4m3 with per-128-channel scales (`--fp8`, low-latency mode's default).
+    pub use_fp8: bool,
+    /// Scales rounded up to powers of two (`--round-scale`).
+    pub round_scale: bool,
+    /// Scales stored as packed UE8M0 bytes (`--ue8m0`; requires `round_scale`).
+    pub use_ue8m0: bool,
+}
+
+impl LlCast {
+    /// `params` with this cast: [`LlParams::with_fp8`] when FP8, unchanged (BF16) otherwise.
+    #[must_use]
+    pub fn apply(self, params: LlParams) -> LlParams {
+        if self.use_fp8 {
+            params.with_fp8(self.round_scale, self.use_ue8m0)
+        } else {
+            params
+        }
+    }
+
+    /// The options that select this cast, for messages: ` --round-scale --ue8m0` (empty for a
+    /// plain FP8 or BF16 cast).
+    #[must_use]
+    pub fn flags(self) -> String {
+        let mut s = String::new();
+        if self.round_scale {
+            s.push_str(" --round-scale");
+        }
+        if self.use_ue8m0 {
+            s.push_str(" --ue8m0");
+        }
+        s
+    }
+}
+
+/// `--round-scale` / `--ue8m0` where they cannot apply: usage errors (exit 2).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CastError {
+    /// Given in normal mode, which dispatches its inputs as they are (no cast).
+    #[error(
+        "{flag} shapes the FP8 cast of low-latency dispatch; normal mode dispatches its inputs \
+         as they are (BF16, or FP8 with --fp8 / x_fp8.npy): add --mode low-latency or drop {flag}"
+    )]
+    NormalMode {
+        /// `--round-scale` or `--ue8m0`.
+        flag: &'static str,
+    },
+    /// Given with BF16 low-latency dispatch (`--no-fp8`), whose rows carry no scales.
+    #[error(
+        "{flag} shapes the FP8 cast of low-latency dispatch, but --no-fp8 makes it BF16 (no \
+         scales to round or pack): drop --no-fp8 or drop {flag}"
+    )]
+    Bf16 {
+        /// `--round-scale` or `--ue8m0`.
+        flag: &'static str,
+    },
+    /// `--ue8m0` without `--round-scale` (DeepEP: `use_ue8m0` requires `round_scale`).
+    #[error(
+        "--ue8m0 requires --round-scale: UE8M0 bytes hold only power-of-two scales (DeepEP's \
+         use_ue8m0 requires round_scale); add --round-scale"
+    )]
+    Ue8m0WithoutRoundScale,
 }
 
 /// Errors of the shared options.
@@ -141,6 +223,9 @@ pub enum OptionsError {
     /// The workload spec is invalid (ep-core says why): a usage error.
     #[error("cannot generate the workload")]
     Generate(#[source] ep_core::Error),
+    /// `--round-scale` / `--ue8m0` where they cannot apply: a usage error.
+    #[error(transparent)]
+    Cast(#[from] CastError),
     /// `--dump-inputs` failed.
     #[error("writing the inputs to {}", dir.display())]
     WriteInputs {
@@ -162,6 +247,53 @@ impl WorkloadArgs {
             Mode::LowLatency => self.fp8 || (defaults.low_latency_fp8 && !self.no_fp8),
         }
     }
+
+    /// The low-latency cast these options select, refusing `--round-scale` / `--ue8m0` where
+    /// they cannot apply: normal mode, BF16 low-latency dispatch, `--ue8m0` alone. (The hidden
+    /// size FP8 needs, a multiple of 512, is a shape check: `preflight::Shape::check_usage`.)
+    /// Normal mode gives the all-false cast.
+    pub fn ll_cast(&self, defaults: &Defaults) -> Result<LlCast, CastError> {
+        let fp8 = self.mode == Mode::LowLatency && self.fp8(defaults, false);
+        for (flag, on) in [
+            ("--round-scale", self.round_scale),
+            ("--ue8m0", self.use_ue8m0),
+        ] {
+            if !on {
+                continue;
+            }
+            if self.mode == Mode::Normal {
+                return Err(CastError::NormalMode { flag });
+            }
+            if !fp8 {
+                return Err(CastError::Bf16 { flag });
+            }
+        }
+        if self.use_ue8m0 && !self.round_scale {
+            return Err(CastError::Ue8m0WithoutRoundScale);
+        }
+        Ok(LlCast {
+            use_fp8: fp8,
+            round_scale: self.round_scale,
+            use_ue8m0: self.use_ue8m0,
+        })
+    }
+}
+
+impl Workload {
+    /// The low-latency cast of this workload (`use_fp8`, `round_scale`, `use_ue8m0`; all false
+    /// in normal mode). Backends building their own `LlParams` or kernel arguments take them
+    /// from here: `w.ll_cast().apply(LlParams::new(n, e))`.
+    #[must_use]
+    pub fn ll_cast(&self) -> LlCast {
+        match self.mode {
+            Mode::Normal => LlCast::default(),
+            Mode::LowLatency => LlCast {
+                use_fp8: self.fp8,
+                round_scale: self.round_scale,
+                use_ue8m0: self.use_ue8m0,
+            },
+        }
+    }
 }
 
 /// Generates `spec` with one thread per core, rank by rank (`WorkloadSpec::generate_rank`
@@ -178,6 +310,7 @@ pub fn generate(spec: &WorkloadSpec) -> ep_core::Result<Vec<RankInputs>> {
 pub fn load(args: &WorkloadArgs, defaults: &Defaults) -> Result<Workload, OptionsError> {
     let ll_mode = args.mode == Mode::LowLatency;
     let mode_name = args.mode.name();
+    let cast = args.ll_cast(defaults)?;
     let w = match &args.inputs {
         Some(dir) => {
             let experts = args.experts.ok_or(OptionsError::ExpertsRequired)?;
@@ -206,6 +339,8 @@ pub fn load(args: &WorkloadArgs, defaults: &Defaults) -> Result<Workload, Option
                 num_experts: experts,
                 summary: s,
                 fp8,
+                round_scale: cast.round_scale,
+                use_ue8m0: cast.use_ue8m0,
                 masked_per_rank: None,
                 info,
                 description,
@@ -259,6 +394,8 @@ pub fn load(args: &WorkloadArgs, defaults: &Defaults) -> Result<Workload, Option
                 num_experts: experts,
                 summary: s,
                 fp8,
+                round_scale: cast.round_scale,
+                use_ue8m0: cast.use_ue8m0,
                 masked_per_rank: Some(spec.masked_per_rank),
                 info,
                 description,
@@ -353,20 +490,15 @@ fn check_options(args: &WorkloadArgs, dir: &Path, s: &InputsSummary) -> Result<(
 }
 
 /// Low-latency parameters: `N` = the tokens per rank, or with inputs from files the largest
-/// `T`, raised until `R * N` is a multiple of 4 (spec §1.9); FP8 cast without rounding the
-/// scales when `fp8`.
+/// `T`, raised until `R * N` is a multiple of 4 (spec §1.9); the dispatch cast as `cast` says
+/// ([`WorkloadArgs::ll_cast`], [`Workload::ll_cast`]).
 #[must_use]
-pub fn ll_params(fp8: bool, s: &InputsSummary, experts: usize) -> LlParams {
+pub fn ll_params(cast: LlCast, s: &InputsSummary, experts: usize) -> LlParams {
     let mut n = s.max_tokens().max(1);
     while !(s.num_ranks * n).is_multiple_of(ll::LL_PACKED_ROWS_MULTIPLE) {
         n += 1;
     }
-    let params = LlParams::new(n, experts);
-    if fp8 {
-        params.with_fp8(false, false)
-    } else {
-        params
-    }
+    cast.apply(LlParams::new(n, experts))
 }
 
 /// The "expert" of the round trips: identity, as BF16 (FP8 rows dequantised first).

@@ -99,7 +99,9 @@ impl BenchError {
     pub fn exit_code(&self) -> i32 {
         match self {
             Self::Usage(_)
-            | Self::Options(OptionsError::ExpertsRequired | OptionsError::Generate(_)) => 2,
+            | Self::Options(
+                OptionsError::ExpertsRequired | OptionsError::Generate(_) | OptionsError::Cast(_),
+            ) => 2,
             Self::Preflight(e) => e.exit_code(),
             // As a shell reports a process ended by the signal.
             Self::Interrupted { signal, .. } => 128 + signal,

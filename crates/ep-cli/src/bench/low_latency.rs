@@ -56,7 +56,7 @@ pub(crate) fn run<T: Recorded>(
     let r = w.inputs.len();
     let e = w.num_experts;
     let h = w.summary.hidden;
-    let params = workload::ll_params(w.fp8, &w.summary, e);
+    let params = workload::ll_params(w.ll_cast(), &w.summary, e);
     let n = params.num_max_dispatch_tokens_per_rank;
 
     let tl = p.timeline;
