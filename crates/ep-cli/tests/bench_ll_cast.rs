@@ -261,24 +261,6 @@ fn combinations_that_cannot_apply_exit_2_with_the_fix() {
         2,
     );
     assert!(e.contains("add --round-scale"), "{e}");
-    // ... and, until bench/gpu_ll.rs applies them, the flags themselves (never a plain-FP8 run
-    // reported as a rounded one).
-    let e = bench_fails(
-        &cat(
-            SMALL,
-            &[
-                "--backend",
-                "gpu",
-                "--mode",
-                "low-latency",
-                "--hidden",
-                "512",
-                "--round-scale",
-            ],
-        ),
-        2,
-    );
-    assert!(e.contains("--backend sim"), "{e}");
 }
 
 #[test]

@@ -64,6 +64,8 @@ struct LlReport {
     topk: usize,
     experts: usize,
     fp8: bool,
+    round_scale: bool,
+    use_ue8m0: bool,
     iters: usize,
     dispatch: Figure,
     combine: Figure,
@@ -76,7 +78,7 @@ struct LlReport {
     /// One call, median over blocks: routing (send start to known), send rows, (gap), wait for
     /// the sources, receive rows; then the whole span over all blocks and ranks (us).
     dispatch_phases_us: Vec<f64>,
-    /// Combine likewise (no routing step: its first figure is the setup).
+    /// Combine: send rows, gap, wait, reduce; whole span.
     combine_phases_us: Vec<f64>,
     bytes_per_token_ep_rs: f64,
     bytes_per_token_deepep: f64,
@@ -132,8 +134,11 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         set.w
             .push(DevTensor::upload(ctx, &inp.topk_weights).map_err(gpu_err("uploading weights"))?);
     }
+    let cast = w.ll_cast();
     let dargs = LlDispatchArgs {
-        use_fp8: fp8,
+        use_fp8: cast.use_fp8,
+        round_scale: cast.round_scale,
+        use_ue8m0: cast.use_ue8m0,
         ..LlDispatchArgs::default()
     };
     // Expert outputs: deterministic, non-trivial BF16 values (only received rows matter).
@@ -153,11 +158,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let y_in: Vec<LlCombineInput<'_>> = y_dev.iter().map(LlCombineInput::Tensor).collect();
 
     // Verification against the plan.
-    let params = if fp8 {
-        LlParams::new(cfg.num_max_dispatch_tokens_per_rank, e).with_fp8(false, false)
-    } else {
-        LlParams::new(cfg.num_max_dispatch_tokens_per_rank, e)
-    };
+    let params = cast.apply(LlParams::new(cfg.num_max_dispatch_tokens_per_rank, e));
     let plan = plan_dispatch(&w.inputs, &params).map_err(|e| BenchError::Reference {
         what: "plan::low_latency::dispatch",
         source: Box::new(e),
@@ -239,6 +240,8 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         topk: k,
         experts: e,
         fp8,
+        round_scale: cast.round_scale,
+        use_ue8m0: cast.use_ue8m0,
         iters,
         ..LlReport::default()
     };
@@ -302,6 +305,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
 
     // Phases of one plain dispatch and one plain combine (median over blocks of all ranks).
     let slots = [1usize, 2, 4, 5, 6];
+    let comb_slots = [2usize, 4, 5, 6];
     g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
     let o = g.dispatch(&inputs, &dargs).map_err(gpu_err("dispatch"))?;
     let dphases =
@@ -310,8 +314,10 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
     let hs: Vec<_> = h.iter().collect();
     g.combine(&hs, &y_in, false).map_err(gpu_err("combine"))?;
-    let cphases =
-        super::gpu::phase_split(&g.phase_times().map_err(gpu_err("phase stamps"))?, &slots);
+    let cphases = super::gpu::phase_split(
+        &g.phase_times().map_err(gpu_err("phase stamps"))?,
+        &comb_slots,
+    );
     g.measure_phases(false).map_err(gpu_err("phase stamps"))?;
     rep.dispatch_phases_us = dphases;
     rep.combine_phases_us = cphases;
@@ -380,7 +386,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             .join(" / ")
     };
     println!(
-        "phases (us, median over blocks: setup / send rows / gap / wait / receive rows / whole span): dispatch {}; combine {}",
+        "phases (us, median over blocks; dispatch: routing / send rows / gap / wait / receive rows / whole span; combine: send rows / gap / wait / reduce / whole span): dispatch {}; combine {}",
         ph(&rep.dispatch_phases_us),
         ph(&rep.combine_phases_us)
     );

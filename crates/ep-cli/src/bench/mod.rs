@@ -297,21 +297,9 @@ pub fn run_any(args: &BenchArgs) -> Result<i32, BenchError> {
     if args.backend == Backend::Gpu {
         // Refused before the GPU is opened, as on the simulator (every command of ep bench
         // defaults low-latency dispatch to FP8).
-        let cast = args
-            .workload
+        args.workload
             .ll_cast(&DEFAULTS)
             .map_err(OptionsError::from)?;
-        // gpu_ll.rs builds its kernel arguments and plan with plain FP8 scales; until it takes
-        // `Workload::ll_cast()`, refuse the flags rather than run something else. (Remove this
-        // guard when wiring them.)
-        if cast.round_scale || cast.use_ue8m0 {
-            return Err(BenchError::Usage(format!(
-                "{}: not applied by the GPU low-latency bench yet; run on --backend sim or \
-                 sim-checked, or drop {}",
-                cast.flags().trim(),
-                if cast.use_ue8m0 { "them" } else { "it" }
-            )));
-        }
         return gpu::run(args);
     }
     run(args).map(|o| o.exit_code())
