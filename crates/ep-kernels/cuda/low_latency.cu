@@ -73,11 +73,16 @@ __device__ __forceinline__ int4 ld_cg16(const void *p) { return __ldcg((const in
 
 // Whether this block is the last of the grid to finish its part of the send. The counter counts
 // the launch's finished blocks; the last one sets it back to 0 for the next launch on the stream.
-__device__ bool last_block(uint64_t *counter) {
+__device__ bool last_block(const Args &a, uint64_t *counter) {
     __shared__ int last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        // Peers on this GPU only need the stores ordered at GPU scope (cheaper); peers on other
+        // GPUs need the system scope.
+        if (a.flags & EP_FLAG_SAME_GPU)
+            __threadfence();
+        else
+            __threadfence_system();
         uint64_t old = atomic_add_acq_rel(counter, 1);
         last = old == gridDim.x - 1;
         if (last) *(volatile uint64_t *)counter = 0;
@@ -170,30 +175,61 @@ __device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
     return s;
 }
 
-// Routing metadata of this rank's tokens, computed by every block (T*K entries: small). `ncnt[d]`
-// gets the messages to d. An expert id outside [-1, E) is recorded (EP_ERR_EXPERT) and treated as
-// -1, so the protocol still completes and the group stays usable.
-__device__ void send_metadata(const Args &a, SendSmem sm, uint32_t *ncnt) {
+// Routing of this rank's tokens, computed by every block (T*K entries: small), in two steps so
+// that the rows can go out between them. `send_slots`: expert ids (validated), each token's
+// destination ranks and its slot on each; `ncnt[d]` gets the messages to d. An expert id
+// outside [-1, E) is recorded (EP_ERR_EXPERT) and treated as -1, so the protocol still completes
+// and the group stays usable.
+__device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt) {
     const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, L = a.num_local_experts;
-    const uint32_t R = a.num_ranks, TK = T * K;
+    const uint32_t R = a.num_ranks;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (uint32_t i = threadIdx.x; i < WARPS * E; i += NT) sm.wcnt[i] = 0;
-    __syncthreads();
     const int64_t *idx = (const int64_t *)a.topk_idx;
-    for (uint32_t j = threadIdx.x; j < TK; j += NT) {
-        int64_t e = idx[j];
-        if (e < -1 || e >= (int64_t)E) {
-            if (blockIdx.x == 0)
-                ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LL_DISPATCH, a.rank, 0,
-                        E, (uint64_t)e, j);
-            e = -1;
+    for (uint32_t t = threadIdx.x; t < T; t += NT) {
+        int64_t ids[MAXK];
+#pragma unroll
+        for (uint32_t k = 0; k < MAXK; ++k) ids[k] = k < K ? idx[t * K + k] : -1;
+        uint32_t m = 0;
+#pragma unroll
+        for (uint32_t k = 0; k < MAXK; ++k) {
+            if (k >= K) break;
+            int64_t e = ids[k];
+            if (e < -1 || e >= (int64_t)E) {
+                if (blockIdx.x == 0)
+                    ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LL_DISPATCH, a.rank, 0,
+                            E, (uint64_t)e, t * K + k);
+                e = -1;
+            }
+            if (e >= 0 && masked(a, (uint64_t)e / L)) e = -1;
+            sm.expert[t * K + k] = (int16_t)e;
+            if (e >= 0) m |= 1u << ((uint32_t)e / L);
         }
-        if (e >= 0 && masked(a, (uint64_t)e / L)) e = -1;
-        sm.expert[j] = (int16_t)e;
+        sm.dmask[t] = (uint8_t)m;
     }
     __syncthreads();
-    // pos in (t, k) order: each warp counts its contiguous segment, lanes of one chunk with the
-    // same expert ranked by __match_any_sync; then a prefix over the warps.
+    // Slots: warp d ranks the tokens with an expert on d.
+    if (warp < R) {
+        const uint32_t d = warp;
+        uint32_t run = 0;
+        for (uint32_t b = 0; b < T; b += 32) {
+            uint32_t t = b + lane;
+            bool to_d = t < T && ((sm.dmask[t] >> d) & 1u);
+            uint32_t bal = __ballot_sync(FULL, to_d);
+            if (t < T) sm.slot[t * R + d] = to_d ? (uint16_t)(run + __popc(bal & lanemask_lt())) : 0xffffu;
+            run += __popc(bal);
+        }
+        if (lane == 0) ncnt[d] = run;
+    }
+    __syncthreads();
+}
+
+// `send_positions`: each entry's row within its (expert, source) block, in (t, k) order, and the
+// entries per expert (the headers): each warp counts its contiguous segment, lanes of one chunk
+// with the same expert ranked by __match_any_sync; then a prefix over the warps.
+__device__ void send_positions(const Args &a, SendSmem sm) {
+    const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, TK = T * K;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t seg = (TK + WARPS * 32 - 1) / (WARPS * 32) * 32;
     const uint32_t lo = warp * seg, hi = min(TK, lo + seg);
     for (uint32_t b = lo; b < hi; b += 32) {
@@ -219,31 +255,10 @@ __device__ void send_metadata(const Args &a, SendSmem sm, uint32_t *ncnt) {
         }
         sm.tot[e] = run;
     }
-    for (uint32_t t = threadIdx.x; t < T; t += NT) {
-        uint32_t m = 0;
-        for (uint32_t k = 0; k < K; ++k) {
-            int32_t e = sm.expert[t * K + k];
-            if (e >= 0) m |= 1u << ((uint32_t)e / L);
-        }
-        sm.dmask[t] = (uint8_t)m;
-    }
     __syncthreads();
     for (uint32_t j = threadIdx.x; j < TK; j += NT) {
         int32_t e = sm.expert[j];
         if (e >= 0) sm.pos[j] = (uint16_t)(sm.pos[j] + sm.wcnt[(j / seg) * E + e]);
-    }
-    // Slots: warp d ranks the tokens with an expert on d.
-    if (warp < R) {
-        const uint32_t d = warp;
-        uint32_t run = 0;
-        for (uint32_t b = 0; b < T; b += 32) {
-            uint32_t t = b + lane;
-            bool to_d = t < T && ((sm.dmask[t] >> d) & 1u);
-            uint32_t bal = __ballot_sync(FULL, to_d);
-            if (t < T) sm.slot[t * R + d] = to_d ? (uint16_t)(run + __popc(bal & lanemask_lt())) : 0xffffu;
-            run += __popc(bal);
-        }
-        if (lane == 0) ncnt[d] = run;
     }
     __syncthreads();
 }
@@ -298,7 +313,7 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
     const bool fp8 = (a.flags & EP_FLAG_FP8) != 0;
     const bool round_scale = (a.flags & EP_FLAG_ROUND_SCALE) != 0;
     stamp(a, 0);
-    send_metadata(a, sm, ncnt);
+    send_slots(a, sm, ncnt);
     stamp(a, 1);
     if (blockIdx.x == 0) {
         int32_t *slots = (int32_t *)a.slots;
@@ -308,26 +323,7 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
     }
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const float *weights = (const float *)a.topk_weights;
-    // Meta records: warp gw writes those of tokens gw, gw + GW, ... (lane k = top-k slot k).
     const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
-    for (uint32_t t = gw; t < T; t += GW) {
-        const uint32_t dm = sm.dmask[t];
-        const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
-        for (uint32_t d = 0; d < R; ++d) {
-            if (!((dm >> d) & 1u)) continue;
-            uint8_t *meta = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + hdr +
-                            (uint64_t)sm.slot[t * R + d] * meta_bytes;
-            const bool on_d = e >= 0 && (uint32_t)e / L == d;
-            const uint32_t bal = __ballot_sync(FULL, on_d);
-            if (on_d) {
-                const uint32_t i = __popc(bal & lanemask_lt());
-                const uint32_t l = (uint32_t)e - d * L;
-                const uint32_t w = __float_as_uint(weights[t * K + lane]);
-                *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
-            }
-            if (lane == 0) *(uint64_t *)meta = (uint64_t)t | ((uint64_t)__popc(bal) << 32);
-        }
-    }
     // Rows: units of UNITS x 32 chunks of one token spread over every warp of the grid, the
     // unit's loads issued before its stores (short dependency chains); each row loaded once,
     // cast once, stored to each destination.
@@ -385,8 +381,29 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
             }
         }
     }
+    // While the rows drain: positions, then the meta records (receivers read them only after
+    // the signal). Warp gw writes those of tokens gw, gw + GW, ... (lane k = top-k slot k).
+    send_positions(a, sm);
+    for (uint32_t t = gw; t < T; t += GW) {
+        const uint32_t dm = sm.dmask[t];
+        const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
+        for (uint32_t d = 0; d < R; ++d) {
+            if (!((dm >> d) & 1u)) continue;
+            uint8_t *meta = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + hdr +
+                            (uint64_t)sm.slot[t * R + d] * meta_bytes;
+            const bool on_d = e >= 0 && (uint32_t)e / L == d;
+            const uint32_t bal = __ballot_sync(FULL, on_d);
+            if (on_d) {
+                const uint32_t i = __popc(bal & lanemask_lt());
+                const uint32_t l = (uint32_t)e - d * L;
+                const uint32_t w = __float_as_uint(weights[t * K + lane]);
+                *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
+            }
+            if (lane == 0) *(uint64_t *)meta = (uint64_t)t | ((uint64_t)__popc(bal) << 32);
+        }
+    }
     stamp(a, 2);
-    if (!last_block((uint64_t *)a.counter)) return;
+    if (!last_block(a, (uint64_t *)a.counter)) return;
     // Headers c(l, s) for every unmasked destination, then the signals.
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
         const uint32_t d = i / L, l = i % L;
@@ -396,7 +413,10 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        if (a.flags & EP_FLAG_SAME_GPU)
+            __threadfence();
+        else
+            __threadfence_system();
         for (uint32_t d = 0; d < R; ++d) {
             if (masked(a, d)) continue;
             ep_st_release(signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
@@ -617,7 +637,7 @@ __device__ void combine_send(const Args &a, uint8_t *smem) {
         }
     }
     stamp(a, 2);
-    if (!last_block((uint64_t *)a.counter)) return;
+    if (!last_block(a, (uint64_t *)a.counter)) return;
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < R; ++s) {
             if (masked(a, s)) continue;

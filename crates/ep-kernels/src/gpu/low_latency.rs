@@ -650,6 +650,8 @@ impl LlGroup {
             num_max_tokens: cfg.num_max_dispatch_tokens_per_rank as u64,
             call: self.call,
             half,
+            // Co-resident ranks: every peer is on this GPU.
+            flags: abi::EP_FLAG_SAME_GPU,
             mask: self.ranks[rank].mask.ptr(),
             recv_stats: self.ranks[rank].recv_stats.ptr(),
             wait_stats: self.ranks[rank].wait_stats.ptr(),
@@ -861,7 +863,7 @@ impl LlGroup {
             let mut a = self.base_args(s, half);
             a.num_tokens = inp.x.rows() as u64;
             a.num_topk = k as u64;
-            a.flags = flags;
+            a.flags |= flags;
             a.x = inp.x.ptr();
             a.topk_idx = inp.topk_idx.ptr();
             a.topk_weights = inp.topk_weights.ptr();
