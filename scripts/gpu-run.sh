@@ -81,6 +81,12 @@ if [ -x bundle/ep ]; then
   bundle/ep bench --backend gpu --ranks 2 --sms-sweep 8,24,64 --gpu-iters 20 --json "$out/bench-gpu-r2.json" 2>&1 \
     | tee "$out/bench-gpu-r2.txt" | grep -vE "phases"
   echo "ep bench --backend gpu exited ${PIPESTATUS[0]}"
+  # Low-latency mode (variant a, co-resident ranks), issue 12's shape: FP8 dispatch.
+  echo "=== ep bench --backend gpu --mode low-latency"
+  bundle/ep bench --backend gpu --mode low-latency --ranks 2 --tokens 128 --hidden 7168 --topk 8 \
+    --experts 288 --num-sms 64 --gpu-iters 1000 --json "$out/bench-gpu-ll-r2.json" 2>&1 \
+    | tee "$out/bench-gpu-ll-r2.txt"
+  echo "ep bench --backend gpu --mode low-latency exited ${PIPESTATUS[0]}"
 fi
 echo "$pass passed, $fail failed${skipped:+; skipped: $skipped}"
 [ $fail -eq 0 ]
