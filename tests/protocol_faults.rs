@@ -18,7 +18,7 @@ use ep_rs::core::plan::low_latency::{
     LlParams, PartialPrecision, combine_reduced_on_expert_rank, dispatch,
 };
 use ep_rs::core::transport::{FabricParams, QpIndex, Transport, fault_rank, is_fault};
-use ep_rs::core::{Buffer, Error, RankInputs, Tensor2};
+use ep_rs::core::{Buffer, Error, RankInputs, Tensor2, Tensor3};
 use ep_rs::sim::{Fault, Sim, SimConfig, ThreadSim, Trigger};
 use half::bf16;
 use protocol_support::*;
@@ -166,11 +166,11 @@ fn ll_combine<T: Transport>(
     rng: &mut ChaCha8Rng,
     zero_copy: bool,
 ) -> Result<(), Error> {
-    let y: Vec<Option<Vec<Tensor2<bf16>>>> = (0..R)
+    let y: Vec<Option<Tensor3<bf16>>> = (0..R)
         .map(|r| {
             d.got.outputs[r]
                 .is_some()
-                .then(|| (0..L).map(|_| rand_bf16_tensor(rng, R * N, H)).collect())
+                .then(|| rand_bf16_tensor3(rng, L, R * N, H))
         })
         .collect();
     let out = buf.low_latency_combine(&d.got.routes, &y, &d.inputs, zero_copy)?;

@@ -9,7 +9,7 @@ mod protocol_support;
 use ep_rs::core::plan::low_latency::{
     LlParams, PartialPrecision, canonicalize, combine, combine_reduced_on_expert_rank, dispatch,
 };
-use ep_rs::core::{RankInputs, Tensor2, oracle};
+use ep_rs::core::{RankInputs, Tensor2, Tensor3, oracle};
 use half::bf16;
 use proptest::prelude::*;
 use protocol_support::*;
@@ -102,17 +102,13 @@ fn params(c: &LCase) -> LlParams {
     p
 }
 
-/// Random expert outputs `[L][R·N, H]` for unmasked ranks.
-fn expert_outputs(c: &LCase, seed: u64) -> Vec<Option<Vec<Tensor2<bf16>>>> {
+/// Random expert outputs `[L, R·N, H]` for unmasked ranks.
+fn expert_outputs(c: &LCase, seed: u64) -> Vec<Option<Tensor3<bf16>>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let l = c.g.num_experts / c.g.num_ranks;
     (0..c.g.num_ranks)
         .map(|d| {
-            (!c.masked[d]).then(|| {
-                (0..l)
-                    .map(|_| rand_bf16_tensor(&mut rng, c.g.num_ranks * c.n, c.g.hidden))
-                    .collect()
-            })
+            (!c.masked[d]).then(|| rand_bf16_tensor3(&mut rng, l, c.g.num_ranks * c.n, c.g.hidden))
         })
         .collect()
 }

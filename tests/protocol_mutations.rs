@@ -11,7 +11,7 @@ use ep_rs::core::plan::low_latency::{
     LlParams, PartialPrecision, combine_reduced_on_expert_rank, dispatch,
 };
 use ep_rs::core::protocol::ProtocolMutation;
-use ep_rs::core::{Error, Tensor2};
+use ep_rs::core::{Error, Tensor3};
 use protocol_support::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -113,14 +113,8 @@ fn ll_scenario(m: ProtocolMutation, seed: u64) -> Outcome {
             return Outcome::Wrong(format!("dispatch of call {call} differs from the plan"));
         }
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xabc ^ call);
-        let y: Vec<Option<Vec<Tensor2<half::bf16>>>> = (0..r)
-            .map(|_| {
-                Some(
-                    (0..l)
-                        .map(|_| rand_bf16_tensor(&mut rng, r * n, h))
-                        .collect(),
-                )
-            })
+        let y: Vec<Option<Tensor3<half::bf16>>> = (0..r)
+            .map(|_| Some(rand_bf16_tensor3(&mut rng, l, r * n, h)))
             .collect();
         let handles: Vec<_> = got
             .outputs

@@ -13,7 +13,7 @@ use ep_rs::core::config::{BufferConfig, Config};
 use ep_rs::core::plan::combine::CombineArgs;
 use ep_rs::core::plan::low_latency::LlParams;
 use ep_rs::core::transport::FabricParams;
-use ep_rs::core::{Buffer, Tensor2};
+use ep_rs::core::{Buffer, Tensor3};
 use ep_rs::sim::cost::CostModel;
 use ep_rs::sim::{Sim, SimConfig};
 use half::bf16;
@@ -82,14 +82,8 @@ fn ll_run(c: Case, depth: u32) -> Run {
         let inputs = gen_inputs(&g, c.seed.wrapping_add(call), true);
         let p = LlParams::new(c.n, e);
         let got = buf.low_latency_dispatch(&inputs, &p).unwrap();
-        let y: Vec<Option<Vec<Tensor2<bf16>>>> = (0..c.r)
-            .map(|_| {
-                Some(
-                    (0..c.l)
-                        .map(|_| rand_bf16_tensor(&mut rng, c.r * c.n, h))
-                        .collect(),
-                )
-            })
+        let y: Vec<Option<Tensor3<bf16>>> = (0..c.r)
+            .map(|_| Some(rand_bf16_tensor3(&mut rng, c.l, c.r * c.n, h)))
             .collect();
         let comb = buf
             .low_latency_combine(&got.routes, &y, &inputs, call.is_multiple_of(2))

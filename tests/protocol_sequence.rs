@@ -14,7 +14,7 @@ use ep_rs::core::plan::intranode::{
 use ep_rs::core::plan::low_latency::{
     LlParams, PartialPrecision, combine_reduced_on_expert_rank, dispatch,
 };
-use ep_rs::core::{Activations, Buffer, Tensor2};
+use ep_rs::core::{Activations, Buffer, Tensor3};
 use ep_rs::sim::Sim;
 use half::bf16;
 use protocol_support::*;
@@ -162,13 +162,9 @@ fn one_hundred_twenty_calls_back_to_back() {
                     .iter()
                     .map(|o| o.as_ref().map(|o| o.handle.clone()))
                     .collect();
-                let y: Vec<Option<Vec<Tensor2<bf16>>>> = (0..R)
+                let y: Vec<Option<Tensor3<bf16>>> = (0..R)
                     .map(|d| {
-                        (!buf.masked_ranks()[d]).then(|| {
-                            (0..L)
-                                .map(|_| rand_bf16_tensor(&mut rng, R * N, H))
-                                .collect()
-                        })
+                        (!buf.masked_ranks()[d]).then(|| rand_bf16_tensor3(&mut rng, L, R * N, H))
                     })
                     .collect();
                 let zero_copy = rng.random_bool(0.5);

@@ -4,7 +4,7 @@
 
 use ep_rs::core::config::BufferConfig;
 use ep_rs::core::transport::{FabricParams, QpFullPolicy};
-use ep_rs::core::{Activations, Buffer, ExpertIdx, RankInputs, Tensor2};
+use ep_rs::core::{Activations, Buffer, ExpertIdx, RankInputs, Tensor2, Tensor3};
 use ep_rs::sim::{Policy, Sim, SimConfig};
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -26,6 +26,17 @@ pub(crate) fn cases() -> u32 {
 /// Random BF16 `[rows, cols]` of [`rand_bf16`]'s wide range.
 pub(crate) fn rand_bf16_tensor(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Tensor2<bf16> {
     Tensor2::from_fn(rows, cols, |_, _| rand_bf16(rng))
+}
+
+/// Random BF16 `[n, rows, cols]`: the draws of `n` [`rand_bf16_tensor`]s in a row.
+pub(crate) fn rand_bf16_tensor3(
+    rng: &mut ChaCha8Rng,
+    n: usize,
+    rows: usize,
+    cols: usize,
+) -> Tensor3<bf16> {
+    let data = (0..n * rows * cols).map(|_| rand_bf16(rng)).collect();
+    Tensor3::new(n, rows, cols, data).unwrap()
 }
 
 /// Random f32 in `±[0.01, 1)`.

@@ -16,7 +16,7 @@ use ep_core::plan::combine::{CombineArgs, CombineOutput};
 use ep_core::plan::intranode::{self, DispatchOptions, IntranodeDispatch};
 use ep_core::plan::layout::{DispatchLayout, get_dispatch_layout_for_rank};
 use ep_core::plan::low_latency::{self as ll, LlDispatchOutput, LlParams};
-use ep_core::{RankInputs, Tensor2, digest};
+use ep_core::{RankInputs, Tensor2, Tensor3, digest};
 use half::bf16;
 use serde_json::json;
 
@@ -275,7 +275,7 @@ fn combine_round_trip(
 }
 
 /// Identity expert over a low-latency receiver's rows (dequantised, rounded to BF16).
-fn ll_expert(out: &Option<LlDispatchOutput>) -> anyhow::Result<Option<Vec<Tensor2<bf16>>>> {
+fn ll_expert(out: &Option<LlDispatchOutput>) -> anyhow::Result<Option<Tensor3<bf16>>> {
     out.as_ref()
         .map(|o| ll::map_rows(o, |_, row| row.iter().map(|&v| bf16::from_f32(v)).collect()))
         .transpose()

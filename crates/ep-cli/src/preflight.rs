@@ -13,6 +13,7 @@
 use std::path::Path;
 
 use ep_core::config::{BufferConfig, Config, LowLatencyCall, NormalCall, NvshmemResources};
+use ep_core::plan::low_latency::FRESH_MAPPING_BYTES;
 use ep_core::protocol::layout::{MAX_CHANNELS, MAX_LOCAL_EXPERTS};
 
 use crate::workload::{CastError, Defaults, LlCast, Mode, Workload, WorkloadArgs, ll_params};
@@ -448,9 +449,10 @@ impl Need {
                     n += 1;
                 }
                 let rn = r * n;
-                // Packed [R·N, row] arrays per (rank, local expert): the dispatch outputs of the
-                // call and the spare one it reuses and the oracle's of both signs (x, and FP8
-                // scales), and BF16 expert outputs of both signs.
+                // Packed [L, R·N, row] arrays per rank, one allocation each
+                // (plan::low_latency::packed_zeros_*): the dispatch outputs of the call and the
+                // spare one it reuses and the oracle's of both signs (x, and FP8 scales), and
+                // BF16 expert outputs of both signs.
                 let data_row = if shape.fp8 { h } else { 2 * h };
                 let scale_copies = if shape.fp8 { 4 } else { 0 };
                 let arrays = [
@@ -462,19 +464,18 @@ impl Need {
                 let filled = t * k;
                 let (mut resident, mut mapped) = (0u64, 0u64);
                 for (copies, row) in arrays {
-                    let bytes = rn * row;
-                    let count = r * l * copies;
-                    if bytes < FRESH_MAPPING {
+                    let bytes = l * rn * row;
+                    let count = r * copies;
+                    if bytes < FRESH_MAPPING_BYTES as u64 {
                         // Small arrays are zeroed on the heap: resident in full.
                         resident += count * bytes;
-                        mapped += count * bytes;
                     } else {
-                        // Fresh zero pages (at least FRESH_ALLOC each): only filled rows'
-                        // pages become resident.
+                        // A fresh mapping of exactly the array: only filled rows' pages become
+                        // resident.
                         let pages = (row.div_ceil(4096) + 1) * 4096;
                         resident += (r * copies * filled * pages).min(count * bytes);
-                        mapped += count * bytes.max(FRESH_ALLOC);
                     }
+                    mapped += count * bytes;
                 }
                 need.memory.push(("packed expert arrays", resident));
                 need.reserved = mapped.saturating_sub(resident);
@@ -528,13 +529,6 @@ const BASE: u64 = 256 << 20;
 
 /// Threads mode's page (`ep_sim`'s `TPAGE`): memory is materialised a page at a time.
 const SIM_PAGE: u64 = 1 << 18;
-
-/// Arrays at least this large come from fresh mappings (`plan::low_latency::packed_zeros_*`).
-const FRESH_MAPPING: u64 = 1 << 20;
-
-/// ... of at least this many bytes (ep-core's `FRESH_ALLOC_BYTES`: glibc's mmap threshold as
-/// `ep_sim::alloc::tune_system_allocator` sets it, 32 MiB, plus glibc's header room).
-const FRESH_ALLOC: u64 = (32 << 20) + (64 << 10);
 
 /// What this machine gives a run. (Disk space is not checked: a run with `--dump` says what it
 /// will write before it starts, [`dump_line`].)

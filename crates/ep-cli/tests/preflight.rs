@@ -180,6 +180,23 @@ fn the_estimate_names_a_smaller_shape_that_fits() {
 }
 
 #[test]
+fn the_low_latency_estimate_reserves_the_packed_arrays_as_allocated() {
+    // The default low-latency run: [L, R·N, H] arrays of 252 MiB (FP8) and 504 MiB (BF16 expert
+    // outputs) per rank, one exact mapping each, ~15 GiB of address space at the peak as
+    // measured; the estimate may be above that (it counts a spare dispatch output) but not by
+    // per-expert rounding (~55 GiB).
+    let args = parse(&["--mode", "low-latency"]);
+    let defaults = Defaults {
+        hidden: 7168,
+        low_latency_fp8: true,
+    };
+    let shape = Shape::of_args(&args.workload, &defaults).unwrap();
+    let need = Need::estimate(&shape, Command::Bench, false);
+    let space = need.memory_total() + need.reserved;
+    assert!((14 << 30..20 << 30).contains(&space), "{need:?}");
+}
+
+#[test]
 fn output_paths_are_checked_before_the_run() {
     let dir = scratch("outputs");
     let file = dir.join("a-file");
@@ -213,4 +230,32 @@ fn under_ulimit_v_the_run_is_refused_from_the_estimate_not_aborted() {
     assert_eq!(out.status.code(), Some(3), "{stderr}");
     assert!(stderr.contains("of address space"), "{stderr}");
     assert!(stderr.contains("ulimit -v"), "{stderr}");
+}
+
+#[test]
+fn a_low_latency_run_reserves_the_address_space_it_uses() {
+    // A real RLIMIT_AS a few GiB above what the run touches (~0.6 GB resident, ~1.7 GB of
+    // address space at its peak): one allocation of exactly [L, R·N, H] per rank and packed
+    // array (plan::low_latency::packed_zeros_*). Per-expert arrays of 1-2 MiB here, which
+    // rounding each up to a 32 MiB mapping of its own made ~22 GB: refused or aborted under this
+    // limit.
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v 4194304 && exec {} bench --quiet --mode low-latency --ranks 4 --tokens 128 \
+             --hidden 2048 --experts 128 --topk 8 --warmup 1 --iters 2",
+            env!("CARGO_BIN_EXE_ep")
+        ))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(stdout.contains("verified:"), "{stdout}");
 }

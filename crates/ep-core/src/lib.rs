@@ -37,4 +37,4 @@ pub mod workload;
 pub use buffer::Buffer;
 pub use error::{Error, Result};
 pub use routing::{Activations, ExpertIdx, RankInputs, validate_inputs, validate_routing};
-pub use tensor::Tensor2;
+pub use tensor::{Tensor2, Tensor3};

@@ -11,7 +11,7 @@ use ep_core::plan::intranode::{self, DispatchOptions, IntranodeDispatch};
 use ep_core::plan::layout::get_dispatch_layout_for_rank;
 use ep_core::plan::low_latency::{self as ll, LlDispatchOutput, LlParams, LlRecvX};
 use ep_core::workload::{Routing, WorkloadSpec};
-use ep_core::{Activations, RankInputs, Tensor2};
+use ep_core::{Activations, RankInputs, Tensor2, Tensor3};
 use half::bf16;
 
 const EXPERTS: usize = 16;
@@ -82,7 +82,7 @@ type Mutation = Box<dyn Fn(&mut IntranodeDispatch, &mut CombineOutput, bool)>;
 
 type LlRun = (Vec<Option<LlDispatchOutput>>, Vec<Option<Tensor2<bf16>>>);
 
-fn ll_expert(out: &Option<LlDispatchOutput>) -> Option<Vec<Tensor2<bf16>>> {
+fn ll_expert(out: &Option<LlDispatchOutput>) -> Option<Tensor3<bf16>> {
     out.as_ref().map(|o| {
         ll::map_rows(o, |_, row| row.iter().map(|&v| bf16::from_f32(v)).collect()).unwrap()
     })
@@ -358,10 +358,13 @@ fn ll_digest_ignores_rows_past_count_and_sees_one_bit() {
         let o = r2.0[rank].as_mut().unwrap();
         o.handle.src_info.set(l, count, 77);
         match &mut o.recv_x {
-            LlRecvX::Bf16(x) => flip_bf16(&mut x[l], count, 0),
+            LlRecvX::Bf16(x) => {
+                let v = x.get(l, count, 0);
+                x.set(l, count, 0, bf16::from_bits(v.to_bits() ^ 1));
+            }
             LlRecvX::Fp8 { data, scales } => {
-                data[l].set(count, 0, 0x55);
-                scales[l].set(count, 0, 3.0);
+                data.set(l, count, 0, 0x55);
+                scales.set(l, count, 0, 3.0);
             }
             LlRecvX::Fp8Ue8m0 { .. } => unreachable!(),
         }
@@ -378,17 +381,17 @@ fn ll_digest_ignores_rows_past_count_and_sees_one_bit() {
             o.handle.src_info.set(l, j, si);
             match &mut o.recv_x {
                 LlRecvX::Bf16(x) => {
-                    let (ri, rj) = (x[l].row(i).to_vec(), x[l].row(j).to_vec());
-                    x[l].row_mut(i).copy_from_slice(&rj);
-                    x[l].row_mut(j).copy_from_slice(&ri);
+                    let (ri, rj) = (x.row(l, i).to_vec(), x.row(l, j).to_vec());
+                    x.row_mut(l, i).copy_from_slice(&rj);
+                    x.row_mut(l, j).copy_from_slice(&ri);
                 }
                 LlRecvX::Fp8 { data, scales } => {
-                    let (ri, rj) = (data[l].row(i).to_vec(), data[l].row(j).to_vec());
-                    data[l].row_mut(i).copy_from_slice(&rj);
-                    data[l].row_mut(j).copy_from_slice(&ri);
-                    let (si, sj) = (scales[l].row(i).to_vec(), scales[l].row(j).to_vec());
-                    scales[l].row_mut(i).copy_from_slice(&sj);
-                    scales[l].row_mut(j).copy_from_slice(&si);
+                    let (ri, rj) = (data.row(l, i).to_vec(), data.row(l, j).to_vec());
+                    data.row_mut(l, i).copy_from_slice(&rj);
+                    data.row_mut(l, j).copy_from_slice(&ri);
+                    let (si, sj) = (scales.row(l, i).to_vec(), scales.row(l, j).to_vec());
+                    scales.row_mut(l, i).copy_from_slice(&sj);
+                    scales.row_mut(l, j).copy_from_slice(&si);
                 }
                 LlRecvX::Fp8Ue8m0 { .. } => unreachable!(),
             }
@@ -398,10 +401,13 @@ fn ll_digest_ignores_rows_past_count_and_sees_one_bit() {
         // One bit of a valid row, of its scale, of src_info, of combined_x: seen.
         let mut r2 = run.clone();
         match &mut r2.0[rank].as_mut().unwrap().recv_x {
-            LlRecvX::Bf16(x) => flip_bf16(&mut x[l], 0, 3),
+            LlRecvX::Bf16(x) => {
+                let v = x.get(l, 0, 3);
+                x.set(l, 0, 3, bf16::from_bits(v.to_bits() ^ 1));
+            }
             LlRecvX::Fp8 { data, .. } => {
-                let v = data[l].get(0, 3);
-                data[l].set(0, 3, v ^ 1);
+                let v = data.get(l, 0, 3);
+                data.set(l, 0, 3, v ^ 1);
             }
             LlRecvX::Fp8Ue8m0 { .. } => unreachable!(),
         }
@@ -409,8 +415,8 @@ fn ll_digest_ignores_rows_past_count_and_sees_one_bit() {
         if fp8.is_some() {
             let mut r2 = run.clone();
             if let LlRecvX::Fp8 { scales, .. } = &mut r2.0[rank].as_mut().unwrap().recv_x {
-                let v = scales[l].get(0, 0);
-                scales[l].set(0, 0, f32::from_bits(v.to_bits() ^ 1));
+                let v = scales.get(l, 0, 0);
+                scales.set(l, 0, 0, f32::from_bits(v.to_bits() ^ 1));
             }
             assert_ne!(lld(&r2).ranks[rank], base.ranks[rank]);
         }

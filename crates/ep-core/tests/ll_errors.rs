@@ -5,7 +5,7 @@ use ep_core::oracle::low_latency as oracle;
 use ep_core::plan::low_latency::{
     self as plan, LlHandle, LlParams, canonicalize, map_rows, pack_layout_range,
 };
-use ep_core::{Activations, Error, RankInputs, Tensor2};
+use ep_core::{Activations, Error, RankInputs, Tensor2, Tensor3};
 use half::bf16;
 
 /// `r` ranks with `t` tokens each, hidden `h`, top-k `k`; token `i` of rank `s` routes to
@@ -249,8 +249,8 @@ fn duplicates_overflowing_slots() {
     });
 }
 
-/// Per-rank expert outputs `[L][R·N, H]` (`None` for masked ranks).
-type ExpertOut = Vec<Option<Vec<Tensor2<bf16>>>>;
+/// Per-rank expert outputs `[L, R·N, H]` (`None` for masked ranks).
+type ExpertOut = Vec<Option<Tensor3<bf16>>>;
 
 fn dispatched(inp: &[RankInputs], params: &LlParams) -> (Vec<Option<LlHandle>>, ExpertOut) {
     let outs = plan::dispatch(inp, params).unwrap();
@@ -295,7 +295,7 @@ fn combine_errors() {
     // Expert outputs of the wrong shape.
     let mut y_bad = y.clone();
     if let Some(v) = y_bad[0].as_mut() {
-        v[0] = Tensor2::filled(3, 128, bf16::ZERO);
+        *v = Tensor3::zeros(v.matrices(), 3, 128);
     }
     assert!(matches!(
         plan::combine(&inp, &handles, &y_bad, &params),

@@ -8,7 +8,7 @@ use ep_core::plan::low_latency::{
     self as plan, LlDispatchOutput, LlFormat, LlHandle, LlParams, LlRecvX, PartialPrecision,
     canonicalize, map_rows, scales_column_major, unpack_layout_range,
 };
-use ep_core::{Activations, RankInputs, Tensor2};
+use ep_core::{Activations, RankInputs, Tensor2, Tensor3};
 use half::bf16;
 use proptest::prelude::*;
 use rand::seq::SliceRandom;
@@ -219,7 +219,7 @@ fn expert_fn(l: usize, row: &[f32]) -> Vec<bf16> {
         .collect()
 }
 
-type ExpertOut = Vec<Option<Vec<Tensor2<bf16>>>>;
+type ExpertOut = Vec<Option<Tensor3<bf16>>>;
 
 fn plan_expert_outputs(
     outs: &[Option<LlDispatchOutput>],
@@ -238,19 +238,15 @@ fn oracle_expert_outputs(
     outs.iter()
         .map(|o| {
             o.as_ref().map(|o| {
-                (0..o.recv_count.len())
-                    .map(|l| {
-                        let rows = o.handle.src_info.cols();
-                        let mut t = Tensor2::filled(rows, o.handle.hidden, bf16::ZERO);
-                        for row in 0..o.recv_count[l] as usize {
-                            t.row_mut(row).copy_from_slice(&f(
-                                l,
-                                &oracle::received_row_f32(o, l, row).unwrap(),
-                            ));
-                        }
-                        t
-                    })
-                    .collect()
+                let rows = o.handle.src_info.cols();
+                let mut t = Tensor3::filled(o.recv_count.len(), rows, o.handle.hidden, bf16::ZERO);
+                for l in 0..o.recv_count.len() {
+                    for row in 0..o.recv_count[l] as usize {
+                        t.row_mut(l, row)
+                            .copy_from_slice(&f(l, &oracle::received_row_f32(o, l, row).unwrap()));
+                    }
+                }
+                t
             })
         })
         .collect()
@@ -309,9 +305,11 @@ proptest! {
         // add one rounding per owner (≤ 2^-9·M in total, as Σ_d |p_d| ≤ M). 2^-7·M covers both.
         let y_abs: ExpertOut = y_plan
             .iter()
-            .map(|o| o.as_ref().map(|ts| ts.iter().map(|t| Tensor2::from_fn(t.rows(), t.cols(), |r, c| {
-                bf16::from_f32(t.get(r, c).to_f32().abs())
-            })).collect()))
+            .map(|o| o.as_ref().map(|t| {
+                let (n, rows, cols) = t.shape();
+                let abs = t.data().iter().map(|v| bf16::from_f32(v.to_f32().abs())).collect();
+                Tensor3::new(n, rows, cols, abs).unwrap()
+            }))
             .collect();
         let magnitude = plan::combine(&p.inputs, &handles(&plan_out), &y_abs, &p.params).unwrap();
         for precision in [PartialPrecision::F32, PartialPrecision::Bf16] {
@@ -589,22 +587,22 @@ fn case15_ll_fp8_scales() {
         };
         assert_eq!(pl.recv_x.format(), LlFormat::Fp8);
         for l in 0..e / r {
-            assert_eq!(ro_data[l].shape(), (r * n, h));
-            assert_eq!(ro_scales[l].shape(), (r * n, h / 128));
-            assert_eq!(ue_scales[l].shape(), (r * n, h / 512));
+            assert_eq!(ro_data.shape(), (e / r, r * n, h));
+            assert_eq!(ro_scales.shape(), (e / r, r * n, h / 128));
+            assert_eq!(ue_scales.shape(), (e / r, r * n, h / 512));
             // Column-major memory order: element (row, i) at i·(R·N) + row.
-            let cm = scales_column_major(&ro_scales[l]);
-            assert_eq!(cm[3 * r * n + 5], ro_scales[l].get(5, 3));
+            let cm = scales_column_major(&ro_scales.to_matrix(l));
+            assert_eq!(cm[3 * r * n + 5], ro_scales.get(l, 5, 3));
             for row in 0..ro.recv_count[l] as usize {
                 assert_eq!(
-                    ro_data[l].row(row),
-                    ue_data[l].row(row),
+                    ro_data.row(l, row),
+                    ue_data.row(l, row),
                     "same bytes with rounded scales"
                 );
                 for i in 0..h / 128 {
-                    let s = ro_scales[l].get(row, i);
+                    let s = ro_scales.get(l, row, i);
                     assert_eq!(s.to_bits() & 0x7f_ffff, 0, "power of two");
-                    let byte = (ue_scales[l].get(row, i / 4) as u32 >> (8 * (i % 4))) & 0xff;
+                    let byte = (ue_scales.get(l, row, i / 4) as u32 >> (8 * (i % 4))) & 0xff;
                     assert_eq!(
                         byte,
                         s.to_bits() >> 23,

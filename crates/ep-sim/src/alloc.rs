@@ -95,7 +95,9 @@ impl CachingAlloc {
 /// below 32 MiB come from the heap, which grows in 64 MiB steps and is never trimmed, instead of
 /// one `mmap` each. Threads mode materialises its memory in 256 KiB pages from many threads at
 /// once; with one `mmap` per page they serialise on the kernel's address-space lock and every
-/// page fault waits behind them. Call before the threads start.
+/// page fault waits behind them. Blocks from 32 MiB up
+/// ([`ep_core::plan::low_latency::FRESH_MAPPING_BYTES`], glibc's highest threshold) are still
+/// mapped afresh: ep-core's mostly empty packed arrays rely on it. Call before the threads start.
 pub fn tune_system_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
@@ -106,8 +108,10 @@ pub fn tune_system_allocator() {
         const M_TRIM_THRESHOLD: std::ffi::c_int = -1;
         const M_TOP_PAD: std::ffi::c_int = -2;
         const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
+        // 32 MiB: the packed arrays' rule (`FRESH_MAPPING_BYTES`), which fits a c_int.
+        let fresh = ep_core::plan::low_latency::FRESH_MAPPING_BYTES as std::ffi::c_int;
         for (param, value) in [
-            (M_MMAP_THRESHOLD, 32 << 20),
+            (M_MMAP_THRESHOLD, fresh),
             (M_TOP_PAD, 64 << 20),
             (M_TRIM_THRESHOLD, std::ffi::c_int::MAX),
         ] {

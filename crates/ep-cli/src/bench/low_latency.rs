@@ -21,7 +21,7 @@ use ep_core::oracle;
 use ep_core::plan::low_latency::{
     self as ll, LlCanonical, LlDispatchOutput, LlHandle, LlParams, LlRecvX, PartialPrecision,
 };
-use ep_core::{Activations, RankInputs, Tensor2};
+use ep_core::{Activations, RankInputs, Tensor2, Tensor3};
 use half::bf16;
 
 use super::backend::Recorded;
@@ -393,13 +393,13 @@ fn reference(
     })
 }
 
-/// Expert outputs `[L][R·N, H]` BF16 per rank, kept from one dispatch to the next: the packed
+/// Expert outputs `[L, R·N, H]` BF16 per rank, kept from one dispatch to the next: the packed
 /// layout is mostly empty, so the arrays come from zeroed memory once and afterwards only the
 /// rows a dispatch filled are written, and cleared when a later dispatch fills fewer.
 #[derive(Default)]
 struct ExpertOutputs {
     /// What combine reads.
-    y: Vec<Option<Vec<Tensor2<bf16>>>>,
+    y: Vec<Option<Tensor3<bf16>>>,
     /// `written[d][l]`: rows `0..written` of `y[d][l]` may be nonzero, the rest are zero.
     written: Vec<Vec<usize>>,
 }
@@ -426,7 +426,7 @@ impl ExpertOutputs {
 /// [`ExpertOutputs::identity`] for one receiver.
 fn identity_one(
     out: Option<&LlDispatchOutput>,
-    y: &mut Option<Vec<Tensor2<bf16>>>,
+    y: &mut Option<Tensor3<bf16>>,
     written: &mut Vec<usize>,
 ) -> Result<(), BenchError> {
     let Some(out) = out else {
@@ -437,15 +437,9 @@ fn identity_one(
     let h = out.handle.hidden;
     let rows = out.handle.src_info.cols();
     let l_count = out.recv_count.len();
-    let fits = y
-        .as_ref()
-        .is_some_and(|t| t.len() == l_count && t.iter().all(|t| t.shape() == (rows, h)));
+    let fits = y.as_ref().is_some_and(|t| t.shape() == (l_count, rows, h));
     if !fits {
-        *y = Some(
-            (0..l_count)
-                .map(|_| ll::packed_zeros_bf16(rows, h))
-                .collect(),
-        );
+        *y = Some(ll::packed_zeros_bf16(l_count, rows, h));
         written.clear();
     }
     written.resize(l_count, 0);
@@ -463,21 +457,19 @@ fn identity_one(
         )
     };
     let block = ep_core::numerics::fp8::FP8_BLOCK;
-    for (l, (t, written)) in y.iter_mut().zip(written.iter_mut()).enumerate() {
+    for (l, written) in written.iter_mut().enumerate() {
         let count = usize::try_from(out.recv_count[l]).unwrap_or(0).min(rows);
         for row in 0..count {
             match &out.recv_x {
                 // Same arithmetic as `row_f32` (`e4m3_decode(b) * scale_inv`), decoded without table.
                 LlRecvX::Fp8 { data, scales }
-                    if data.get(l).is_some_and(|d| d.shape() == (rows, h))
-                        && scales
-                            .get(l)
-                            .is_some_and(|s| s.shape() == (rows, h.div_ceil(block))) =>
+                    if data.shape() == (l_count, rows, h)
+                        && scales.shape() == (l_count, rows, h.div_ceil(block)) =>
                 {
                     ep_core::numerics::fp8::dequantize_row_bf16(
-                        data[l].row(row),
-                        scales[l].row(row),
-                        t.row_mut(row),
+                        data.row(l, row),
+                        scales.row(l, row),
+                        y.row_mut(l, row),
                     )
                     .map_err(|e| BenchError::reference("dequantising FP8 rows", e))?;
                 }
@@ -486,14 +478,16 @@ fn identity_one(
                         .recv_x
                         .row_f32(l, row)
                         .ok_or_else(|| malformed(l, row))?;
-                    for (o, v) in t.row_mut(row).iter_mut().zip(x) {
+                    for (o, v) in y.row_mut(l, row).iter_mut().zip(x) {
                         *o = bf16::from_f32(v);
                     }
                 }
             }
         }
-        for row in count..*written {
-            t.row_mut(row).fill(bf16::ZERO);
+        // Rows the last use wrote past this one's count.
+        let cols = y.cols();
+        if *written > count {
+            y.matrix_mut(l)[count * cols..*written * cols].fill(bf16::ZERO);
         }
         *written = count;
     }

@@ -280,13 +280,6 @@ fn dump_normal(
     Ok(())
 }
 
-fn concat<T: Copy>(parts: &[Tensor2<T>]) -> Vec<T> {
-    parts
-        .iter()
-        .flat_map(|t| t.data().iter().copied())
-        .collect()
-}
-
 fn dump_ll(
     f: &mut Files<'_>,
     d: &LlDispatchOutput,
@@ -305,7 +298,7 @@ fn dump_ll(
         })
     };
     match &d.recv_x {
-        LlRecvX::Bf16(x) => f.bf16("packed_recv_x", &dims, &concat(x))?,
+        LlRecvX::Bf16(x) => f.bf16("packed_recv_x", &dims, x.data())?,
         LlRecvX::Fp8 { data, .. } | LlRecvX::Fp8Ue8m0 { data, .. } => {
             let mut deq = Vec::with_capacity(l_count * rows * hidden);
             for l in 0..l_count {
@@ -314,7 +307,7 @@ fn dump_ll(
                 }
             }
             f.write("packed_recv_x", &dims, &deq)?;
-            f.write("packed_recv_x_fp8", &dims, &concat(data))?;
+            f.write("packed_recv_x_fp8", &dims, data.data())?;
         }
     }
     let num_scales = hidden / fp8::FP8_BLOCK;
@@ -324,14 +317,15 @@ fn dump_ll(
             f.write(
                 "packed_recv_x_scales",
                 &[l_count, rows, num_scales],
-                &concat(scales),
+                scales.data(),
             )?;
         }
         LlRecvX::Fp8Ue8m0 { scales, .. } => {
             let mut logical = Vec::with_capacity(l_count * rows * num_scales);
-            for (l, s) in scales.iter().enumerate() {
-                for row in 0..s.rows() {
-                    let v = fp8::unpack_ue8m0(s.row(row), num_scales).map_err(|_| bad(l, row))?;
+            for l in 0..scales.matrices() {
+                for row in 0..scales.rows() {
+                    let v = fp8::unpack_ue8m0(scales.row(l, row), num_scales)
+                        .map_err(|_| bad(l, row))?;
                     logical.extend(v);
                 }
             }
@@ -340,11 +334,10 @@ fn dump_ll(
                 &[l_count, rows, num_scales],
                 &logical,
             )?;
-            let packs = scales.first().map_or(0, Tensor2::cols);
             f.write(
                 "packed_recv_x_scales_ue8m0",
-                &[l_count, rows, packs],
-                &concat(scales),
+                &[l_count, rows, scales.cols()],
+                scales.data(),
             )?;
         }
     }

@@ -15,7 +15,7 @@ use crate::protocol::layout::{LlLayout, ll_half};
 use crate::protocol::low_latency::{self as ll, ExpertOut, Expired, LlArena, LlOp, LlRows};
 use crate::protocol::normal::take_slot;
 use crate::routing::{Activations, ExpertIdx, RankInputs};
-use crate::tensor::Tensor2;
+use crate::tensor::{Tensor2, Tensor3};
 use crate::transport::{Phase, Team, Transport};
 
 /// What a low-latency dispatch returns: the plan's per-rank outputs (`None` for masked ranks)
@@ -301,14 +301,14 @@ impl<T: Transport> Buffer<T> {
 
     /// Low-latency combine send half (docs/protocol.md §3.5): each expert rank reduces a token's
     /// local experts and sends one partial per (token, expert rank). `expert_out[d]` is `d`'s
-    /// `[L][R·N, H]` outputs in its packed layout; with `zero_copy` they are first written into
+    /// `[L, R·N, H]` outputs in its packed layout; with `zero_copy` they are first written into
     /// the operation's registered region (what the caller's GEMM does on the GPU) and read from
     /// there. `inputs` give each rank's `topk_idx`/`topk_weights`, which must equal its
     /// dispatch's (`x` is not read).
     pub fn low_latency_combine_send(
         &mut self,
         routes: &[Option<LlRoutes>],
-        expert_out: &[Option<Vec<Tensor2<bf16>>>],
+        expert_out: &[Option<Tensor3<bf16>>],
         inputs: &[RankInputs],
         zero_copy: bool,
     ) -> Result<LlCombineHook> {
@@ -344,16 +344,12 @@ impl<T: Transport> Buffer<T> {
                 expected: format!("outputs for unmasked rank {s}"),
                 found: "None".into(),
             })?;
-            let l_count = y.len();
-            let (rows, h) = y.first().map_or((0, 0), Tensor2::shape);
-            if l_count == 0 || rows % r != 0 || y.iter().any(|t| t.shape() != (rows, h)) {
+            let (l_count, rows, h) = y.shape();
+            if l_count == 0 || rows % r != 0 {
                 return Err(Error::ShapeMismatch {
                     what: "low-latency combine expert outputs",
-                    expected: "[L][R*N, H] on every rank".into(),
-                    found: format!(
-                        "{:?} on rank {s}",
-                        y.iter().map(Tensor2::shape).collect::<Vec<_>>()
-                    ),
+                    expected: "[L, R*N, H] on every rank".into(),
+                    found: format!("{:?} on rank {s}", y.shape()),
                 });
             }
             let lay = LlLayout {
@@ -447,7 +443,7 @@ impl<T: Transport> Buffer<T> {
     pub fn low_latency_combine(
         &mut self,
         routes: &[Option<LlRoutes>],
-        expert_out: &[Option<Vec<Tensor2<bf16>>>],
+        expert_out: &[Option<Tensor3<bf16>>],
         inputs: &[RankInputs],
         zero_copy: bool,
     ) -> Result<Vec<Option<Tensor2<bf16>>>> {

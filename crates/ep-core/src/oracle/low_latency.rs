@@ -15,10 +15,11 @@ use half::bf16;
 
 use crate::error::{Error, Result};
 use crate::plan::low_latency::{
-    LlDispatchOutput, LlHandle, LlParams, LlRecvX, packed_zeros_bf16, packed_zeros_u8,
+    LlDispatchOutput, LlHandle, LlParams, LlRecvX, packed_zeros_bf16, packed_zeros_f32,
+    packed_zeros_i32, packed_zeros_u8,
 };
 use crate::routing::{Activations, RankInputs};
-use crate::tensor::Tensor2;
+use crate::tensor::{Tensor2, Tensor3};
 
 /// Checks the arguments of spec §1.9 the oracle relies on; the same conditions and error
 /// variants as the plan's validation, written again.
@@ -339,21 +340,15 @@ fn dispatch_unchecked(
         sized(p.use_fp8 && p.use_ue8m0, h / 512),
     );
     // The packed arrays are mostly empty: zeroed memory, touched only where rows land.
-    let mut x_bf16: Vec<_> = (0..l_count)
-        .map(|_| packed_zeros_bf16(bf.0, bf.1))
-        .collect();
-    let mut x_fp8: Vec<_> = (0..l_count).map(|_| packed_zeros_u8(fp.0, fp.1)).collect();
-    let mut s_f32: Vec<_> = (0..l_count)
-        .map(|_| Tensor2::filled(fp_f32.0, fp_f32.1, 0f32))
-        .collect();
-    let mut s_ue8m0: Vec<_> = (0..l_count)
-        .map(|_| Tensor2::filled(fp_ue.0, fp_ue.1, 0i32))
-        .collect();
+    let mut x_bf16 = packed_zeros_bf16(l_count, bf.0, bf.1);
+    let mut x_fp8 = packed_zeros_u8(l_count, fp.0, fp.1);
+    let mut s_f32 = packed_zeros_f32(l_count, fp_f32.0, fp_f32.1);
+    let mut s_ue8m0 = packed_zeros_i32(l_count, fp_ue.0, fp_ue.1);
     let mut src_info = Tensor2::filled(l_count, rows, -1i32);
     let mut layout_range = Tensor2::filled(l_count, r, 0i64);
     let mut recv_count = vec![0i32; l_count];
 
-    for l in 0..l_count {
+    for (l, recv_count) in recv_count.iter_mut().enumerate() {
         let expert = (d * l_count + l) as i64;
         let mut row = 0usize;
         for s in (0..r).rev() {
@@ -368,18 +363,18 @@ fn dispatch_unchecked(
                         src_info.set(l, row, t as i32);
                         if p.use_fp8 {
                             let (bytes, scales) = &casts[s][t];
-                            x_fp8[l].row_mut(row).copy_from_slice(bytes);
+                            x_fp8.row_mut(l, row).copy_from_slice(bytes);
                             if p.use_ue8m0 {
                                 for (i, &sc) in scales.iter().enumerate() {
-                                    let word = s_ue8m0[l].get(row, i / 4) as u32;
+                                    let word = s_ue8m0.get(l, row, i / 4) as u32;
                                     let word = word | (u32::from(ue8m0(sc)) << (8 * (i % 4)));
-                                    s_ue8m0[l].set(row, i / 4, word as i32);
+                                    s_ue8m0.set(l, row, i / 4, word as i32);
                                 }
                             } else {
-                                s_f32[l].row_mut(row).copy_from_slice(scales);
+                                s_f32.row_mut(l, row).copy_from_slice(scales);
                             }
                         } else if let Activations::Bf16(x) = &inp.x {
-                            x_bf16[l].row_mut(row).copy_from_slice(x.row(t));
+                            x_bf16.row_mut(l, row).copy_from_slice(x.row(t));
                         }
                         row += 1;
                     }
@@ -388,7 +383,7 @@ fn dispatch_unchecked(
             let count = row - begin;
             layout_range.set(l, s, ((begin as i64) << 32) | count as i64);
         }
-        recv_count[l] = row as i32;
+        *recv_count = row as i32;
     }
 
     let recv_x = match (p.use_fp8, p.use_ue8m0) {
@@ -419,37 +414,37 @@ fn dispatch_unchecked(
 /// UE8M0 bytes read as `2^(byte - 127)`. `None` if `(l, row)` is outside the arrays or the
 /// scales do not cover the row.
 pub fn received_row_f32(out: &LlDispatchOutput, l: usize, row: usize) -> Option<Vec<f32>> {
-    let fits = |rows: usize, cols: usize, need_cols: usize| row < rows && cols >= need_cols;
+    // Matrix `l` holds `row`, with at least `need_cols` columns.
+    let fits = |(n, rows, cols): (usize, usize, usize), need_cols: usize| {
+        l < n && row < rows && cols >= need_cols
+    };
     match &out.recv_x {
         LlRecvX::Bf16(x) => {
-            let x = x.get(l)?;
-            fits(x.rows(), x.cols(), 0).then(|| x.row(row).iter().map(|v| v.to_f32()).collect())
+            fits(x.shape(), 0).then(|| x.row(l, row).iter().map(|v| v.to_f32()).collect())
         }
-        LlRecvX::Fp8 { data, scales } => {
-            let (d, s) = (data.get(l)?, scales.get(l)?);
-            if !fits(d.rows(), d.cols(), 0) || !fits(s.rows(), s.cols(), d.cols().div_ceil(128)) {
+        LlRecvX::Fp8 { data: d, scales: s } => {
+            if !fits(d.shape(), 0) || !fits(s.shape(), d.cols().div_ceil(128)) {
                 return None;
             }
             Some(
-                d.row(row)
+                d.row(l, row)
                     .iter()
                     .enumerate()
-                    .map(|(c, &b)| from_e4m3(b) * s.get(row, c / 128))
+                    .map(|(c, &b)| from_e4m3(b) * s.get(l, row, c / 128))
                     .collect(),
             )
         }
-        LlRecvX::Fp8Ue8m0 { data, scales } => {
-            let (d, s) = (data.get(l)?, scales.get(l)?);
-            if !fits(d.rows(), d.cols(), 0) || !fits(s.rows(), s.cols(), d.cols().div_ceil(512)) {
+        LlRecvX::Fp8Ue8m0 { data: d, scales: s } => {
+            if !fits(d.shape(), 0) || !fits(s.shape(), d.cols().div_ceil(512)) {
                 return None;
             }
             Some(
-                d.row(row)
+                d.row(l, row)
                     .iter()
                     .enumerate()
                     .map(|(c, &b)| {
                         let i = c / 128;
-                        let byte = (s.get(row, i / 4) as u32 >> (8 * (i % 4))) & 0xff;
+                        let byte = (s.get(l, row, i / 4) as u32 >> (8 * (i % 4))) & 0xff;
                         let scale = 2f64.powi(byte as i32 - 127) as f32;
                         from_e4m3(b) * scale
                     })
@@ -469,7 +464,7 @@ pub fn received_row_f32(out: &LlDispatchOutput, l: usize, row: usize) -> Option<
 pub fn combine(
     inputs: &[RankInputs],
     handles: &[Option<LlHandle>],
-    expert_out: &[Option<Vec<Tensor2<bf16>>>],
+    expert_out: &[Option<Tensor3<bf16>>],
     p: &LlParams,
 ) -> Result<Vec<Option<Tensor2<bf16>>>> {
     check(inputs, p, false)?;
@@ -548,13 +543,12 @@ pub fn combine(
                         row < handle.src_info.cols() && handle.src_info.get(l, row) == t as i32
                     })
                     .ok_or(missing.clone())?;
-                let y_row = y.get(l).filter(|y| row < y.rows() && y.cols() == hidden);
-                let Some(y_l) = y_row else {
+                if l >= y.matrices() || row >= y.rows() || y.cols() != hidden {
                     return Err(missing);
-                };
+                }
                 let w = inp.topk_weights.get(t, k);
                 for (c, a) in acc.iter_mut().enumerate() {
-                    *a = y_l.get(row, c).to_f32().mul_add(w, *a);
+                    *a = y.get(l, row, c).to_f32().mul_add(w, *a);
                 }
             }
             for (c, a) in acc.into_iter().enumerate() {

@@ -37,7 +37,7 @@ use half::bf16;
 use crate::error::{Error, Result};
 use crate::numerics::fp8;
 use crate::routing::{Activations, RankInputs, validate_inputs, validate_routing};
-use crate::tensor::Tensor2;
+use crate::tensor::{Tensor2, Tensor3};
 
 /// Largest top-k low-latency kernels support (spec §0, `kNumMaxTopK`).
 pub const LL_MAX_TOPK: usize = 11;
@@ -130,29 +130,29 @@ pub fn unpack_layout_range(value: i64) -> (u32, u32) {
     ((v >> 32) as u32, v as u32)
 }
 
-/// The received rows of one rank, `[L]` arrays of `[R·N, ...]` (spec §2.4).
+/// The received rows of one rank, `[L, R·N, ...]` (spec §2.4).
 ///
 /// DeepEP allocates the scales as `[L, H/128, R·N]` (or `[L, H/512, R·N]` int32) and returns the
-/// transpose; here they are stored logically, `[R·N, H/128]` per expert, row-major. See
+/// transpose; here they are stored logically, `[L, R·N, H/128]`, row-major. See
 /// [`scales_column_major`] for DeepEP's memory order.
 #[derive(Clone, Debug, PartialEq)]
 pub enum LlRecvX {
-    /// `packed_recv_x` BF16: per local expert `[R·N, H]`.
-    Bf16(Vec<Tensor2<bf16>>),
+    /// `packed_recv_x` BF16: `[L, R·N, H]`.
+    Bf16(Tensor3<bf16>),
     /// FP8 rows with float32 scales.
     Fp8 {
-        /// e4m3 bytes, per local expert `[R·N, H]`.
-        data: Vec<Tensor2<u8>>,
-        /// `scale_inv` per 128 channels, per local expert `[R·N, H/128]`.
-        scales: Vec<Tensor2<f32>>,
+        /// e4m3 bytes, `[L, R·N, H]`.
+        data: Tensor3<u8>,
+        /// `scale_inv` per 128 channels, `[L, R·N, H/128]`.
+        scales: Tensor3<f32>,
     },
     /// FP8 rows with UE8M0 scales.
     Fp8Ue8m0 {
-        /// e4m3 bytes, per local expert `[R·N, H]`.
-        data: Vec<Tensor2<u8>>,
-        /// Packed UE8M0 scales, per local expert `[R·N, H/512]`: scale `i` in word `i / 4`,
-        /// byte `i % 4` (least significant first).
-        scales: Vec<Tensor2<i32>>,
+        /// e4m3 bytes, `[L, R·N, H]`.
+        data: Tensor3<u8>,
+        /// Packed UE8M0 scales, `[L, R·N, H/512]`: scale `i` in word `i / 4`, byte `i % 4`
+        /// (least significant first).
+        scales: Tensor3<i32>,
     },
 }
 
@@ -179,18 +179,21 @@ impl LlRecvX {
 
     /// Number of local experts.
     pub fn num_local_experts(&self) -> usize {
+        self.data_shape().0
+    }
+
+    /// `(L, R·N, H)` of the data (without the scales).
+    pub fn data_shape(&self) -> (usize, usize, usize) {
         match self {
-            Self::Bf16(x) => x.len(),
-            Self::Fp8 { data, .. } | Self::Fp8Ue8m0 { data, .. } => data.len(),
+            Self::Bf16(x) => x.shape(),
+            Self::Fp8 { data, .. } | Self::Fp8Ue8m0 { data, .. } => data.shape(),
         }
     }
 
     /// `(rows, hidden)` of local expert `l`'s array, if it exists.
     fn dims(&self, l: usize) -> Option<(usize, usize)> {
-        match self {
-            Self::Bf16(x) => x.get(l).map(Tensor2::shape),
-            Self::Fp8 { data, .. } | Self::Fp8Ue8m0 { data, .. } => data.get(l).map(Tensor2::shape),
-        }
+        let (n, rows, hidden) = self.data_shape();
+        (l < n).then_some((rows, hidden))
     }
 
     /// Row `row` of local expert `l` as f32: BF16 widened, FP8 dequantised (`f32(e4m3) ·
@@ -201,14 +204,14 @@ impl LlRecvX {
             return None;
         }
         match self {
-            Self::Bf16(x) => Some(x[l].row(row).iter().map(|v| v.to_f32()).collect()),
+            Self::Bf16(x) => Some(x.row(l, row).iter().map(|v| v.to_f32()).collect()),
             Self::Fp8 { data, scales } => {
-                fp8::dequantize_row(data[l].row(row), scales.get(l)?.row(row)).ok()
+                fp8::dequantize_row(data.row(l, row), row_of(scales, l, row)?).ok()
             }
             Self::Fp8Ue8m0 { data, scales } => {
-                let q = data[l].row(row);
+                let q = data.row(l, row);
                 let s =
-                    fp8::unpack_ue8m0(scales.get(l)?.row(row), q.len() / fp8::FP8_BLOCK).ok()?;
+                    fp8::unpack_ue8m0(row_of(scales, l, row)?, q.len() / fp8::FP8_BLOCK).ok()?;
                 fp8::dequantize_row(q, &s).ok()
             }
         }
@@ -223,78 +226,70 @@ impl LlRecvX {
         }
         match self {
             Self::Bf16(x) => Some((
-                x[l].row(row)
+                x.row(l, row)
                     .iter()
                     .flat_map(|v| v.to_bits().to_le_bytes())
                     .collect(),
                 Vec::new(),
             )),
             Self::Fp8 { data, scales } => {
-                let s = scales.get(l)?;
-                (row < s.rows()).then(|| {
-                    (
-                        data[l].row(row).to_vec(),
-                        s.row(row).iter().map(|v| v.to_bits()).collect(),
-                    )
-                })
+                let s = row_of(scales, l, row)?;
+                Some((
+                    data.row(l, row).to_vec(),
+                    s.iter().map(|v| v.to_bits()).collect(),
+                ))
             }
             Self::Fp8Ue8m0 { data, scales } => {
-                let s = scales.get(l)?;
-                if row >= s.rows() {
-                    return None;
-                }
+                let s = row_of(scales, l, row)?;
                 let bytes = (0..hidden / fp8::FP8_BLOCK)
-                    .map(|i| fp8::ue8m0_unpack_byte(s.row(row), i).map(u32::from))
+                    .map(|i| fp8::ue8m0_unpack_byte(s, i).map(u32::from))
                     .collect::<Option<Vec<u32>>>()?;
-                Some((data[l].row(row).to_vec(), bytes))
+                Some((data.row(l, row).to_vec(), bytes))
             }
         }
     }
 }
 
-/// Smallest allocation the system allocator serves from fresh mapped pages (glibc's
-/// `M_MMAP_THRESHOLD` as the `ep` binary sets it, 32 MiB, with room for glibc's header): such
-/// zeroed memory is not touched until written.
-const FRESH_ALLOC_BYTES: usize = (32 << 20) + (64 << 10);
+/// Row `row` of matrix `l`, `None` outside `t` (scales need not match their data's shape).
+fn row_of<T>(t: &Tensor3<T>, l: usize, row: usize) -> Option<&[T]> {
+    (l < t.matrices() && row < t.rows()).then(|| t.row(l, row))
+}
 
-/// A zeroed `[rows, cols]` array for the mostly empty packed layout: the allocation is at least
-/// [`FRESH_ALLOC_BYTES`] (the capacity past `rows · cols` is never used), so that the system
-/// allocator maps fresh zero pages and only the rows written are ever touched. Keep such
-/// arrays alive and reuse them: a freed block may be recycled by a caching allocator, which
-/// must then zero all of it.
+/// Zeroed blocks of at least this many bytes come from fresh mappings of their own size, whose
+/// pages are the kernel's zero page until written: glibc maps a request afresh from its mmap
+/// threshold up (unless a free heap block already fits it), and the threshold is never above
+/// 32 MiB (`DEFAULT_MMAP_THRESHOLD_MAX` on 64-bit: the ceiling of the dynamic threshold, and of
+/// what `mallopt(M_MMAP_THRESHOLD)` accepts); the `ep` binary sets it to exactly this
+/// (`ep_sim::alloc::tune_system_allocator`). Smaller zeroed blocks may come from the heap, where
+/// `calloc` clears reused memory: resident in full.
+pub const FRESH_MAPPING_BYTES: usize = 32 << 20;
+
+/// Zeroed `[L, rows, cols]` arrays for the mostly empty packed layout: one allocation of exactly
+/// `L · rows · cols` elements, so that from [`FRESH_MAPPING_BYTES`] up the system allocator maps
+/// fresh zero pages and only the rows written are ever touched (address space reserved: what the
+/// arrays occupy, and no more). Keep such arrays alive and reuse them: a freed block may be
+/// recycled by a caching allocator, which must then zero all of it.
 #[must_use]
-pub fn packed_zeros_u8(rows: usize, cols: usize) -> Tensor2<u8> {
-    let n = rows * cols;
-    let mut v = vec![0u8; fresh_len(n, 1)];
-    v.truncate(n);
-    packed(rows, cols, v)
+pub fn packed_zeros_u8(experts: usize, rows: usize, cols: usize) -> Tensor3<u8> {
+    Tensor3::filled(experts, rows, cols, 0)
 }
 
 /// [`packed_zeros_u8`] for BF16 (`+0`).
 #[must_use]
-pub fn packed_zeros_bf16(rows: usize, cols: usize) -> Tensor2<bf16> {
-    use half::vec::HalfBitsVecExt;
-    let n = rows * cols;
-    let mut v = vec![0u16; fresh_len(n, 2)];
-    v.truncate(n);
-    packed(rows, cols, v.reinterpret_into())
+pub fn packed_zeros_bf16(experts: usize, rows: usize, cols: usize) -> Tensor3<bf16> {
+    Tensor3::zeros(experts, rows, cols)
 }
 
-/// Elements to allocate for `n` of `size` bytes: small arrays as they are, large ones rounded up
-/// to a fresh mapping.
-fn fresh_len(n: usize, size: usize) -> usize {
-    if n * size < (1 << 20) {
-        n
-    } else {
-        n.max(FRESH_ALLOC_BYTES.div_ceil(size))
-    }
+/// [`packed_zeros_u8`] for float32 scales.
+#[must_use]
+pub fn packed_zeros_f32(experts: usize, rows: usize, cols: usize) -> Tensor3<f32> {
+    Tensor3::filled(experts, rows, cols, 0.0)
 }
 
-fn packed<T>(rows: usize, cols: usize, v: Vec<T>) -> Tensor2<T> {
-    match Tensor2::new(rows, cols, v) {
-        Ok(t) => t,
-        Err(_) => unreachable!("the length is rows * cols"),
-    }
+/// [`packed_zeros_u8`] for packed UE8M0 scales.
+#[must_use]
+pub fn packed_zeros_i32(experts: usize, rows: usize, cols: usize) -> Tensor3<i32> {
+    Tensor3::filled(experts, rows, cols, 0)
 }
 
 /// DeepEP's memory order of one local expert's scales: the logical `[R·N, S]` array stored
@@ -561,14 +556,14 @@ fn dispatch_one(
     let packs_per_row = scales_per_row.div_ceil(fp8::UE8M0_PER_PACK);
 
     let mut recv_x = match (params.use_fp8, params.use_ue8m0) {
-        (false, _) => LlRecvX::Bf16(vec![Tensor2::filled(rows, h, bf16::ZERO); l_count]),
+        (false, _) => LlRecvX::Bf16(Tensor3::filled(l_count, rows, h, bf16::ZERO)),
         (true, false) => LlRecvX::Fp8 {
-            data: vec![Tensor2::filled(rows, h, 0u8); l_count],
-            scales: vec![Tensor2::filled(rows, scales_per_row, 0f32); l_count],
+            data: Tensor3::filled(l_count, rows, h, 0u8),
+            scales: Tensor3::filled(l_count, rows, scales_per_row, 0f32),
         },
         (true, true) => LlRecvX::Fp8Ue8m0 {
-            data: vec![Tensor2::filled(rows, h, 0u8); l_count],
-            scales: vec![Tensor2::filled(rows, packs_per_row, 0i32); l_count],
+            data: Tensor3::filled(l_count, rows, h, 0u8),
+            scales: Tensor3::filled(l_count, rows, packs_per_row, 0i32),
         },
     };
     let mut src_info = Tensor2::filled(l_count, rows, -1i32);
@@ -592,18 +587,18 @@ fn dispatch_one(
                     match &mut recv_x {
                         LlRecvX::Bf16(x) => {
                             if let Activations::Bf16(src) = &inp.x {
-                                x[l].row_mut(row).copy_from_slice(src.row(t));
+                                x.row_mut(l, row).copy_from_slice(src.row(t));
                             }
                         }
                         LlRecvX::Fp8 { data, scales } => {
                             let (q, sc) = casts.get(s, t)?;
-                            data[l].row_mut(row).copy_from_slice(q);
-                            scales[l].row_mut(row).copy_from_slice(sc);
+                            data.row_mut(l, row).copy_from_slice(q);
+                            scales.row_mut(l, row).copy_from_slice(sc);
                         }
                         LlRecvX::Fp8Ue8m0 { data, scales } => {
                             let (q, sc) = casts.get(s, t)?;
-                            data[l].row_mut(row).copy_from_slice(q);
-                            scales[l].row_mut(row).copy_from_slice(&fp8::pack_ue8m0(sc));
+                            data.row_mut(l, row).copy_from_slice(q);
+                            scales.row_mut(l, row).copy_from_slice(&fp8::pack_ue8m0(sc));
                         }
                     }
                 }
@@ -812,16 +807,15 @@ pub fn canonicalize(out: &LlDispatchOutput) -> Result<LlCanonical> {
 
 /// Runs an "expert" over a receiver's packed rows: `f(l, row_f32)` gives the BF16 output row of
 /// each valid row (inputs as [`LlRecvX::row_f32`]); rows past the count are zero. The result is
-/// the `[L][R·N, H]` combine input of spec §2.5.
+/// the `[L, R·N, H]` combine input of spec §2.5.
 pub fn map_rows(
     out: &LlDispatchOutput,
     mut f: impl FnMut(usize, &[f32]) -> Vec<bf16>,
-) -> Result<Vec<Tensor2<bf16>>> {
+) -> Result<Tensor3<bf16>> {
     let h = out.handle.hidden;
     let rows = out.handle.src_info.cols();
-    let mut y = Vec::with_capacity(out.recv_count.len());
+    let mut y = Tensor3::zeros(out.recv_count.len(), rows, h);
     for (l, &count) in out.recv_count.iter().enumerate() {
-        let mut t = Tensor2::filled(rows, h, bf16::ZERO);
         for row in 0..usize::try_from(count).unwrap_or(0).min(rows) {
             let x = out
                 .recv_x
@@ -839,9 +833,8 @@ pub fn map_rows(
                     found: format!("{} values", v.len()),
                 });
             }
-            t.row_mut(row).copy_from_slice(&v);
+            y.row_mut(l, row).copy_from_slice(&v);
         }
-        y.push(t);
     }
     Ok(y)
 }
@@ -864,7 +857,7 @@ struct RowLookup {
 fn validate_combine(
     inputs: &[RankInputs],
     handles: &[Option<LlHandle>],
-    expert_out: &[Option<Vec<Tensor2<bf16>>>],
+    expert_out: &[Option<Tensor3<bf16>>],
     params: &LlParams,
 ) -> Result<LlShape> {
     let r = inputs.len();
@@ -932,14 +925,11 @@ fn validate_combine(
                 ),
             });
         }
-        if y.len() != l_count || y.iter().any(|t| t.shape() != (rows, hidden)) {
+        if y.shape() != (l_count, rows, hidden) {
             return Err(Error::ShapeMismatch {
                 what: "combine expert outputs",
-                expected: format!("{l_count} x [{rows}, {hidden}]"),
-                found: format!(
-                    "{:?} (rank {owner})",
-                    y.iter().map(Tensor2::shape).collect::<Vec<_>>()
-                ),
+                expected: format!("[{l_count}, {rows}, {hidden}]"),
+                found: format!("{:?} (rank {owner})", y.shape()),
             });
         }
     }
@@ -988,13 +978,13 @@ pub enum PartialPrecision {
 }
 
 /// Low-latency combine on every rank (spec §2.5): `out[me]` is `[T_me, H]` BF16, `None` if `me`
-/// is masked. `expert_out[d]` is rank `d`'s `[L][R·N, H]` expert outputs in its packed layout,
+/// is masked. `expert_out[d]` is rank `d`'s `[L, R·N, H]` expert outputs in its packed layout,
 /// `handles[d]` its dispatch handle (both `None` only for masked ranks); `inputs` supply each
 /// rank's `topk_idx` and `topk_weights` (their `x` is not used).
 pub fn combine(
     inputs: &[RankInputs],
     handles: &[Option<LlHandle>],
-    expert_out: &[Option<Vec<Tensor2<bf16>>>],
+    expert_out: &[Option<Tensor3<bf16>>],
     params: &LlParams,
 ) -> Result<Vec<Option<Tensor2<bf16>>>> {
     combine_impl(inputs, handles, expert_out, params, None)
@@ -1009,7 +999,7 @@ pub fn combine(
 pub fn combine_reduced_on_expert_rank(
     inputs: &[RankInputs],
     handles: &[Option<LlHandle>],
-    expert_out: &[Option<Vec<Tensor2<bf16>>>],
+    expert_out: &[Option<Tensor3<bf16>>],
     params: &LlParams,
     partials: PartialPrecision,
 ) -> Result<Vec<Option<Tensor2<bf16>>>> {
@@ -1019,7 +1009,7 @@ pub fn combine_reduced_on_expert_rank(
 fn combine_impl(
     inputs: &[RankInputs],
     handles: &[Option<LlHandle>],
-    expert_out: &[Option<Vec<Tensor2<bf16>>>],
+    expert_out: &[Option<Tensor3<bf16>>],
     params: &LlParams,
     partials: Option<PartialPrecision>,
 ) -> Result<Vec<Option<Tensor2<bf16>>>> {
@@ -1056,7 +1046,7 @@ fn combine_impl(
                 })?;
                 let w = inp.topk_weights.get(t, k);
                 // Checked by validate_combine: unmasked owners have outputs.
-                let y = expert_out[owner].as_ref().map(|y| y[l].row(row)).ok_or(
+                let y = expert_out[owner].as_ref().map(|y| y.row(l, row)).ok_or(
                     Error::LlMissingRow {
                         rank: me,
                         token: t,
@@ -1090,4 +1080,31 @@ fn combine_impl(
         outs.push(Some(out));
     }
     Ok(outs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_arrays_allocate_exactly_what_they_hold() {
+        // One block per array, of its size: no capacity past `L · rows · cols`, which would
+        // be address space reserved and never used.
+        let (l, rows, cols) = (3, 1024, 1536);
+        assert_eq!(
+            packed_zeros_u8(l, rows, cols).into_data().capacity(),
+            l * rows * cols
+        );
+        assert_eq!(
+            packed_zeros_bf16(l, rows, cols).into_data().capacity(),
+            l * rows * cols
+        );
+        assert_eq!(
+            packed_zeros_f32(l, rows, 12).into_data().capacity(),
+            l * rows * 12
+        );
+        let z = packed_zeros_i32(l, rows, 3);
+        assert!(z.data().iter().all(|&v| v == 0));
+        assert_eq!(z.into_data().capacity(), l * rows * 3);
+    }
 }

@@ -23,10 +23,10 @@ use crate::error::{Error, Result};
 use crate::numerics::fp8;
 use crate::plan::low_latency::{
     LlDispatchOutput, LlHandle, LlRecvX, fma_row, pack_layout_range, packed_zeros_bf16,
-    packed_zeros_u8,
+    packed_zeros_f32, packed_zeros_i32, packed_zeros_u8,
 };
 use crate::routing::ExpertIdx;
-use crate::tensor::Tensor2;
+use crate::tensor::{Tensor2, Tensor3};
 use crate::transport::{
     AgentCtx, Cmp, Phase, PhaseKind, QpIndex, SignalOp, SymAddr, SymAlloc, WaitUntil,
 };
@@ -392,28 +392,26 @@ fn reuse_recv_x(
     h: usize,
     scale_cols: usize,
 ) -> Option<LlRecvX> {
-    fn clear<T: Copy>(t: &mut Tensor2<T>, count: usize, zero: T) {
-        let end = (count * t.cols()).min(t.data().len());
-        t.data_mut()[..end].fill(zero);
+    // Rows `0..counts[l]` of every local expert's matrix zeroed (the shape was checked).
+    fn clear<T: Copy>(t: &mut Tensor3<T>, counts: &[usize], zero: T) {
+        let cols = t.cols();
+        for (l, &c) in counts.iter().enumerate() {
+            t.matrix_mut(l)[..c * cols].fill(zero);
+        }
     }
-    let fits = |s: (usize, usize), cols: usize| s == (n_rows, cols);
-    // FP8 data and scales (f32 or packed UE8M0) of every local expert, valid rows zeroed;
-    // `None` if they do not fit.
+    let fits = |s: (usize, usize, usize), cols: usize| s == (l_count, n_rows, cols);
+    // FP8 data and scales (f32 or packed UE8M0), valid rows zeroed; `None` if they do not fit.
     fn clear_fp8<S: Copy>(
-        (data, scales): (&mut [Tensor2<u8>], &mut [Tensor2<S>]),
+        (data, scales): (&mut Tensor3<u8>, &mut Tensor3<S>),
         counts: &[usize],
         zero: S,
         (l_count, n_rows, h, scale_cols): (usize, usize, usize, usize),
     ) -> Option<()> {
-        let ok = data.len() == l_count
-            && scales.len() == l_count
-            && data.iter().all(|t| t.shape() == (n_rows, h))
-            && scales.iter().all(|t| t.shape() == (n_rows, scale_cols));
+        let ok =
+            data.shape() == (l_count, n_rows, h) && scales.shape() == (l_count, n_rows, scale_cols);
         if ok {
-            for ((t, sc), &c) in data.iter_mut().zip(scales.iter_mut()).zip(counts) {
-                clear(t, c, 0);
-                clear(sc, c, zero);
-            }
+            clear(data, counts, 0);
+            clear(scales, counts, zero);
         }
         ok.then_some(())
     }
@@ -429,12 +427,10 @@ fn reuse_recv_x(
     let mut x = old.recv_x;
     match (&mut x, rows.use_fp8, rows.use_ue8m0) {
         (LlRecvX::Bf16(x), false, _) => {
-            if x.len() != l_count || x.iter().any(|t| !fits(t.shape(), h)) {
+            if !fits(x.shape(), h) {
                 return None;
             }
-            for (t, &c) in x.iter_mut().zip(&counts) {
-                clear(t, c, bf16::ZERO);
-            }
+            clear(x, &counts, bf16::ZERO);
         }
         (LlRecvX::Fp8 { data, scales }, true, false) => {
             clear_fp8((data, scales), &counts, 0.0, dims)?;
@@ -474,20 +470,14 @@ fn dispatch_recv(
     let reused = spare.and_then(|o| reuse_recv_x(o, rows, l_count, n_rows, h, scale_cols));
     let mut recv_x = match (reused, rows.use_fp8, rows.use_ue8m0) {
         (Some(x), _, _) => x,
-        (None, false, _) => {
-            LlRecvX::Bf16((0..l_count).map(|_| packed_zeros_bf16(n_rows, h)).collect())
-        }
+        (None, false, _) => LlRecvX::Bf16(packed_zeros_bf16(l_count, n_rows, h)),
         (None, true, false) => LlRecvX::Fp8 {
-            data: (0..l_count).map(|_| packed_zeros_u8(n_rows, h)).collect(),
-            scales: (0..l_count)
-                .map(|_| Tensor2::filled(n_rows, s_count, 0f32))
-                .collect(),
+            data: packed_zeros_u8(l_count, n_rows, h),
+            scales: packed_zeros_f32(l_count, n_rows, s_count),
         },
         (None, true, true) => LlRecvX::Fp8Ue8m0 {
-            data: (0..l_count).map(|_| packed_zeros_u8(n_rows, h)).collect(),
-            scales: (0..l_count)
-                .map(|_| Tensor2::filled(n_rows, packs, 0i32))
-                .collect(),
+            data: packed_zeros_u8(l_count, n_rows, h),
+            scales: packed_zeros_i32(l_count, n_rows, packs),
         },
     };
     let mut src_info = Tensor2::filled(l_count, n_rows, -1i32);
@@ -564,18 +554,18 @@ fn dispatch_recv(
                 match &mut recv_x {
                     LlRecvX::Bf16(x) => {
                         get_bf16_row(row_src, &mut bf);
-                        x[l].row_mut(row).copy_from_slice(&bf);
+                        x.row_mut(l, row).copy_from_slice(&bf);
                     }
                     LlRecvX::Fp8 { data, scales } => {
-                        data[l].row_mut(row).copy_from_slice(&row_src[..h]);
+                        data.row_mut(l, row).copy_from_slice(&row_src[..h]);
                         get_f32s(&row_src[lay.fp8_scales_offset() as usize..], &mut sc);
-                        scales[l].row_mut(row).copy_from_slice(&sc);
+                        scales.row_mut(l, row).copy_from_slice(&sc);
                     }
                     LlRecvX::Fp8Ue8m0 { data, scales } => {
-                        data[l].row_mut(row).copy_from_slice(&row_src[..h]);
+                        data.row_mut(l, row).copy_from_slice(&row_src[..h]);
                         get_f32s(&row_src[lay.fp8_scales_offset() as usize..], &mut sc);
-                        scales[l]
-                            .row_mut(row)
+                        scales
+                            .row_mut(l, row)
                             .copy_from_slice(&fp8::pack_ue8m0(&sc));
                     }
                 }
@@ -610,8 +600,8 @@ fn dispatch_recv(
 pub(crate) enum ExpertOut<'a> {
     /// The zero-copy region `cy` of the operation's half (written before the call).
     ZeroCopy,
-    /// The caller's tensors (`[L][R·N, H]` per rank).
-    Host(&'a [Option<Vec<Tensor2<bf16>>>]),
+    /// The caller's tensors (`[L, R·N, H]` per rank).
+    Host(&'a [Option<Tensor3<bf16>>]),
 }
 
 /// The phase that writes expert outputs into the zero-copy region (what the caller's GEMM does
@@ -619,16 +609,17 @@ pub(crate) enum ExpertOut<'a> {
 pub(crate) fn expert_output_phase<'a>(
     arena: &'a LlArena,
     op: &'a LlOp,
-    y: &'a [Option<Vec<Tensor2<bf16>>>],
+    y: &'a [Option<Tensor3<bf16>>],
 ) -> Phase<'a> {
     let mut phase = Phase::new(PhaseKind::Custom("expert_output".into()), op.call);
     for d in (0..arena.num_ranks).filter(|&d| op.live(d)) {
         phase = phase.agent(d, 0, "expert-gemm", move |ctx: &mut dyn AgentCtx| {
             let Some(y) = &y[d] else { return Ok(()) };
             let mut buf = Vec::new();
-            for (l, t) in y.iter().enumerate() {
-                buf.resize(t.rows() * t.cols() * 2, 0);
-                put_bf16_row(&mut buf, t.data());
+            for l in 0..y.matrices() {
+                let t = y.matrix(l);
+                buf.resize(t.len() * 2, 0);
+                put_bf16_row(&mut buf, t);
                 ctx.store(d, op.at(arena, op.layout.cy(l, 0)), &buf)?;
             }
             Ok(())
@@ -694,12 +685,11 @@ fn combine_send(
                     }
                     ExpertOut::Host(t) => t[d]
                         .as_ref()
-                        .and_then(|v| v.get(l as usize))
-                        .filter(|t| row < t.rows())
-                        .map(|t| t.row(row))
+                        .filter(|t| (l as usize) < t.matrices() && row < t.rows())
+                        .map(|t| t.row(l as usize, row))
                         .ok_or(Error::ShapeMismatch {
                             what: "low-latency combine expert outputs",
-                            expected: format!("[L][R*N, H] on rank {d}"),
+                            expected: format!("[L, R*N, H] on rank {d}"),
                             found: "missing rows".into(),
                         })?,
                 };
