@@ -22,7 +22,7 @@ use ep_core::plan::low_latency::{
     combine_reduced_on_expert_rank, dispatch as plan_dispatch,
 };
 use ep_core::routing::{Activations, RankInputs};
-use ep_core::tensor::Tensor2;
+use ep_core::tensor::{Tensor2, Tensor3};
 use ep_core::workload::{Routing, WorkloadSpec};
 use ep_kernels::Error;
 use ep_kernels::gpu::mem::DevBuf;
@@ -164,7 +164,7 @@ struct Pool {
 struct ExpertOutputs {
     key: (usize, usize, usize, Vec<bool>),
     flat: Vec<Tensor2<bf16>>,
-    per_expert: Vec<Option<Vec<Tensor2<bf16>>>>,
+    per_expert: Vec<Option<Tensor3<bf16>>>,
 }
 
 impl Pool {
@@ -262,7 +262,7 @@ fn check_dispatch(case: &Case, d: usize, gpu: &LlGpuDispatch, plan: &LlDispatchO
                         "src_info rank {d} expert {l} row {row}"
                     );
                     let g = got.row(l * rows + row);
-                    let p = x[l].row(row);
+                    let p = x.row(l, row);
                     assert!(
                         g.iter().zip(p).all(|(a, b)| a.to_bits() == b.to_bits()),
                         "BF16 row rank {d} expert {l} row {row}"
@@ -281,13 +281,13 @@ fn check_dispatch(case: &Case, d: usize, gpu: &LlGpuDispatch, plan: &LlDispatchO
                     assert_eq!(src.get(l, row), plan.handle.src_info.get(l, row));
                     assert_eq!(
                         got.row(l * rows + row),
-                        data[l].row(row),
+                        data.row(l, row),
                         "e4m3 row rank {d} expert {l} row {row}"
                     );
                     for k in 0..s_count {
                         assert_eq!(
                             sc.get(l * s_count + k, row).to_bits(),
-                            scales[l].get(row, k).to_bits(),
+                            scales.get(l, row, k).to_bits(),
                             "scale {k} rank {d} expert {l} row {row}"
                         );
                     }
@@ -304,11 +304,11 @@ fn check_dispatch(case: &Case, d: usize, gpu: &LlGpuDispatch, plan: &LlDispatchO
             for l in 0..l_count {
                 for row in 0..plan.recv_count[l] as usize {
                     assert_eq!(src.get(l, row), plan.handle.src_info.get(l, row));
-                    assert_eq!(got.row(l * rows + row), data[l].row(row));
+                    assert_eq!(got.row(l * rows + row), data.row(l, row));
                     for k in 0..s4 {
                         assert_eq!(
                             sc.get(l * s4 + k, row),
-                            scales[l].get(row, k),
+                            scales.get(l, row, k),
                             "UE8M0 word {k} rank {d} expert {l} row {row}"
                         );
                     }
@@ -358,11 +358,8 @@ fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case
             .iter()
             .enumerate()
             .map(|(d, y)| {
-                (!masked[d]).then(|| {
-                    (0..l_count)
-                        .map(|l| Tensor2::from_fn(rows, h, |r, c| y.get(l * rows + r, c)))
-                        .collect()
-                })
+                (!masked[d])
+                    .then(|| Tensor3::new(l_count, rows, h, y.data().to_vec()).expect("shape"))
             })
             .collect();
         pool.y = Some(ExpertOutputs {

@@ -22,7 +22,7 @@ use ep_core::plan::low_latency::{
     LlParams, PartialPrecision, combine_reduced_on_expert_rank, dispatch as plan_dispatch,
 };
 use ep_core::routing::Activations;
-use ep_core::tensor::Tensor2;
+use ep_core::tensor::{Tensor2, Tensor3};
 use ep_kernels::gpu::{
     DevTensor, Device, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup,
     LlRankInputs,
@@ -175,15 +175,10 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         let Some(p) = p else { continue };
         check_counts(d, o, p, &mut bad)?;
     }
-    let expert_out: Vec<Option<Vec<Tensor2<bf16>>>> = y_host
+    // The same values as the plan's [L][R*N][H] arrays.
+    let expert_out: Vec<Option<Tensor3<bf16>>> = y_host
         .iter()
-        .map(|y| {
-            Some(
-                (0..l)
-                    .map(|j| Tensor2::from_fn(rows, hidden, |i, c| y.get(j * rows + i, c)))
-                    .collect(),
-            )
-        })
+        .map(|y| Tensor3::new(l, rows, hidden, y.data().to_vec()).ok())
         .collect();
     let plan_handles: Vec<_> = plan
         .iter()
