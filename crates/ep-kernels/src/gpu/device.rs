@@ -92,9 +92,11 @@ impl Device {
             .map_err(Error::cuda(
                 "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)",
             ))? as usize;
-        // The LL kernels size their shared memory per call (LlGroup checks it against this).
+        // The LL kernels size their shared memory per call (LlGroup checks it against this):
+        // each may opt in to the device's limit less its static shared memory.
+        let mut max_dynamic_smem = max_dynamic_smem;
         for f in [&ll.dispatch, &ll.combine] {
-            set_max_dynamic_smem(f, max_dynamic_smem)?;
+            max_dynamic_smem = max_dynamic_smem.min(set_max_dynamic_smem(f, max_dynamic_smem)?);
         }
         let num_sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -132,12 +134,26 @@ impl Device {
     }
 }
 
-/// Lets `f` launch with up to `bytes` of dynamic shared memory.
-fn set_max_dynamic_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
-    let bytes = i32::try_from(bytes)
-        .map_err(|_| Error::Unsupported(format!("{bytes} bytes of shared memory per block")))?;
+/// Lets `f` launch with as much dynamic shared memory as `optin` (the device's per-block opt-in
+/// limit) leaves beside its static shared memory; returns that amount.
+fn set_max_dynamic_smem(f: &CudaFunction, optin: usize) -> Result<usize> {
+    let mut fixed = 0i32;
+    // SAFETY: `f` is a loaded function of this context; the attribute is written to `fixed`.
+    unsafe {
+        sys::cuFuncGetAttribute(
+            &mut fixed,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+            f.cu_function(),
+        )
+    }
+    .result()
+    .map_err(Error::cuda("cuFuncGetAttribute(SHARED_SIZE_BYTES)"))?;
+    let avail = optin.saturating_sub(usize::try_from(fixed).unwrap_or(0));
+    let bytes = i32::try_from(avail)
+        .map_err(|_| Error::Unsupported(format!("{avail} bytes of shared memory per block")))?;
     // SAFETY: `f` is a loaded function of this context; `bytes` is the device's opt-in maximum
-    // (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN), a value the attribute accepts.
+    // (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) less the function's static
+    // shared memory, a value the attribute accepts.
     unsafe {
         sys::cuFuncSetAttribute(
             f.cu_function(),
@@ -148,5 +164,6 @@ fn set_max_dynamic_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
     .result()
     .map_err(Error::cuda(
         "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
-    ))
+    ))?;
+    Ok(avail)
 }
