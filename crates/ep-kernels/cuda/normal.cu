@@ -43,6 +43,24 @@ __device__ __forceinline__ void stamp(const Args &a, uint32_t i) {
         ((uint64_t *)a.phase_times)[blockIdx.x * EP_PHASE_SLOTS + i] = ep_now_ns();
 }
 
+// The call number k of this block's dispatch or combine (docs/protocol.md §1.1, §2.7): given by
+// value (eager calls), or, with a.call == 0 (a captured CUDA graph, whose arguments are frozen
+// at capture), this block's epoch word + 1. Either way thread 0 stores k into the word before the
+// barrier: block b is the only reader and writer of epoch[b] (every dispatch and combine kernel
+// of a group has the same 2C blocks), and the next kernel on the rank's stream reads it after
+// this one ended, so the words advance exactly once per call, eager or replayed.
+__device__ __forceinline__ uint64_t block_epoch(const Args &a) {
+    __shared__ uint64_t s_k;
+    if (threadIdx.x == 0) {
+        volatile uint64_t *w = (volatile uint64_t *)a.epoch + blockIdx.x;
+        const uint64_t k = a.call != 0 ? a.call : *w + 1;
+        *w = k;
+        s_k = k;
+    }
+    __syncthreads();
+    return s_k;
+}
+
 // Tokens [t0, t1) of block (c, h): half h of chan(T, C, c).
 __device__ __forceinline__ void block_tokens(const Args &a, uint32_t c, uint32_t h, uint32_t *t0,
                                              uint32_t *t1, uint32_t *mid_out) {
@@ -127,10 +145,10 @@ extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) 
 
 // The notify agent (§2.3) on block 0: count records to every rank, then rpm, the table, the
 // handle matrices, the expert list and num_recv. Returns false when a wait failed.
-__device__ bool notify(const Args &a, int32_t *s_cc, int32_t *s_n) {
+__device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
     const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
     const uint32_t C = (uint32_t)a.num_channels, L = (uint32_t)a.num_local_experts;
-    const uint64_t T = a.num_tokens, k = a.call, p = ep_parity(k);
+    const uint64_t T = a.num_tokens, p = ep_parity(k);
     ep_err_block *err = (ep_err_block *)a.err;
     int32_t *cpm = (int32_t *)a.channel_prefix_matrix;
     int32_t *rpm = (int32_t *)a.rank_prefix_matrix;
@@ -285,7 +303,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     const uint32_t R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank, C = (uint32_t)a.num_channels;
     const uint32_t K = (uint32_t)a.num_topk, L = (uint32_t)a.num_local_experts;
     const uint32_t c = blockIdx.x >> 1, h = blockIdx.x & 1u;
-    const uint64_t k = a.call, p = ep_parity(k);
+    const uint64_t k = block_epoch(a), p = ep_parity(k);
     const bool cached = (a.flags & EP_FLAG_CACHED) != 0, topk = (a.flags & EP_FLAG_TOPK) != 0;
     const uint64_t elt = (a.flags & EP_FLAG_FP8) ? 1 : 2;
     const uint64_t S = a.num_scales, H = a.hidden;
@@ -324,7 +342,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     __syncthreads();
     // 1. Offsets: the count exchange, or the handle plus the ready handshake.
     if (!cached) {
-        if (blockIdx.x == 0 && !notify(a, s_cc, s_n) && tid == 0) s_ok = 0;
+        if (blockIdx.x == 0 && !notify(a, k, s_cc, s_n) && tid == 0) s_ok = 0;
         if (tid == 0 && s_ok) {
             uint64_t off = ep_normal_table_ready(R, p);
             // Second-order word (its writer waits on every rank first): twice the bound.
@@ -562,7 +580,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     const uint32_t R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank, C = (uint32_t)a.num_channels;
     const uint32_t K = (uint32_t)a.num_topk;
     const uint32_t c = blockIdx.x >> 1, h = blockIdx.x & 1u;
-    const uint64_t k = a.call, H = a.hidden;
+    const uint64_t k = block_epoch(a), H = a.hidden;
     const bool in_place = (a.flags & EP_FLAG_IN_PLACE) != 0;
     const bool weights = (a.flags & EP_FLAG_TOPK) != 0 && a.combined_weights != 0;
     ep_err_block *err = (ep_err_block *)a.err;

@@ -336,6 +336,15 @@ pub enum Error {
         /// The failure.
         cause: String,
     },
+    /// A call made while [`crate::gpu::NormalGroup::capture`] records, that a CUDA graph
+    /// cannot hold (it needs the host mid-sequence).
+    #[error("{what} cannot be captured in a CUDA graph: {fix}")]
+    NotCapturable {
+        /// The call.
+        what: String,
+        /// Why, and what to do instead.
+        fix: String,
+    },
     /// A request the GPU backend does not support, with what to do instead.
     #[error("{0}")]
     Unsupported(String),

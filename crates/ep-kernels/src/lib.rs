@@ -8,7 +8,8 @@
 //! - [`nvshmem`]: NVSHMEM bring-up (version check, environment plan, rendezvous, init, report,
 //!   symmetric memory, peer pointers, finalize) and the one-process-per-rank launcher.
 //! - [`gpu`]: the GPU data path: device tensors, kernels, normal mode with co-resident ranks
-//!   and ranks of other processes mapped through CUDA IPC.
+//!   and ranks of other processes mapped through CUDA IPC, calls captured in CUDA graphs
+//!   (`NormalGroup::capture`) or ordered by the caller's events (`NormalGroup::with_streams`).
 //! - [`exchange`]: host all-gather and barrier between the processes of a job (TCP star).
 //! - [`kernels`]: the embedded cubins.
 //!

@@ -6,7 +6,8 @@
 //! - [`mem`]: device buffers and host-mapped memory;
 //! - [`ipc`]: device buffers shared with other processes (CUDA IPC);
 //! - [`device`]: one GPU with its kernels and error record;
-//! - [`normal`]: layout, dispatch, cached dispatch, combine and the copy ceiling;
+//! - [`normal`]: layout, dispatch, cached dispatch, combine and the copy ceiling; calls captured
+//!   in CUDA graphs and ordered against the caller's streams;
 //! - [`low_latency`]: [`LlGroup`], low-latency dispatch and combine (variant (a), peers by pointer).
 //! - `host`: downloads of results as ep-core's host types (verification, digests);
 //! - [`abi`]: the kernel-argument structs generated with the kernels' header.
@@ -27,7 +28,7 @@ pub use low_latency::{
     LlRankInputs, LlStats,
 };
 pub use normal::{
-    CombineSource, GpuCombineArgs, GpuCombined, GpuDispatch, GpuDispatchArgs, GpuHandle, GpuLayout,
-    GpuRankInputs, NormalGroup,
+    CallStreams, CombineSource, GpuCombineArgs, GpuCombined, GpuDispatch, GpuDispatchArgs,
+    GpuHandle, GpuLayout, GpuRankInputs, NormalGraph, NormalGroup,
 };
 pub use tensor::{DType, DevTensor, HostElem};

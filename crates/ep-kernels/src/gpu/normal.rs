@@ -25,6 +25,11 @@
 //! call; with `num_worst_tokens > 0` there is none. Errors from the device (a wait that timed
 //! out, rows that do not fit, a bad expert id) surface at the next call or [`NormalGroup::sync`];
 //! a timeout poisons the group until [`NormalGroup::reset`].
+//!
+//! Calls without a host wait can be captured in CUDA graphs and replayed
+//! ([`NormalGroup::capture`]; the kernels then take their call number from device-resident epoch
+//! words), and any call can be ordered against the caller's streams by events
+//! ([`NormalGroup::with_streams`]); see `graph`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,6 +44,12 @@ use super::peers::{self, Peer, Shape};
 use super::tensor::{DType, DevTensor};
 use crate::error::{Error, Result};
 use crate::exchange::Exchange;
+
+mod graph;
+pub use graph::{CallStreams, NormalGraph};
+
+/// u64 epoch words per rank: one per block of the largest dispatch or combine grid.
+const EPOCH_WORDS: usize = 2 * ep_core::protocol::layout::MAX_CHANNELS;
 
 /// Ranks a normal-mode kernel can address.
 pub const MAX_RANKS: usize = abi::EP_GPU_MAX_RANKS as usize;
@@ -61,6 +72,9 @@ struct Rank {
     ctrl: Arc<DevBuf>,
     data: Arc<DevBuf>,
     mailbox: HostMapped<Mailbox>,
+    /// `[2 * MAX_CHANNELS]` u64: each block's last call number (the device-resident epoch a
+    /// captured graph reads, docs/protocol.md §2.7); only this rank's kernels touch it.
+    epoch: DevBuf,
     /// `recv_src_idx`, `recv_topk_idx`, `recv_topk_weights` at capacity, reused per dispatch.
     meta: Option<(usize, DevTensor, DevTensor, DevTensor)>,
 }
@@ -237,6 +251,12 @@ pub struct NormalGroup {
     gate: Option<Arc<CudaStream>>,
     /// Per rank: where the kernels stamp their phase times, when measuring.
     phase_times: Option<Vec<DevTensor>>,
+    /// Tells graphs which group they were captured from.
+    id: u64,
+    /// Set while [`NormalGroup::capture`] records the calls.
+    capture: Option<graph::Capture>,
+    /// Set while [`NormalGroup::with_streams`] runs the calls on the caller's streams.
+    swapped: bool,
 }
 
 fn launch_cfg(blocks: u32) -> LaunchConfig {
@@ -381,6 +401,7 @@ impl NormalGroup {
                 ctrl,
                 data,
                 mailbox: HostMapped::new(&ctx)?,
+                epoch: DevBuf::zeroed(&ctx, 8 * EPOCH_WORDS)?,
                 meta: None,
             });
         }
@@ -401,6 +422,9 @@ impl NormalGroup {
             absent: None,
             gate: None,
             phase_times: None,
+            id: graph::next_group_id(),
+            capture: None,
+            swapped: false,
         })
     }
 
@@ -529,6 +553,11 @@ impl NormalGroup {
                 cause: cause.clone(),
             });
         }
+        if self.capture.is_some() {
+            // Nothing runs while capturing, and a capturing stream cannot be synchronised: device
+            // errors of earlier calls surface at the replay or the next sync.
+            return Ok(());
+        }
         self.check_device_error()
     }
 
@@ -591,6 +620,7 @@ impl NormalGroup {
     /// Waits for every local rank's stream and reports any device error
     /// ([`Error::Poisoned`] once a timeout poisoned the group).
     pub fn sync(&mut self) -> Result<()> {
+        self.not_capturing("sync")?;
         if let Some(cause) = &self.poison {
             return Err(Error::Poisoned {
                 cause: cause.clone(),
@@ -603,14 +633,24 @@ impl NormalGroup {
     /// Collective reset after a device timeout (docs/protocol.md §7.2): waits for the local
     /// ranks, then for every process (no kernel anywhere still writes a control word), zeroes
     /// the local ranks' control words, waits for every process again (nobody launches before
-    /// every word is zero), clears the error record. The call counter goes on.
+    /// every word is zero), clears the error record. The call counter goes on (the local ranks'
+    /// device epoch words are set to it).
     pub fn reset(&mut self) -> Result<()> {
+        self.not_capturing("reset")?;
         self.sync_streams()?;
         self.barrier()?;
         for r in &self.ranks {
             r.ctrl.memset_async(&r.stream, 0, 0, r.ctrl.len())?;
         }
         self.sync_streams()?;
+        // A rank whose kernels did not all run (the failure being reset) left its epoch words
+        // behind the host's counter: set them to it, so a graph replayed next counts on.
+        let words: Vec<u8> = std::iter::repeat_n(self.call.to_le_bytes(), EPOCH_WORDS)
+            .flatten()
+            .collect();
+        for r in &self.ranks {
+            r.epoch.write(0, &words)?;
+        }
         self.barrier()?;
         self.dev.err.write(ErrBlock::default());
         self.poison = None;
@@ -625,7 +665,10 @@ impl NormalGroup {
             num_ranks: self.num_ranks() as u64,
             num_channels: self.num_channels() as u64,
             data_bytes: self.data_bytes,
-            call: self.call,
+            // A captured kernel must not freeze its call number: 0 makes it take the next one
+            // from its epoch word at every replay.
+            call: if self.capture.is_some() { 0 } else { self.call },
+            epoch: self.ranks[local].epoch.ptr(),
             err: self.dev.err.dev_ptr(),
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             mailbox: self.ranks[local].mailbox.dev_ptr(),
@@ -653,6 +696,7 @@ impl NormalGroup {
     /// on rows a peer already stored.
     #[doc(hidden)]
     pub fn fill_arenas_for_test(&mut self, byte: u8) -> Result<()> {
+        self.not_capturing("fill_arenas_for_test")?;
         for r in &self.ranks {
             r.data.memset_async(&r.stream, byte, 0, r.data.len())?;
         }
@@ -663,6 +707,7 @@ impl NormalGroup {
     /// Measurement: from now on (`on`) the dispatch and combine kernels stamp `%globaltimer` at
     /// their phase boundaries ([`NormalGroup::phase_times`]); off again with `false`.
     pub fn measure_phases(&mut self, on: bool) -> Result<()> {
+        self.not_capturing("measure_phases")?;
         self.phase_times = if on {
             let rows = 2 * ep_core::protocol::layout::MAX_CHANNELS;
             let slots = abi::EP_PHASE_SLOTS as usize;
@@ -753,10 +798,11 @@ impl NormalGroup {
                     t.cols()
                 )));
             }
+            self.keep(Some(t));
+            let per_rank = self.alloc(s, DType::I32, 1, r)?;
+            let per_expert = self.alloc(s, DType::I32, 1, num_experts)?;
+            let in_rank = self.alloc(s, DType::U8, t.rows(), r)?;
             let st = &self.ranks[s].stream;
-            let per_rank = DevTensor::on_stream(st, DType::I32, 1, r)?;
-            let per_expert = DevTensor::on_stream(st, DType::I32, 1, num_experts)?;
-            let in_rank = DevTensor::on_stream(st, DType::U8, t.rows(), r)?;
             per_rank.buffer().memset_async(st, 0, 0, 4 * r)?;
             per_expert
                 .buffer()
@@ -873,6 +919,11 @@ impl NormalGroup {
             // The previous buffers may still be read by earlier work: drop them only after the
             // stream passed it (DevBuf::drop of cuMemAlloc memory waits for the device).
             let ctx = self.dev.context();
+            let old = r.meta.take();
+            if let (Some(cap), Some((_, a, b, c))) = (&mut self.capture, old) {
+                // No free while capturing (cuMemFree synchronises): the graph drops them.
+                cap.keep.extend([a, b, c].map(|t| t.buffer().clone()));
+            }
             r.meta = Some((
                 cap,
                 DevTensor::empty(ctx, DType::I32, 1, cap)?,
@@ -915,6 +966,12 @@ impl NormalGroup {
             return Err(Error::Unsupported(
                 "expert_alignment 0: use 1 for no alignment".into(),
             ));
+        }
+        if self.capture.is_some() && args.num_worst_tokens == 0 {
+            return Err(Error::NotCapturable {
+                what: "a dispatch without num_worst_tokens".into(),
+                fix: "the host waits for num_recv mid-call; capture worst-token dispatches (num_worst_tokens > 0) only".into(),
+            });
         }
         let with_topk = inputs[0].topk_idx.is_some();
         if args.num_worst_tokens > 0 && !with_topk {
@@ -962,14 +1019,28 @@ impl NormalGroup {
         // wait for kernels already launched, which wait for ranks not launched yet.
         for (s, &t) in tokens.iter().enumerate() {
             let meta = self.meta_buffers(s, cap as usize, k)?;
-            let st = self.ranks[s].stream.clone();
             handles.push((
-                DevTensor::on_stream(&st, DType::I32, r, r)?,
-                DevTensor::on_stream(&st, DType::I32, r, c)?,
-                DevTensor::on_stream(&st, DType::I32, r, c)?,
-                DevTensor::on_stream(&st, DType::I32, t, r)?,
+                self.alloc(s, DType::I32, r, r)?,
+                self.alloc(s, DType::I32, r, c)?,
+                self.alloc(s, DType::I32, r, c)?,
+                self.alloc(s, DType::I32, t, r)?,
             ));
+            for t in [&meta.0, &meta.1, &meta.2] {
+                self.keep(Some(t));
+            }
             metas.push(meta);
+            let inp = inputs[s];
+            for t in [Some(inp.x), inp.x_scales, inp.topk_idx, inp.topk_weights] {
+                self.keep(t);
+            }
+            let lay = &layouts[s];
+            for t in [
+                &lay.num_tokens_per_rank,
+                &lay.num_tokens_per_expert,
+                &lay.is_token_in_rank,
+            ] {
+                self.keep(Some(t));
+            }
         }
         for s in 0..n {
             let (rpm, cpm, rcpm, send_head) = &handles[s];
@@ -1127,7 +1198,12 @@ impl NormalGroup {
         self.call += 1;
         let mut metas = Vec::with_capacity(n);
         for s in 0..n {
-            metas.push(self.meta_buffers(s, cap as usize, 0)?);
+            let meta = self.meta_buffers(s, cap as usize, 0)?;
+            self.keep(Some(&meta.0));
+            metas.push(meta);
+            self.keep(Some(inputs[s].x));
+            self.keep(inputs[s].x_scales);
+            self.keep_handle(handles[s]);
         }
         for s in 0..n {
             let meta = &metas[s];
@@ -1232,7 +1308,7 @@ impl NormalGroup {
     /// Copies expert outputs `y` (`[rows, H]` BF16) and weights (`[rows, K]` f32) of local
     /// rank `rank` into its combine rows, on its stream (the copying path of combine).
     pub fn write_combine_rows(
-        &self,
+        &mut self,
         rank: usize,
         y: &DevTensor,
         weights: Option<&DevTensor>,
@@ -1240,6 +1316,8 @@ impl NormalGroup {
         let k = weights.map_or(0, DevTensor::cols);
         let (dy, dw) = self.combine_rows(rank, y.rows(), y.cols(), k)?;
         y.expect("combine input x", DType::Bf16, None, None)?;
+        self.keep(Some(y));
+        self.keep(weights);
         copy_2d(&self.ranks[rank].stream, y, &dy)?;
         if let (Some(w), Some(dw)) = (weights, dw) {
             w.expect(
@@ -1311,15 +1389,21 @@ impl NormalGroup {
         // Every allocation before the first launch (see `dispatch`).
         let mut out = Vec::with_capacity(n);
         for (s, a) in args.iter().enumerate() {
-            let st = &self.ranks[s].stream;
             let t = a.handle.num_tokens;
+            let combined_x = self.alloc(s, DType::Bf16, t, hidden)?;
+            let combined_topk_weights = if a.with_weights {
+                Some(self.alloc(s, DType::F32, t, k)?)
+            } else {
+                None
+            };
             out.push(GpuCombined {
-                combined_x: DevTensor::on_stream(st, DType::Bf16, t, hidden)?,
-                combined_topk_weights: a
-                    .with_weights
-                    .then(|| DevTensor::on_stream(st, DType::F32, t, k))
-                    .transpose()?,
+                combined_x,
+                combined_topk_weights,
             });
+            self.keep_handle(a.handle);
+            for b in a.bias {
+                self.keep(b);
+            }
         }
         for (s, a) in args.iter().enumerate() {
             let t = a.handle.num_tokens;
@@ -1442,6 +1526,7 @@ impl NormalGroup {
     /// enqueues), and returns each rank's device time from that release to the end of its work,
     /// in seconds (CUDA events).
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
+        self.not_capturing("timed")?;
         if self.gate.is_none() {
             let g = self
                 .dev

@@ -190,6 +190,27 @@ impl DevTensor {
         Ok(d)
     }
 
+    /// Overwrites this contiguous tensor with `t` (same element size and shape): a synchronous
+    /// copy from the host, ordered against no stream, so no work may be using the tensor (sync
+    /// first). How fresh values reach the inputs a CUDA graph was captured with.
+    pub fn write<T: HostElem>(&self, t: &Tensor2<T>) -> Result<()> {
+        if T::DTYPE.size() != self.dtype.size()
+            || t.rows() != self.rows
+            || t.cols() != self.cols
+            || !self.is_contiguous()
+        {
+            return Err(Error::TensorMismatch {
+                what: "write into a device tensor".into(),
+                expected: format!(
+                    "{:?} [{}, {}], contiguous",
+                    self.dtype, self.rows, self.cols
+                ),
+                found: format!("{:?} [{}, {}]", T::DTYPE, t.rows(), t.cols()),
+            });
+        }
+        self.buf.write(self.offset as usize, &T::to_bytes(t.data()))
+    }
+
     /// Downloads into a host tensor (synchronous; strided rows are gathered).
     pub fn download<T: HostElem>(&self) -> Result<Tensor2<T>> {
         if T::DTYPE.size() != self.dtype.size() {

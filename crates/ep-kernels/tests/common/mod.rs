@@ -218,12 +218,8 @@ pub(crate) fn plan_of(
     case: &Case,
     inputs: &[RankInputs],
 ) -> (Vec<DispatchLayout>, Vec<IntranodeDispatch>, usize) {
-    let (r, e) = (case.ranks, case.experts);
-    let layouts: Vec<DispatchLayout> = inputs
-        .iter()
-        .enumerate()
-        .map(|(s, i)| get_dispatch_layout_for_rank(s, &i.topk_idx, e, r).unwrap())
-        .collect();
+    let r = case.ranks;
+    let layouts = host_layouts(case, inputs);
     let max_recv = (0..r)
         .map(|d| {
             layouts
@@ -234,14 +230,35 @@ pub(crate) fn plan_of(
         .max()
         .unwrap();
     let worst = if case.worst { max_recv + 5 } else { 0 };
+    let plan = plan_with_worst(case, inputs, &layouts, worst);
+    (layouts, plan, worst)
+}
+
+/// The plan of `case`'s dispatch (all ranks) with `worst` rows per rank (0: exact).
+pub(crate) fn plan_with_worst(
+    case: &Case,
+    inputs: &[RankInputs],
+    layouts: &[DispatchLayout],
+    worst: usize,
+) -> Vec<IntranodeDispatch> {
     let opts = DispatchOptions {
         num_channels: case.sms / 2,
         expert_alignment: case.alignment,
         num_worst_tokens: worst,
         with_topk: true,
     };
-    let plan = intranode_dispatch_all(inputs, &layouts, e, &opts).unwrap();
-    (layouts, plan, worst)
+    intranode_dispatch_all(inputs, layouts, case.experts, &opts).unwrap()
+}
+
+/// Every rank's layout of `case` on the host.
+pub(crate) fn host_layouts(case: &Case, inputs: &[RankInputs]) -> Vec<DispatchLayout> {
+    inputs
+        .iter()
+        .enumerate()
+        .map(|(s, i)| {
+            get_dispatch_layout_for_rank(s, &i.topk_idx, case.experts, case.ranks).unwrap()
+        })
+        .collect()
 }
 
 /// Layout, dispatch and both combines of `case` on `g`'s local ranks, each compared with the
