@@ -50,8 +50,23 @@ __device__ __forceinline__ ep_ll_layout layout_of(const Args &a) {
     return l;
 }
 
+// The shrink mask, read once per block at launch (load_mask): bit r = rank r masked.
+__shared__ uint32_t mask_bits;
+
+__device__ __forceinline__ void load_mask(const Args &a) {
+    if (threadIdx.x == 0) {
+        uint32_t bits = 0;
+        if (a.mask != 0)
+            for (uint32_t r = 0; r < a.num_ranks; ++r)
+                if (((const volatile int32_t *)a.mask)[r] != 0) bits |= 1u << r;
+        mask_bits = bits;
+    }
+    __syncthreads();
+}
+
 __device__ __forceinline__ bool masked(const Args &a, uint64_t r) {
-    return a.mask != 0 && ((const volatile int32_t *)a.mask)[r] != 0;
+    (void)a;
+    return (mask_bits >> r) & 1u;
 }
 
 // Base of half `h` of rank `r`'s ll.data, as this rank addresses it.
@@ -542,6 +557,7 @@ __device__ void dispatch_recv(const Args &a, uint8_t *smem) {
 
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a) {
     extern __shared__ __align__(16) uint8_t smem[];
+    load_mask(a);
     if (masked(a, a.rank)) return;
     if (a.flags & EP_FLAG_LL_SEND) dispatch_send(a, smem);
     if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, smem);
@@ -705,6 +721,7 @@ __device__ void combine_recv(const Args &a) {
 
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_combine(const Args a) {
     extern __shared__ __align__(16) uint8_t smem[];
+    load_mask(a);
     if (masked(a, a.rank)) return;
     if (a.flags & EP_FLAG_LL_SEND) combine_send(a, smem);
     if (a.flags & EP_FLAG_LL_RECV) combine_recv(a);

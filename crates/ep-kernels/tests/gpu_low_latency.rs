@@ -457,7 +457,9 @@ fn dispatch_and_combine_equal_the_plan_bf16_and_fp8() {
     let dev = device();
     let mut cases = Vec::new();
     for &(ranks, tokens, hidden, topk, experts) in &[
-        (2, 128, 7168, 8, 288),
+        // DeepEP's 288 experts at this shape are verified by `ep bench --backend gpu --mode
+        // low-latency` (bit for bit); here fewer, so the host-side expert outputs stay small.
+        (2, 128, 7168, 8, 64),
         (2, 64, 2048, 8, 32),
         (4, 96, 4096, 6, 64),
         (8, 32, 1024, 8, 64),
@@ -633,8 +635,10 @@ fn bad_inputs_are_typed_errors_and_the_group_stays_usable() {
     c2.fp8 = Some((true, true));
     let mut g2 = group(&dev, &c2);
     let d2 = upload(&dev, &inputs_of(&c2));
+    let refused = g2.dispatch(&rank_inputs(&d2), &c2.args());
     assert!(
-        matches!(g2.dispatch(&rank_inputs(&d2), &c2.args()), Err(Error::Unsupported(ref m)) if m.contains("512"))
+        matches!(&refused, Err(Error::Shape(e)) if e.to_string().contains("512")),
+        "{refused:?}"
     );
     // An expert id out of range: typed at the next sync, the group stays usable.
     let mut idx = inputs[0].topk_idx.clone();
