@@ -332,6 +332,14 @@ uint64_t ep_shim_ll_cy(L4, uint64_t e, uint64_t row) { MK; return ep_ll_cy(lay, 
 uint64_t ep_shim_ll_half_bytes(L4) { MK; return ep_ll_half_bytes(lay); }
 uint64_t ep_shim_ll_total_bytes(L4) { MK; return ep_ll_total_bytes(lay); }
 uint64_t ep_shim_ll_meta_entry(uint16_t l, uint16_t pos, uint32_t w) { return ep_ll_meta_entry(l, pos, w); }
+uint32_t ep_shim_ll_entry_expert(uint64_t e) { return ep_ll_entry_expert(e); }
+uint32_t ep_shim_ll_entry_pos(uint64_t e) { return ep_ll_entry_pos(e); }
+uint32_t ep_shim_ll_entry_weight_bits(uint64_t e) { return ep_ll_entry_weight_bits(e); }
+uint64_t ep_shim_ll_meta_head(uint32_t t, uint32_t n) { return ep_ll_meta_head(t, n); }
+uint32_t ep_shim_ll_head_token(uint64_t h) { return ep_ll_head_token(h); }
+uint32_t ep_shim_ll_head_count(uint64_t h) { return ep_ll_head_count(h); }
 int64_t ep_shim_pack_layout_range(uint32_t b, uint32_t c) { return ep_pack_layout_range(b, c); }
+uint32_t ep_shim_layout_range_begin(int64_t v) { return ep_layout_range_begin(v); }
+uint32_t ep_shim_layout_range_count(int64_t v) { return ep_layout_range_count(v); }
 }
 "#;

@@ -414,7 +414,7 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
                 const uint32_t w = __float_as_uint(weights[t * K + lane]);
                 *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
             }
-            if (lane == 0) *(uint64_t *)meta = (uint64_t)t | ((uint64_t)__popc(bal) << 32);
+            if (lane == 0) *(uint64_t *)meta = ep_ll_meta_head(t, __popc(bal));
         }
     }
     stamp(a, 2);
@@ -506,12 +506,12 @@ __device__ void dispatch_recv(const Args &a, uint8_t *smem) {
             if (c < C) v[k] = ld_cg16(row + 16ull * c);
         }
         const uint64_t head = __ldcg((const unsigned long long *)meta);
-        const uint32_t t = (uint32_t)head, n = min((uint32_t)(head >> 32), (uint32_t)MAXK);
+        const uint32_t t = ep_ll_head_token(head), n = min(ep_ll_head_count(head), (uint32_t)MAXK);
         uint32_t my_l = 0, my_row = 0;
         if (lane < n) {
             const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
-            my_l = (uint32_t)(ent & 0xffffu);
-            my_row = begin[s * L + my_l] + (uint32_t)((ent >> 16) & 0xffffu);
+            my_l = ep_ll_entry_expert(ent);
+            my_row = begin[s * L + my_l] + ep_ll_entry_pos(ent);
             if (c0 == 0) ((int32_t *)a.recv_src_info)[(uint64_t)my_l * rows + my_row] = (int32_t)t;
         }
         uint32_t el[MAXK], er[MAXK];
@@ -579,7 +579,7 @@ __device__ void combine_send(const Args &a, uint8_t *smem) {
     const int64_t *range = (const int64_t *)a.recv_layout_range;
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
         const uint32_t s = i % R, l = i / R;
-        begin[s * L + l] = (uint32_t)((uint64_t)range[l * R + s] >> 32);
+        begin[s * L + l] = ep_layout_range_begin(range[l * R + s]);
     }
     if (threadIdx.x < R) count[threadIdx.x] = masked(a, threadIdx.x) ? 0 : (uint32_t)((const int32_t *)a.recv_counts)[threadIdx.x];
     __syncthreads();
@@ -603,13 +603,13 @@ __device__ void combine_send(const Args &a, uint8_t *smem) {
         const uint32_t i = q - first_msg[s];
         const uint8_t *meta = dhalf + ep_ll_drecv(ly, s) + hdr + (uint64_t)i * meta_bytes;
         const uint64_t head = __ldcg((const unsigned long long *)meta);
-        const uint32_t n = min((uint32_t)(head >> 32), (uint32_t)MAXK);
+        const uint32_t n = min(ep_ll_head_count(head), (uint32_t)MAXK);
         uint32_t my_l = 0xffffffffu, my_row = 0, my_w = 0;
         if (lane < n) {
             const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
-            my_l = (uint32_t)(ent & 0xffffu);
-            my_row = begin[s * L + my_l] + (uint32_t)((ent >> 16) & 0xffffu);
-            my_w = (uint32_t)(ent >> 32);
+            my_l = ep_ll_entry_expert(ent);
+            my_row = begin[s * L + my_l] + ep_ll_entry_pos(ent);
+            my_w = ep_ll_entry_weight_bits(ent);
         }
         // Duplicates of an expert read the row of its first entry.
         const uint32_t same = __match_any_sync(FULL, my_l);

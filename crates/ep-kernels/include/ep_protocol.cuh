@@ -181,9 +181,21 @@ EP_HD uint64_t ep_ll_meta_entry(uint16_t l, uint16_t pos, uint32_t w_bits) {
     return (uint64_t)l | ((uint64_t)pos << 16) | ((uint64_t)w_bits << 32);
 }
 
+/* ... and its fields. */
+EP_HD uint32_t ep_ll_entry_expert(uint64_t e) { return (uint32_t)(e & 0xffffu); }
+EP_HD uint32_t ep_ll_entry_pos(uint64_t e) { return (uint32_t)((e >> 16) & 0xffffu); }
+EP_HD uint32_t ep_ll_entry_weight_bits(uint64_t e) { return (uint32_t)(e >> 32); }
+
+/* Head of a meta record (t u32, n u32), little-endian, as one u64; and its fields. */
+EP_HD uint64_t ep_ll_meta_head(uint32_t t, uint32_t n) { return (uint64_t)t | ((uint64_t)n << 32); }
+EP_HD uint32_t ep_ll_head_token(uint64_t h) { return (uint32_t)(h & 0xffffffffu); }
+EP_HD uint32_t ep_ll_head_count(uint64_t h) { return (uint32_t)(h >> 32); }
+
 /* packed_recv_layout_range entry: (begin << 32) | count (spec §2.4). */
 EP_HD int64_t ep_pack_layout_range(uint32_t begin, uint32_t count) {
     return (int64_t)(((uint64_t)begin << 32) | (uint64_t)count);
 }
+EP_HD uint32_t ep_layout_range_begin(int64_t v) { return (uint32_t)((uint64_t)v >> 32); }
+EP_HD uint32_t ep_layout_range_count(int64_t v) { return (uint32_t)((uint64_t)v & 0xffffffffu); }
 
 #endif /* EP_PROTOCOL_CUH */

@@ -71,7 +71,15 @@ mod ffi {
         pub(super) fn ep_shim_ll_half_bytes(r: u64, l: u64, h: u64, n: u64) -> u64;
         pub(super) fn ep_shim_ll_total_bytes(r: u64, l: u64, h: u64, n: u64) -> u64;
         pub(super) fn ep_shim_ll_meta_entry(l: u16, pos: u16, w: u32) -> u64;
+        pub(super) fn ep_shim_ll_entry_expert(e: u64) -> u32;
+        pub(super) fn ep_shim_ll_entry_pos(e: u64) -> u32;
+        pub(super) fn ep_shim_ll_entry_weight_bits(e: u64) -> u32;
+        pub(super) fn ep_shim_ll_meta_head(t: u32, n: u32) -> u64;
+        pub(super) fn ep_shim_ll_head_token(h: u64) -> u32;
+        pub(super) fn ep_shim_ll_head_count(h: u64) -> u32;
         pub(super) fn ep_shim_pack_layout_range(b: u32, c: u32) -> i64;
+        pub(super) fn ep_shim_layout_range_begin(v: i64) -> u32;
+        pub(super) fn ep_shim_layout_range_count(v: i64) -> u32;
     }
 }
 
@@ -168,8 +176,24 @@ rule!(/// `ep_ll_data_qp`.
     ll_data_qp => ep_shim_ll_data_qp(run: u32, num_qps: u16) -> u16);
 rule!(/// `ep_ll_meta_entry`: `(l, pos, w bits)` as the little-endian u64 of the 8 entry bytes.
     ll_meta_entry => ep_shim_ll_meta_entry(l: u16, pos: u16, w_bits: u32) -> u64);
+rule!(/// `ep_ll_entry_expert`: the local expert of an entry.
+    ll_entry_expert => ep_shim_ll_entry_expert(entry: u64) -> u32);
+rule!(/// `ep_ll_entry_pos`: the row of an entry within its block.
+    ll_entry_pos => ep_shim_ll_entry_pos(entry: u64) -> u32);
+rule!(/// `ep_ll_entry_weight_bits`: the weight's f32 bits.
+    ll_entry_weight_bits => ep_shim_ll_entry_weight_bits(entry: u64) -> u32);
+rule!(/// `ep_ll_meta_head`: `(t, n)` as the little-endian u64 of a meta record's first 8 bytes.
+    ll_meta_head => ep_shim_ll_meta_head(t: u32, n: u32) -> u64);
+rule!(/// `ep_ll_head_token`.
+    ll_head_token => ep_shim_ll_head_token(head: u64) -> u32);
+rule!(/// `ep_ll_head_count`.
+    ll_head_count => ep_shim_ll_head_count(head: u64) -> u32);
 rule!(/// `ep_pack_layout_range`.
     pack_layout_range => ep_shim_pack_layout_range(begin: u32, count: u32) -> i64);
+rule!(/// `ep_layout_range_begin`.
+    layout_range_begin => ep_shim_layout_range_begin(value: i64) -> u32);
+rule!(/// `ep_layout_range_count`.
+    layout_range_count => ep_shim_layout_range_count(value: i64) -> u32);
 
 /// `ep_channel_range`: `(start, end)`. `num_channels` must be at least 1.
 #[must_use]

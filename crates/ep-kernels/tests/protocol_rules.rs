@@ -1,7 +1,7 @@
 //! The CUDA header `include/ep_protocol.cuh` (compiled for the host by build.rs) computes every
 //! per-token rule exactly as `ep_core::protocol` does: property tests through FFI, no GPU.
 
-use ep_core::plan::low_latency::pack_layout_range;
+use ep_core::plan::low_latency::{pack_layout_range, unpack_layout_range};
 use ep_core::protocol::layout as l;
 use ep_core::protocol::signal as sig;
 use ep_kernels::rules as c;
@@ -97,6 +97,16 @@ proptest! {
         prop_assert_eq!(c::ll_half_bytes(dims), lay.half_bytes());
         prop_assert_eq!(c::ll_total_bytes(dims), lay.total_bytes());
         prop_assert_eq!(c::ll_meta_entry(ll, pos, w.to_bits()).to_le_bytes(), l::ll_meta_entry(ll, pos, w));
+        let e = u64::from_le_bytes(l::ll_meta_entry(ll, pos, w));
+        let (dl, dpos, dw) = l::ll_meta_entry_decode(&e.to_le_bytes());
+        prop_assert_eq!((c::ll_entry_expert(e), c::ll_entry_pos(e)), (u32::from(dl), u32::from(dpos)));
+        prop_assert_eq!(c::ll_entry_weight_bits(e), dw.to_bits());
+        let (ht, hn) = (begin, count);
+        prop_assert_eq!(c::ll_meta_head(ht, hn).to_le_bytes(), l::ll_meta_head(ht, hn));
+        let head = u64::from_le_bytes(l::ll_meta_head(ht, hn));
+        prop_assert_eq!((c::ll_head_token(head), c::ll_head_count(head)), l::ll_meta_head_decode(&head.to_le_bytes()));
         prop_assert_eq!(c::pack_layout_range(begin, count), pack_layout_range(begin, count));
+        let packed = pack_layout_range(begin, count);
+        prop_assert_eq!((c::layout_range_begin(packed), c::layout_range_count(packed)), unpack_layout_range(packed));
     }
 }

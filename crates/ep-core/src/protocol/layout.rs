@@ -427,6 +427,22 @@ pub fn ll_meta_entry(l: u16, pos: u16, w: f32) -> [u8; 8] {
     b
 }
 
+/// Encodes the head of a low-latency meta record: token `t`, then `n` entries (two u32).
+#[must_use]
+pub fn ll_meta_head(t: u32, n: u32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[0..4].copy_from_slice(&t.to_le_bytes());
+    b[4..8].copy_from_slice(&n.to_le_bytes());
+    b
+}
+
+/// Decodes the head of a meta record: `(t, n)`.
+#[must_use]
+pub fn ll_meta_head_decode(b: &[u8]) -> (u32, u32) {
+    let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    (u32_at(0), u32_at(4))
+}
+
 /// Decodes one low-latency meta entry.
 #[must_use]
 pub fn ll_meta_entry_decode(b: &[u8]) -> (u16, u16, f32) {

@@ -15,7 +15,7 @@ use super::ProtocolMutation;
 use super::bytes::{get_bf16_row, get_f32s, get_u32, put_bf16_row, put_f32s, put_u32};
 use super::layout::{
     LL_META_ENTRY_BYTES, LL_SIGNAL_QP, LlLayout, ll_combine_signal, ll_data_qp, ll_dispatch_signal,
-    ll_meta_entry, ll_meta_entry_decode,
+    ll_meta_entry, ll_meta_entry_decode, ll_meta_head, ll_meta_head_decode,
 };
 use super::normal::put_slot;
 use super::signal::{ll_count, ll_encode, ll_epoch, ll_threshold};
@@ -270,8 +270,7 @@ fn dispatch_send(
             if cnt == 0 {
                 continue;
             }
-            put_u32(&mut meta, m, t as u32);
-            put_u32(&mut meta, m + 4, cnt as u32);
+            meta[m..m + 8].copy_from_slice(&ll_meta_head(t as u32, cnt as u32));
             let slot = n;
             n += 1;
             if reuse {
@@ -532,8 +531,8 @@ fn dispatch_recv(
         let shift = u32::from(mutation == ProtocolMutation::LlBeginOffByOne && s > 0);
         for i in 0..n {
             let m = hdr + i * meta_bytes;
-            let t = get_u32(&meta, m);
-            let cnt = get_u32(&meta, m + 4) as usize;
+            let (t, cnt) = ll_meta_head_decode(&meta[m..m + 8]);
+            let cnt = cnt as usize;
             let row_src = &data[i * row_bytes..(i + 1) * row_bytes];
             routes.msg_token.push(t);
             for j in 0..cnt {
