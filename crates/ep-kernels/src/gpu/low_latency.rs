@@ -18,13 +18,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use ep_core::plan::low_latency::{LlParams, validate_hidden, validate_params};
 use ep_core::protocol::layout::{LlLayout, REGION_ALIGN, ll_half, ll_signal_bytes};
 
-use super::abi::{self, ErrBlock, LlArgs, NormalArgs};
+use super::abi::{self, ErrBlock, LlArgs};
 use super::device::Device;
+use super::gate::{Gate, elapsed, record_ends};
 use super::mem::DevBuf;
 use super::tensor::{DType, DevTensor};
 use crate::error::{Error, Result};
@@ -209,7 +209,7 @@ pub struct LlGroup {
     pending: Option<Pending>,
     mask: Vec<bool>,
     absent: Option<usize>,
-    gate: Option<Arc<CudaStream>>,
+    gate: Option<Gate>,
     smem_limit: usize,
     /// Per rank: where the kernels stamp their phase times, when measuring.
     phase_times: Option<Vec<DevTensor>>,
@@ -1063,53 +1063,16 @@ impl LlGroup {
     /// behind a gate, and returns each rank's device time (seconds, CUDA events).
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
         if self.gate.is_none() {
-            let g = self
-                .dev
-                .context()
-                .new_stream()
-                .map_err(Error::cuda("cuStreamCreate"))?;
-            self.gate = Some(g);
+            self.gate = Some(Gate::new(&self.dev)?);
         }
-        let gate = self.gate.clone().ok_or(Error::Unsupported("gate".into()))?;
-        let spin = NormalArgs {
-            timeout_ns: 200_000,
-            ..NormalArgs::default()
+        let starts = match &self.gate {
+            Some(g) => g.hold(&self.dev, self.ranks.iter().map(|r| &r.stream))?,
+            None => Vec::new(),
         };
-        let mut b = gate.launch_builder(&self.dev.normal.spin);
-        b.arg(&spin);
-        // SAFETY: ep_spin reads only its argument and the clock.
-        unsafe { b.launch(launch_cfg(1, 0)) }.map_err(Error::cuda("cuLaunchKernel(ep_spin)"))?;
-        let open = gate
-            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(Error::cuda("cuEventRecord"))?;
-        let mut starts = Vec::with_capacity(self.num_ranks());
-        for r in &self.ranks {
-            r.stream
-                .wait(&open)
-                .map_err(Error::cuda("cuStreamWaitEvent"))?;
-            starts.push(
-                r.stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(Error::cuda("cuEventRecord"))?,
-            );
-        }
         let out = f(self)?;
-        let mut ends = Vec::with_capacity(self.num_ranks());
-        for r in &self.ranks {
-            ends.push(
-                r.stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(Error::cuda("cuEventRecord"))?,
-            );
-        }
+        let ends = record_ends(self.ranks.iter().map(|r| &r.stream))?;
         self.sync()?;
-        let mut secs = Vec::with_capacity(ends.len());
-        for (s, e) in starts.iter().zip(&ends) {
-            secs.push(
-                f64::from(s.elapsed_ms(e).map_err(Error::cuda("cuEventElapsedTime"))?) * 1e-3,
-            );
-        }
-        Ok((out, secs))
+        Ok((out, elapsed(&starts, &ends)?))
     }
 }
 

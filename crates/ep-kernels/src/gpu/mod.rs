@@ -6,6 +6,7 @@
 //! - [`mem`]: device buffers and host-mapped memory;
 //! - [`ipc`]: device buffers shared with other processes (CUDA IPC);
 //! - [`device`]: one GPU with its kernels and error record;
+//! - `gate`: timing several ranks' streams from one release;
 //! - [`normal`]: layout, dispatch, cached dispatch, combine and the copy ceiling; calls captured
 //!   in CUDA graphs and ordered against the caller's streams;
 //! - [`low_latency`]: [`LlGroup`], low-latency dispatch and combine (variant (a), peers by pointer).
@@ -14,6 +15,7 @@
 
 pub mod abi;
 pub mod device;
+mod gate;
 mod host;
 pub mod ipc;
 pub mod low_latency;

@@ -39,6 +39,7 @@ use ep_core::protocol::layout::{NormalCtrl, NormalData, REGION_ALIGN, RowFormat,
 
 use super::abi::{self, ErrBlock, Mailbox, NormalArgs};
 use super::device::Device;
+use super::gate::{Gate, elapsed, record_ends};
 use super::mem::{DevBuf, HostMapped};
 use super::peers::{self, Peer, Shape};
 use super::tensor::{DType, DevTensor};
@@ -247,8 +248,8 @@ pub struct NormalGroup {
     last: Option<LastDispatch>,
     /// Test hook: a rank whose kernels are not launched (a rank that never arrives).
     absent: Option<usize>,
-    /// The stream that gates timed calls ([`NormalGroup::timed`]).
-    gate: Option<Arc<CudaStream>>,
+    /// The gate of timed calls ([`NormalGroup::timed`]).
+    gate: Option<Gate>,
     /// Per rank: where the kernels stamp their phase times, when measuring.
     phase_times: Option<Vec<DevTensor>>,
     /// Tells graphs which group they were captured from.
@@ -1528,53 +1529,16 @@ impl NormalGroup {
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
         self.not_capturing("timed")?;
         if self.gate.is_none() {
-            let g = self
-                .dev
-                .context()
-                .new_stream()
-                .map_err(Error::cuda("cuStreamCreate"))?;
-            self.gate = Some(g);
+            self.gate = Some(Gate::new(&self.dev)?);
         }
-        let gate = self.gate.clone().expect("set above");
-        let mut spin = self.base_args(0);
-        spin.timeout_ns = 300_000;
-        let mut b = gate.launch_builder(&self.dev.normal.spin);
-        b.arg(&spin);
-        // SAFETY: ep_spin reads only its argument and the clock.
-        unsafe { b.launch(launch_cfg(1)) }.map_err(Error::cuda("cuLaunchKernel(ep_spin)"))?;
-        let open = gate
-            .record_event(Some(
-                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
-            ))
-            .map_err(Error::cuda("cuEventRecord"))?;
-        let mut starts = Vec::with_capacity(self.num_local_ranks());
-        for r in &self.ranks {
-            r.stream
-                .wait(&open)
-                .map_err(Error::cuda("cuStreamWaitEvent"))?;
-            starts.push(
-                r.stream
-                    .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(Error::cuda("cuEventRecord"))?,
-            );
-        }
+        let starts = match &self.gate {
+            Some(g) => g.hold(&self.dev, self.ranks.iter().map(|r| &r.stream))?,
+            None => Vec::new(),
+        };
         let out = f(self)?;
-        let mut ends = Vec::with_capacity(self.num_local_ranks());
-        for r in &self.ranks {
-            ends.push(
-                r.stream
-                    .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(Error::cuda("cuEventRecord"))?,
-            );
-        }
+        let ends = record_ends(self.ranks.iter().map(|r| &r.stream))?;
         self.sync()?;
-        let mut secs = Vec::with_capacity(ends.len());
-        for (s, e) in starts.iter().zip(&ends) {
-            secs.push(
-                f64::from(s.elapsed_ms(e).map_err(Error::cuda("cuEventElapsedTime"))?) * 1e-3,
-            );
-        }
-        Ok((out, secs))
+        Ok((out, elapsed(&starts, &ends)?))
     }
 }
 
