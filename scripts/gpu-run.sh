@@ -5,7 +5,7 @@
 # "N passed, N failed".
 # GPU_RUN_ONLY=<glob>: only the test executables whose name matches (e.g. '*gpu_normal_procs'),
 #   no examples, doctor or bench.
-# GPU_RUN_MPS=1: the multi-process normal-mode tests (ep-kernels--gpu_normal_procs) run once more
+# GPU_RUN_MPS=1: the multi-process normal-mode tests (ep-kernels--gpu_normal_procs) and `ep bench --procs 2` run once more
 #   under MPS, started for that run only and stopped right after it (GPU.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +58,13 @@ if [ "${GPU_RUN_MPS:-0}" = 1 ] && [ -x "$procs" ]; then
   if nvidia-cuda-mps-control -d; then
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
     run_test "$procs" "$(basename "$procs")-mps" "$@"
+    if [ -x bundle/ep ]; then
+      # ep-rs in DeepEP's one-GPU baseline configuration: 2 rank processes under MPS, 24 SMs each.
+      echo "=== ep bench --backend gpu --procs 2 (MPS)"
+      bundle/ep bench --backend gpu --procs 2 --ranks 2 --num-sms 24 --gpu-iters 20 \
+        --json "$out/bench-gpu-procs2-mps.json" 2>&1 | tee "$out/bench-gpu-procs2-mps.txt" | grep -vE "phases"
+      echo "ep bench --procs 2 (MPS) exited ${PIPESTATUS[0]}"
+    fi
     echo quit | nvidia-cuda-mps-control; trap - EXIT
   else
     echo "MPS did not start: the MPS run of $procs is skipped"

@@ -131,6 +131,18 @@ fn typed_errors_and_exit_codes() {
     let e = bench_fails(&cat(SMALL, &["--backend", "gpu"]), 3);
     assert!(e.contains("GPU: opening GPU 0"), "{e}");
     assert!(e.contains("libcuda.so.1") || e.contains("CUDA"), "{e}");
+    // One rank per process: what cannot run that way is refused before any process starts
+    // (SMALL has 4 ranks).
+    let e = bench_fails(&cat(SMALL, &["--backend", "gpu", "--procs", "3"]), 2);
+    assert!(e.contains("--ranks 3"), "{e}");
+    let e = bench_fails(
+        &cat(
+            SMALL,
+            &["--backend", "gpu", "--procs", "4", "--sms-sweep", "8,16"],
+        ),
+        2,
+    );
+    assert!(e.contains("one SM count"), "{e}");
     // Usage errors: exit 2.
     let e = bench_fails(
         &cat(SMALL, &["--hidden", "256", "--ranks-per-node", "3"]),

@@ -50,6 +50,7 @@ use ep_kernels::gpu::{
 use half::bf16;
 
 use super::error::BenchError;
+use super::procs;
 use super::report::median;
 use super::{BenchArgs, flip_signs};
 use crate::workload::{self, Defaults, Mode};
@@ -70,10 +71,12 @@ pub(super) fn gpu_err(what: &'static str) -> impl FnOnce(ep_kernels::Error) -> B
     }
 }
 
-/// One set of inputs on the host and the device, with its references.
+/// One set of inputs: every rank's on the host (with its layout, the plan needs them all), the
+/// process's local ranks' on the device (`x`, `scales`, `idx`, `w` indexed like `local`).
 struct Set {
     host: Vec<RankInputs>,
     layouts: Vec<DispatchLayout>,
+    local: Vec<usize>,
     x: Vec<DevTensor>,
     scales: Vec<Option<DevTensor>>,
     idx: Vec<DevTensor>,
@@ -128,6 +131,8 @@ fn timed<T>(
     what: &'static str,
     f: impl FnOnce(&mut NormalGroup) -> ep_kernels::Result<T>,
 ) -> Result<Vec<f64>, BenchError> {
+    // One rank per process: the processes meet before each timed call (a no-op otherwise).
+    g.barrier().map_err(gpu_err(what))?;
     g.timed(f).map(|(_, t)| t).map_err(gpu_err(what))
 }
 
@@ -177,10 +182,16 @@ fn rotated(base: &[RankInputs], i: usize) -> Vec<RankInputs> {
     out
 }
 
-fn upload_set(dev: &Device, host: Vec<RankInputs>, num_experts: usize) -> Result<Set, BenchError> {
+fn upload_set(
+    dev: &Device,
+    host: Vec<RankInputs>,
+    num_experts: usize,
+    local: &[usize],
+) -> Result<Set, BenchError> {
     let ctx = dev.context();
     let r = host.len();
     let mut set = Set {
+        local: local.to_vec(),
         layouts: Vec::with_capacity(r),
         x: Vec::with_capacity(r),
         scales: Vec::with_capacity(r),
@@ -197,6 +208,9 @@ fn upload_set(dev: &Device, host: Vec<RankInputs>, num_experts: usize) -> Result
                 }
             })?,
         );
+        if !local.contains(&s) {
+            continue;
+        }
         match &inp.x {
             Activations::Bf16(x) => {
                 set.x
@@ -247,9 +261,9 @@ fn identity_rows(d: &IntranodeDispatch) -> Result<Tensor2<bf16>, BenchError> {
     }
 }
 
-/// Final row of every (token, destination) of each rank from a handle: what the ceilings copy.
-fn final_rows(d: &[IntranodeDispatch], rank: usize) -> Tensor2<i32> {
-    let h = &d[rank].handle;
+/// Final row of every (token, destination) of rank `rank` from its handle: what the ceilings copy.
+fn final_rows(d: &IntranodeDispatch, rank: usize) -> Tensor2<i32> {
+    let h = &d.handle;
     let r = h.rank_prefix_matrix.rows();
     let t = h.send_head.rows();
     let c_count = h.channel_prefix_matrix.cols();
@@ -343,8 +357,8 @@ fn verify_set(
         )
         .map_err(gpu_err("dispatch"))?;
     g.sync().map_err(gpu_err("dispatch"))?;
-    let mut host = Vec::with_capacity(r);
-    for (s, l) in lay.iter().enumerate() {
+    let mut host = Vec::with_capacity(set.local.len());
+    for (l, &s) in lay.iter().zip(&set.local) {
         verdict.checked += 1;
         if l.download().map_err(gpu_err("download"))? != set.layouts[s] {
             verdict
@@ -352,7 +366,7 @@ fn verify_set(
                 .push(format!("{what}: layout of rank {s} differs from the plan"));
         }
     }
-    for (s, o) in out.iter().enumerate() {
+    for (o, &s) in out.iter().zip(&set.local) {
         let (h, _) = o.download().map_err(gpu_err("download"))?;
         verdict.checked += 1;
         if h != plan[s] {
@@ -365,9 +379,9 @@ fn verify_set(
     let fp8 = matches!(set.host[0].x, Activations::Fp8 { .. });
     let source = if fp8 {
         let ctx = g.device().context().clone();
-        for (s, y) in ys.iter().enumerate() {
-            let dy = DevTensor::upload(&ctx, y).map_err(gpu_err("upload expert rows"))?;
-            g.write_combine_rows(s, &dy, out[s].recv_topk_weights.as_ref())
+        for (i, &s) in set.local.iter().enumerate() {
+            let dy = DevTensor::upload(&ctx, &ys[s]).map_err(gpu_err("upload expert rows"))?;
+            g.write_combine_rows(i, &dy, out[i].recv_topk_weights.as_ref())
                 .map_err(gpu_err("write combine rows"))?;
             g.sync().map_err(gpu_err("write combine rows"))?;
         }
@@ -378,8 +392,8 @@ fn verify_set(
     let args = identity_combine(&out);
     let comb = g.combine(source, &args).map_err(gpu_err("combine"))?;
     g.sync().map_err(gpu_err("combine"))?;
-    let mut host_comb = Vec::with_capacity(r);
-    for (s, c) in comb.iter().enumerate() {
+    let mut host_comb = Vec::with_capacity(set.local.len());
+    for (c, &s) in comb.iter().zip(&set.local) {
         let c = c.download().map_err(gpu_err("download"))?;
         verdict.checked += 1;
         let bits = |t: &Tensor2<bf16>| t.data().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -488,21 +502,67 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             .collect::<Result<_, _>>()?,
         None => vec![args.workload.num_sms],
     };
-    let dev = Device::open(0).map_err(gpu_err("opening GPU 0"))?;
+    // One rank per process (`--procs N`): this process is the launcher, or one of its ranks.
+    let me = match args.procs {
+        Some(n) => {
+            if args.workload.ranks != Some(n) {
+                return Err(BenchError::Usage(format!(
+                    "--procs {n} runs one rank per process: give --ranks {n} as well"
+                )));
+            }
+            if sweep.len() != 1 || args.workload.dump.is_some() || args.plot.is_some() {
+                return Err(BenchError::Usage(
+                    "--procs runs one SM count (--num-sms or a one-entry --sms-sweep) without \
+                     --dump or --plot (each process holds only its rank's outputs)"
+                        .into(),
+                ));
+            }
+            match procs::role() {
+                procs::Role::Launcher => return procs::launch(n),
+                procs::Role::Rank { rank, world } => {
+                    if world != n {
+                        return Err(BenchError::Usage(format!(
+                            "this rank process was started for {world} ranks, --procs says {n}"
+                        )));
+                    }
+                    Some(rank)
+                }
+            }
+        }
+        None => None,
+    };
+    let dev = match me {
+        Some(_) => procs::device().map_err(gpu_err("opening this rank's GPU"))?,
+        None => Device::open(0).map_err(gpu_err("opening GPU 0"))?,
+    };
     let defaults = Defaults {
         hidden: 7168,
         low_latency_fp8: true,
     };
     let w = workload::load(&args.workload, &defaults)?;
     let r = w.inputs.len();
+    if me.is_some_and(|_| args.procs != Some(r)) {
+        return Err(BenchError::Usage(format!(
+            "--procs {} with --ranks {r}: one process per rank, so give --procs {r}",
+            args.procs.unwrap_or(0)
+        )));
+    }
+    let local: Vec<usize> = match me {
+        Some(rank) => vec![rank],
+        None => (0..r).collect(),
+    };
     let e = w.num_experts;
     let fp8 = w.fp8;
     let hidden = w.inputs[0].x.hidden();
     let k = w.inputs[0].num_topk();
     println!(
-        "ep bench: normal mode on GPU {} ({} SMs), {r} co-resident ranks, {}, {} input sets, {} timed calls per figure",
+        "ep bench: normal mode on GPU {} ({} SMs), {}, {}, {} input sets, {} timed calls per figure",
         dev.ordinal(),
         dev.num_sms(),
+        match me {
+            Some(rank) => format!("rank {rank} of {r}, one rank per process (figures: this rank)"),
+            None => format!("{r} co-resident ranks"),
+        },
         w.description,
         args.input_sets,
         args.gpu_iters
@@ -517,6 +577,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                     rotated(&w.inputs, i)
                 },
                 e,
+                &local,
             )
         })
         .collect::<Result<_, _>>()?;
@@ -571,8 +632,11 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let mut digest: Option<(RunDigest, RunDigest)> = None;
     let mut rows_out = Vec::new();
     for (si, &sms) in sweep.iter().enumerate() {
-        let mut g = NormalGroup::new(dev.clone(), r, sms, nvl_bytes)
-            .map_err(gpu_err("creating the group"))?;
+        let mut g = match me {
+            Some(_) => NormalGroup::new_process(dev.clone(), sms, nvl_bytes, procs::exchange()?),
+            None => NormalGroup::new(dev.clone(), r, sms, nvl_bytes),
+        }
+        .map_err(gpu_err("creating the group"))?;
         // A stuck call ends in a typed error within seconds, not the 10 s default.
         g.set_timeout(std::time::Duration::from_secs(3));
         // Verification, and per set: handles, ceilings' rows, layouts.
@@ -590,8 +654,14 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                             source: Box::new(e),
                         })
                     };
-                    let gpu = digest_of(&v.host, &v.comb)?;
                     let want = digest_of(&v.plan, &v.plan_comb)?;
+                    // One rank per process holds only its rank's outputs (compared with the
+                    // plan's bit for bit above): the digest printed is then the plan's.
+                    let gpu = if me.is_some() {
+                        want.clone()
+                    } else {
+                        digest_of(&v.host, &v.comb)?
+                    };
                     if gpu.total != want.total {
                         verdict
                             .failures
@@ -623,8 +693,10 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             };
             let ctx = dev.context();
             dst_rows.push(
-                (0..r)
-                    .map(|s| DevTensor::upload(ctx, &final_rows(&host, s)))
+                set.local
+                    .iter()
+                    .zip(&host)
+                    .map(|(&s, d)| DevTensor::upload(ctx, &final_rows(d, s)))
                     .collect::<Result<_, _>>()
                     .map_err(gpu_err("upload rows"))?,
             );
@@ -789,11 +861,16 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         }
     }
     println!("done in {:.1} s", started.elapsed().as_secs_f64());
-    if let Some(path) = &args.json {
+    if let Some(path) = args
+        .json
+        .as_ref()
+        .filter(|_| me.is_none_or(|rank| rank == 0))
+    {
         let j = serde_json::json!({
             "ep_rs_version": env!("CARGO_PKG_VERSION"),
             "backend": "gpu",
             "mode": "normal",
+            "processes": args.procs,
             "gpu": format!("GPU {} ({} SMs)", dev.ordinal(), dev.num_sms()),
             "ranks": r,
             "workload": w.description,

@@ -23,6 +23,7 @@ mod gpu_ll;
 mod low_latency;
 mod memcpy;
 mod normal;
+mod procs;
 mod progress;
 mod report;
 
@@ -107,6 +108,12 @@ pub struct BenchArgs {
     /// GPU: draw GB/s against SMs per rank, with the ceilings and DeepEP's figures, as SVG.
     #[arg(long, value_name = "PATH")]
     pub plot: Option<PathBuf>,
+    /// GPU, normal mode: run one rank per process (the deployment shape), N processes started by
+    /// this one on GPU `LOCAL_RANK % GPUs`, peers' arenas mapped with CUDA IPC; N = --ranks.
+    /// Each prints its own rank's figures. On one GPU the processes' kernels only overlap under
+    /// MPS.
+    #[arg(long, value_name = "N")]
+    pub procs: Option<usize>,
 }
 
 /// How a run ended when it ran to the end.

@@ -113,6 +113,17 @@ impl Device {
         }))
     }
 
+    /// GPUs this process sees.
+    pub fn count() -> Result<usize> {
+        // SAFETY: is_culib_present only tries to dlopen libcuda; cudarc would panic later without it.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::CudaDriverMissing);
+        }
+        CudaContext::device_count()
+            .map(|n| n.max(0) as usize)
+            .map_err(Error::cuda("cuDeviceGetCount"))
+    }
+
     /// The CUDA context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
