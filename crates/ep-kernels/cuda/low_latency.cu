@@ -86,18 +86,22 @@ __device__ __forceinline__ uint64_t atomic_add_acq_rel(uint64_t *p, uint64_t v) 
 
 __device__ __forceinline__ int4 ld_cg16(const void *p) { return __ldcg((const int4 *)p); }
 
+// Orders this thread's (and, after a barrier, its block's) stores before what follows for the
+// peers: GPU scope when every peer is on this GPU (cheaper), system scope for peers on other GPUs.
+__device__ __forceinline__ void fence_for_peers(const Args &a) {
+    if (a.flags & EP_FLAG_SAME_GPU)
+        __threadfence();
+    else
+        __threadfence_system();
+}
+
 // Whether this block is the last of the grid to finish its part of the send. The counter counts
 // the launch's finished blocks; the last one sets it back to 0 for the next launch on the stream.
 __device__ bool last_block(const Args &a, uint64_t *counter) {
     __shared__ int last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        // Peers on this GPU only need the stores ordered at GPU scope (cheaper); peers on other
-        // GPUs need the system scope.
-        if (a.flags & EP_FLAG_SAME_GPU)
-            __threadfence();
-        else
-            __threadfence_system();
+        fence_for_peers(a);
         uint64_t old = atomic_add_acq_rel(counter, 1);
         last = old == gridDim.x - 1;
         if (last) *(volatile uint64_t *)counter = 0;
@@ -428,10 +432,7 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        if (a.flags & EP_FLAG_SAME_GPU)
-            __threadfence();
-        else
-            __threadfence_system();
+        fence_for_peers(a);
         for (uint32_t d = 0; d < R; ++d) {
             if (masked(a, d)) continue;
             ep_st_release(signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
