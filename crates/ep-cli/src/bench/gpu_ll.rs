@@ -11,7 +11,9 @@
 //! calls after warm-up, un-graphed (each call is its kernel launches). Figures: dispatch (send
 //! and receive parts in one launch), combine likewise, dispatch + combine, and the hook halves
 //! (send part alone, receive part alone, each timed on its own). The floor measured in the same
-//! run: an empty kernel launch on every rank (the same gate), the launch cost any call pays.
+//! run: a dispatch of zero tokens (the launch and one signal from every rank to every rank) plus
+//! the phase's bytes through the copy engine on every rank at once (dispatch: the messages sent
+//! and the rows placed; combine: the expert rows read); the gate's empty call is printed too.
 //!
 //! Bytes: ep-rs sends one message per (token, destination rank); DeepEP one per (token, expert).
 //! Both per-token byte counts are printed, with DeepEP's bandwidth convention (spec §6.2).
@@ -23,8 +25,9 @@ use ep_core::plan::low_latency::{
 };
 use ep_core::routing::Activations;
 use ep_core::tensor::{Tensor2, Tensor3};
+use ep_kernels::gpu::mem::DevBuf;
 use ep_kernels::gpu::{
-    DevTensor, Device, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup,
+    DType, DevTensor, Device, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup,
     LlRankInputs,
 };
 use half::bf16;
@@ -75,6 +78,14 @@ struct LlReport {
     combine_send: Figure,
     combine_recv: Figure,
     empty_launch_us: f64,
+    /// A dispatch of zero tokens: the launch and one signal round.
+    zero_token_dispatch_us: f64,
+    /// The dispatch's / combine's bytes through the copy engine (every rank at once).
+    copy_dispatch_bytes_us: f64,
+    copy_combine_bytes_us: f64,
+    /// Zero-token dispatch + the phase's copy: the same-run floor.
+    floor_dispatch_us: f64,
+    floor_combine_us: f64,
     /// One call, median over blocks: routing (send start to known), send rows, (gap), wait for
     /// the sources, receive rows; then the whole span over all blocks and ranks (us).
     dispatch_phases_us: Vec<f64>,
@@ -297,6 +308,28 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             .map(|(_, t)| t)
             .map_err(gpu_err("timed empty gate"))
     })?;
+    // The protocol's floor: a dispatch of zero tokens (the launch, and one signal from every
+    // rank to every rank awaited by every rank).
+    let empty = DevSet {
+        x: (0..r)
+            .map(|_| DevTensor::zeros(ctx, DType::Bf16, 0, hidden))
+            .collect::<Result<_, _>>()
+            .map_err(gpu_err("empty inputs"))?,
+        idx: (0..r)
+            .map(|_| DevTensor::zeros(ctx, DType::I64, 0, k))
+            .collect::<Result<_, _>>()
+            .map_err(gpu_err("empty inputs"))?,
+        w: (0..r)
+            .map(|_| DevTensor::zeros(ctx, DType::F32, 0, k))
+            .collect::<Result<_, _>>()
+            .map_err(gpu_err("empty inputs"))?,
+    };
+    let empty_inputs = empty.inputs();
+    let t_signal = samples(total, warm, |_| {
+        g.timed(|g| g.dispatch(&empty_inputs, &dargs))
+            .map(|(_, t)| t)
+            .map_err(gpu_err("timed zero-token dispatch"))
+    })?;
 
     // Phases of one plain dispatch and one plain combine (median over blocks of all ranks).
     let slots = [1usize, 2, 4, 5, 6];
@@ -341,6 +374,31 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let per_tok = |c: usize| c as f64 / toks.max(1) as f64 * row;
     rep.bytes_per_token_ep_rs = per_tok(msgs);
     rep.bytes_per_token_deepep = per_tok(entries);
+    // The phases' bytes through the copy engine, every rank at once on its stream (per rank:
+    // dispatch writes its messages and places every received entry's row; combine reads every
+    // received entry's expert row). Together with the zero-token call: the same-run floor.
+    let per_rank = |c: usize| c as f64 / r as f64;
+    let disp_copy = (per_rank(msgs + entries) * row) as usize;
+    let comb_copy = (per_rank(entries) * 2.0 * hidden as f64) as usize;
+    let big = disp_copy.max(comb_copy).max(16);
+    let bufs: Vec<(DevBuf, DevBuf)> = (0..r)
+        .map(|_| Ok((DevBuf::new(ctx, big)?, DevBuf::new(ctx, big)?)))
+        .collect::<ep_kernels::Result<_>>()
+        .map_err(gpu_err("copy-ceiling buffers"))?;
+    let mut copy = |bytes: usize, what: &'static str| {
+        samples(total, warm, |_| {
+            g.timed(|g| {
+                for (rank, (dst, src)) in bufs.iter().enumerate() {
+                    dst.copy_from_async(src, bytes, g.stream(rank))?;
+                }
+                Ok(())
+            })
+            .map(|(_, t)| t)
+            .map_err(gpu_err(what))
+        })
+    };
+    let t_copy_d = copy(disp_copy, "timed dispatch-bytes copy")?;
+    let t_copy_c = copy(comb_copy, "timed combine-bytes copy")?;
     let disp_bytes = per_tok(entries) * n as f64;
     let comb_bytes = per_tok(entries) / row * 2.0 * hidden as f64 * n as f64;
     rep.dispatch = figure(&t_dispatch, disp_bytes);
@@ -351,6 +409,11 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     rep.combine_send = figure(&cs, comb_bytes);
     rep.combine_recv = figure(&cr, comb_bytes);
     rep.empty_launch_us = figure(&t_empty, 0.0).median_us;
+    rep.zero_token_dispatch_us = figure(&t_signal, 0.0).median_us;
+    rep.copy_dispatch_bytes_us = figure(&t_copy_d, 0.0).median_us;
+    rep.copy_combine_bytes_us = figure(&t_copy_c, 0.0).median_us;
+    rep.floor_dispatch_us = rep.zero_token_dispatch_us + rep.copy_dispatch_bytes_us;
+    rep.floor_combine_us = rep.zero_token_dispatch_us + rep.copy_combine_bytes_us;
     println!(
         "bytes per token sent: ep-rs {:.0} (one message per destination rank), DeepEP {:.0} (one per expert)",
         rep.bytes_per_token_ep_rs, rep.bytes_per_token_deepep
@@ -371,8 +434,18 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         println!("{name:<22} {:>10.2} {:>10.1}", f.median_us, f.gb_per_s);
     }
     println!(
-        "{:<22} {:>10.2}            (floor: the gate's release to an empty end, same run)",
+        "{:<22} {:>10.2}            (the gate's release to an empty end)",
         "empty call", rep.empty_launch_us
+    );
+    println!(
+        "floor (same run): zero-token dispatch {:.2} us (launch + one signal round); the phase's bytes through the copy engine: dispatch {:.2} us, combine {:.2} us; dispatch {:.2}x its floor {:.2} us, combine {:.2}x its floor {:.2} us",
+        rep.zero_token_dispatch_us,
+        rep.copy_dispatch_bytes_us,
+        rep.copy_combine_bytes_us,
+        rep.dispatch.median_us / rep.floor_dispatch_us.max(1e-9),
+        rep.floor_dispatch_us,
+        rep.combine.median_us / rep.floor_combine_us.max(1e-9),
+        rep.floor_combine_us
     );
     let ph = |v: &[f64]| {
         v.iter()

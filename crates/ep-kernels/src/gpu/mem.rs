@@ -115,6 +115,20 @@ impl DevBuf {
             .map_err(Error::cuda("cuMemsetD8Async"))
     }
 
+    /// Enqueues a device-to-device copy of the first `len` bytes of `src` to the first `len`
+    /// bytes of this buffer on `stream` (the copy engine: the yardstick of a phase's bytes).
+    pub fn copy_from_async(&self, src: &DevBuf, len: usize, stream: &CudaStream) -> Result<()> {
+        self.check(0, len)?;
+        src.check(0, len)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        // SAFETY: both ranges lie in their allocations (checked), both of this context; the
+        // stream belongs to it.
+        unsafe { result::memcpy_dtod_async(self.ptr, src.ptr, len, stream.cu_stream()) }
+            .map_err(Error::cuda("cuMemcpyDtoDAsync"))
+    }
+
     /// Copies `src` to `[off, off + src.len())` (synchronous).
     pub fn write(&self, off: usize, src: &[u8]) -> Result<()> {
         self.check(off, src.len())?;
