@@ -85,20 +85,20 @@ pub(crate) fn run<T: Recorded>(
             },
         )
     };
-    let ((pos_out, pos_canonical), neg_out) = (pos_out?, neg_out?);
+    let (pos_out, neg_out) = (pos_out?, neg_out?);
     let mut y = ExpertOutputs::default();
-    let pos = reference(&w.inputs, &params, &pos_out, pos_canonical, &mut y)?;
+    let pos = reference(&w.inputs, &params, &pos_out.out, pos_out.canonical, &mut y)?;
     // The second sign's oracle outputs are freed once its reference is computed (the caching
     // allocator may keep their blocks, but nothing of their size is allocated again: every
     // dispatch reuses its spare).
     let neg = match (&negated, neg_out) {
-        (Some(x), Some((out, canonical))) => Some(reference(x, &params, &out, canonical, &mut y)?),
+        (Some(x), Some(o)) => Some(reference(x, &params, &o.out, o.canonical, &mut y)?),
         _ => None,
     };
     drop(negated);
     // Only the outputs' arrays are reused; no routes are read.
     let mut spare = Some(ep_core::buffer::LlDispatched {
-        outputs: pos_out,
+        outputs: pos_out.out,
         routes: Vec::new(),
     });
     lap = tl.lap("oracle", lap);
@@ -375,15 +375,14 @@ impl CombineCheck<'_> {
     }
 }
 
+/// The oracle's dispatch of one sign of the inputs.
+struct OracleDispatch {
+    out: Vec<Option<LlDispatchOutput>>,
+    canonical: Vec<Option<LlCanonical>>,
+}
+
 /// The oracle's dispatch outputs for `inputs` and their canonical form.
-#[allow(
-    clippy::type_complexity,
-    reason = "a private pair, named at its one use"
-)]
-fn oracle_dispatch(
-    inputs: &[RankInputs],
-    params: &LlParams,
-) -> Result<(Vec<Option<LlDispatchOutput>>, Vec<Option<LlCanonical>>), BenchError> {
+fn oracle_dispatch(inputs: &[RankInputs], params: &LlParams) -> Result<OracleDispatch, BenchError> {
     let out = oracle::low_latency::dispatch(inputs, params)
         .map_err(|x| BenchError::reference("oracle low-latency dispatch", x))?;
     let canonical = out
@@ -391,7 +390,7 @@ fn oracle_dispatch(
         .map(|o| o.as_ref().map(ll::canonicalize).transpose())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|x| BenchError::reference("canonical form", x))?;
-    Ok((out, canonical))
+    Ok(OracleDispatch { out, canonical })
 }
 
 /// Both combine orders for `inputs` over the identity expert of the oracle's dispatch `out`
