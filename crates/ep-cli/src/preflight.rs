@@ -450,15 +450,21 @@ impl Need {
                 }
                 let rn = r * n;
                 // Packed [L, R·N, row] arrays per rank, one allocation each
-                // (plan::low_latency::packed_zeros_*): the dispatch outputs of the call and the
-                // spare one it reuses and the oracle's of both signs (x, and FP8 scales), and
-                // BF16 expert outputs of both signs.
+                // (plan::low_latency::packed_zeros_*), x and FP8 scales, and BF16 expert
+                // outputs. The bench holds at most two dispatch outputs (the oracle's of both
+                // signs; the first becomes the spare every dispatch reuses) and one set of expert
+                // outputs (bench::low_latency); layout is given four dispatch outputs and two
+                // sets of expert outputs (it holds the plan's and the oracle's of each).
+                let (x_copies, y_copies) = match command {
+                    Command::Bench => (2, 1),
+                    Command::Layout => (4, 2),
+                };
                 let data_row = if shape.fp8 { h } else { 2 * h };
-                let scale_copies = if shape.fp8 { 4 } else { 0 };
+                let scale_copies = if shape.fp8 { x_copies } else { 0 };
                 let arrays = [
-                    (4, data_row),
+                    (x_copies, data_row),
                     (scale_copies, 4 * h.div_ceil(128)),
-                    (2, 2 * h),
+                    (y_copies, 2 * h),
                 ];
                 // Rows a rank's arrays get filled with: its share of the selections.
                 let filled = t * k;

@@ -37,9 +37,7 @@ const TOL_FP8: f64 = 9e-4;
 
 /// What one sign of the inputs must give.
 struct Reference {
-    /// The oracle's outputs, kept alive: their mostly untouched packed arrays, once freed,
-    /// would come back from the caching allocator to be zeroed in full.
-    _oracle: Vec<Option<LlDispatchOutput>>,
+    /// The oracle's dispatch in canonical form.
     canonical: Vec<Option<LlCanonical>>,
     /// ep-rs's order (BF16 partials on the expert rank).
     reduced: Vec<Option<Tensor2<bf16>>>,
@@ -62,32 +60,47 @@ pub(crate) fn run<T: Recorded>(
     let tl = p.timeline;
     let mut lap = Instant::now();
     p.progress.step("oracle: dispatch and combine");
-    // Expert outputs are kept from one use to the next: only the rows a dispatch filled are
-    // written (and cleared again), so the mostly empty packed arrays are never touched, let
-    // alone zeroed or copied, per iteration. The two signs' references are computed side by
-    // side (one on another thread, with its own expert outputs); the first's serve the
-    // iterations.
-    let mut y = ExpertOutputs::default();
-    let mut y_neg = ExpertOutputs::default();
-    let (pos, neg) = {
-        let negated: Option<Vec<RankInputs>> = p.alternate.then(|| {
-            let mut x = w.inputs.clone();
-            flip_signs(&mut x);
-            x
-        });
-        let inputs = &w.inputs;
-        let (params, y_neg) = (&params, &mut y_neg);
+    // At most two sets of packed FP8 arrays and one of BF16 expert outputs are alive at once
+    // (the run's peak of address space): the oracle's dispatch of both signs, computed side by
+    // side, then the two signs' combine references one after the other over one set of expert
+    // outputs. Those are kept from one use to the next (the references', then every
+    // iteration's): only the rows a dispatch filled are written (and cleared again), so the
+    // mostly empty packed arrays are never touched, let alone zeroed or copied. The first
+    // sign's oracle outputs become the spare of the first dispatch, which reuses their arrays
+    // as it does its own outputs' afterwards.
+    let negated: Option<Vec<RankInputs>> = p.alternate.then(|| {
+        let mut x = w.inputs.clone();
+        flip_signs(&mut x);
+        x
+    });
+    let (pos_out, neg_out) = {
+        let (inputs, params, negated) = (&w.inputs, &params, &negated);
         crate::ranks::join(
-            || reference(inputs, params, &mut y),
+            || oracle_dispatch(inputs, params),
             move || {
                 negated
                     .as_ref()
-                    .map(|x| reference(x, params, y_neg))
+                    .map(|x| oracle_dispatch(x, params))
                     .transpose()
             },
         )
     };
-    let (pos, neg) = (pos?, neg?);
+    let (pos_out, neg_out) = (pos_out?, neg_out?);
+    let mut y = ExpertOutputs::default();
+    let pos = reference(&w.inputs, &params, &pos_out.out, pos_out.canonical, &mut y)?;
+    // The second sign's oracle outputs are freed once its reference is computed (the caching
+    // allocator may keep their blocks, but nothing of their size is allocated again: every
+    // dispatch reuses its spare).
+    let neg = match (&negated, neg_out) {
+        (Some(x), Some(o)) => Some(reference(x, &params, &o.out, o.canonical, &mut y)?),
+        _ => None,
+    };
+    drop(negated);
+    // Only the outputs' arrays are reused; no routes are read.
+    let mut spare = Some(ep_core::buffer::LlDispatched {
+        outputs: pos_out.out,
+        routes: Vec::new(),
+    });
     lap = tl.lap("oracle", lap);
     p.progress.done();
 
@@ -108,8 +121,8 @@ pub(crate) fn run<T: Recorded>(
     let mut last = (0, 0, 0);
     let mut digest = None;
     let mut negated = false;
-    // The previous iteration's dispatch outputs, whose packed arrays the next dispatch reuses.
-    let mut spare: Option<ep_core::buffer::LlDispatched> = None;
+    // `spare`: the previous dispatch outputs (the oracle's first), whose packed arrays the next
+    // dispatch reuses.
     for it in 0..p.warmup + p.iters {
         let timed = p.begin_iteration(it, &mut w.inputs, &mut negated)?;
         let want = if negated {
@@ -362,12 +375,14 @@ impl CombineCheck<'_> {
     }
 }
 
-/// The oracle's dispatch (canonical form) and both combine orders for `inputs`.
-fn reference(
-    inputs: &[RankInputs],
-    params: &LlParams,
-    y: &mut ExpertOutputs,
-) -> Result<Reference, BenchError> {
+/// The oracle's dispatch of one sign of the inputs.
+struct OracleDispatch {
+    out: Vec<Option<LlDispatchOutput>>,
+    canonical: Vec<Option<LlCanonical>>,
+}
+
+/// The oracle's dispatch outputs for `inputs` and their canonical form.
+fn oracle_dispatch(inputs: &[RankInputs], params: &LlParams) -> Result<OracleDispatch, BenchError> {
     let out = oracle::low_latency::dispatch(inputs, params)
         .map_err(|x| BenchError::reference("oracle low-latency dispatch", x))?;
     let canonical = out
@@ -375,21 +390,38 @@ fn reference(
         .map(|o| o.as_ref().map(ll::canonicalize).transpose())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|x| BenchError::reference("canonical form", x))?;
+    Ok(OracleDispatch { out, canonical })
+}
+
+/// Both combine orders for `inputs` over the identity expert of the oracle's dispatch `out`
+/// (written into `y`), the two computed side by side.
+fn reference(
+    inputs: &[RankInputs],
+    params: &LlParams,
+    out: &[Option<LlDispatchOutput>],
+    canonical: Vec<Option<LlCanonical>>,
+    y: &mut ExpertOutputs,
+) -> Result<Reference, BenchError> {
     let handles: Vec<Option<LlHandle>> = out
         .iter()
         .map(|o| o.as_ref().map(|o| o.handle.clone()))
         .collect();
-    y.identity(&out)?;
-    let reduced =
-        ll::combine_reduced_on_expert_rank(inputs, &handles, &y.y, params, PartialPrecision::Bf16)
-            .map_err(|x| BenchError::reference("low-latency combine (ep-rs order)", x))?;
-    let deepep = ll::combine(inputs, &handles, &y.y, params)
-        .map_err(|x| BenchError::reference("low-latency combine (DeepEP order)", x))?;
+    y.identity(out)?;
+    let (handles, y) = (&handles, &y.y);
+    let (reduced, deepep) = crate::ranks::join(
+        || {
+            ll::combine_reduced_on_expert_rank(inputs, handles, y, params, PartialPrecision::Bf16)
+                .map_err(|x| BenchError::reference("low-latency combine (ep-rs order)", x))
+        },
+        || {
+            ll::combine(inputs, handles, y, params)
+                .map_err(|x| BenchError::reference("low-latency combine (DeepEP order)", x))
+        },
+    );
     Ok(Reference {
-        _oracle: out,
         canonical,
-        reduced,
-        deepep,
+        reduced: reduced?,
+        deepep: deepep?,
     })
 }
 
