@@ -473,8 +473,9 @@ impl<T: Transport> Buffer<T> {
     }
 
     /// Models another kernel using the low-latency memory (DeepEP: normal internode kernels on
-    /// the RDMA buffer, spec case 20): garbage in every signal word. Test support only.
-    #[doc(hidden)]
+    /// the RDMA buffer, spec case 20): garbage in every signal word. With the `test-support`
+    /// feature.
+    #[cfg(feature = "test-support")]
     pub fn debug_foreign_use_of_low_latency_memory(&mut self) -> Result<()> {
         self.check_poison()?;
         let arena = self.ll_arena()?;

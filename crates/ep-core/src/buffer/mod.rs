@@ -240,8 +240,8 @@ impl<T: Transport> Buffer<T> {
         self.last_call
     }
 
-    /// Plants a bug in the protocol's agents (mutation suite). Test support only.
-    #[doc(hidden)]
+    /// Plants a bug in the protocol's agents (mutation suite); with the `test-support` feature.
+    #[cfg(feature = "test-support")]
     pub fn set_mutation_for_test(&mut self, m: ProtocolMutation) {
         self.mutation = m;
     }

@@ -831,6 +831,7 @@ pub(crate) fn clean_phase<'a>(arena: &'a LlArena, call: u64, masked: &'a [bool])
 
 /// Writes garbage into the low-latency signal words, as other kernels using the same memory
 /// would (spec case 20). Test support.
+#[cfg(feature = "test-support")]
 pub(crate) fn scribble_phase<'a>(arena: &'a LlArena, call: u64, value: u64) -> Phase<'a> {
     let mut phase = Phase::new(PhaseKind::Custom("foreign-use".into()), call);
     for d in 0..arena.num_ranks {

@@ -19,29 +19,10 @@ pub mod signal;
 
 pub use low_latency::LlRoutes;
 
-/// A bug planted in the real agents, for the mutation suite (docs/protocol.md §6). Test support:
-/// never set it outside tests.
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum ProtocolMutation {
-    /// The real protocol.
-    #[default]
-    None,
-    /// Normal dispatch: a sender stores its last row after releasing `done`.
-    ReleaseBeforeLastRow,
-    /// Normal dispatch: count records go to the other parity's slot.
-    CountsWrongParity,
-    /// Normal combine: reducers pull without waiting for `y_ready`.
-    CombineSkipYReady,
-    /// Low-latency dispatch: the signal is posted with no fence after row puts on other QPs.
-    LlSignalWithoutFence,
-    /// Low-latency dispatch: one staging row reused for every message before `quiet`.
-    LlStagingReuse,
-    /// Low-latency dispatch hook: `begin(l, s)` one too large for `s > 0`.
-    LlBeginOffByOne,
-    /// `Buffer`: a low-latency send is allowed while a hook is pending.
-    SkipHookCheck,
-    /// `Buffer`: a low-latency operation is allowed on memory that needs a clean.
-    SkipCleanCheck,
-}
+mod mutation;
+
+// Test support (the mutation suite) is public only with the `test-support` feature.
+#[cfg(feature = "test-support")]
+pub use mutation::ProtocolMutation;
+#[cfg(not(feature = "test-support"))]
+pub(crate) use mutation::ProtocolMutation;
