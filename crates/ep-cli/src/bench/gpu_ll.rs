@@ -2,9 +2,10 @@
 //! on `--ranks` co-resident ranks of one GPU (`ep_kernels::gpu::LlGroup`), `--num-sms` blocks per
 //! rank.
 //!
-//! Verification first: one dispatch and combine of the workload against the plan
-//! (`plan::low_latency`, itself checked against the oracle) — counts and layout ranges exact,
-//! combine bit for bit with ep-rs's reduction order — before anything is timed.
+//! Verification first: one dispatch and combine of the workload (outputs poisoned before) against
+//! the plan (`plan::low_latency`, itself checked against the oracle) — counts and layout ranges
+//! exact, every received row canonically, combine bit for bit with ep-rs's reduction order, and
+//! the canonical digest equal to the plan's — before anything is timed.
 //!
 //! Timing: CUDA events on every rank's stream with all ranks released together behind a gate
 //! (`LlGroup::timed`), the slowest rank's time per call, median over `max(--gpu-iters, 1000)`
@@ -21,14 +22,15 @@
 use std::time::Instant;
 
 use ep_core::plan::low_latency::{
-    LlParams, PartialPrecision, combine_reduced_on_expert_rank, dispatch as plan_dispatch,
+    LlDispatchOutput, LlParams, PartialPrecision, canonicalize, combine_reduced_on_expert_rank,
+    dispatch as plan_dispatch,
 };
 use ep_core::routing::Activations;
 use ep_core::tensor::{Tensor2, Tensor3};
 use ep_kernels::gpu::mem::DevBuf;
 use ep_kernels::gpu::{
     DType, DevTensor, Device, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup,
-    LlRankInputs,
+    LlPoison, LlRankInputs,
 };
 use half::bf16;
 
@@ -174,17 +176,42 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         what: "plan::low_latency::dispatch",
         source: Box::new(e),
     })?;
+    // Outputs and arenas poisoned first, so that anything the kernels fail to write shows.
+    g.poison_for_test(LlPoison::Dispatch, 0xa5)
+        .map_err(gpu_err("poisoning the outputs"))?;
     let out = g
         .dispatch(&set.inputs(), &dargs)
         .map_err(gpu_err("dispatch"))?;
+    g.sync().map_err(gpu_err("dispatch"))?;
+    g.poison_for_test(LlPoison::Combine, 0x5a)
+        .map_err(gpu_err("poisoning the outputs"))?;
     let handles: Vec<_> = out.iter().map(|o| o.handle.clone()).collect();
     let hs: Vec<_> = handles.iter().collect();
     let combined = g.combine(&hs, &y_in, false).map_err(gpu_err("combine"))?;
     g.sync().map_err(gpu_err("first call"))?;
     let mut bad = Vec::new();
+    // Every received row, its scales and src_info, canonically (rows per (expert, source) as
+    // multisets, as the oracle states them), besides counts and layout ranges exactly.
+    let mut gpu_disp = Vec::with_capacity(r);
     for (d, (o, p)) in out.iter().zip(&plan).enumerate() {
-        let Some(p) = p else { continue };
+        let Some(p) = p else {
+            gpu_disp.push(None);
+            continue;
+        };
         check_counts(d, o, p, &mut bad)?;
+        let host = o
+            .download(&cfg)
+            .map_err(gpu_err("downloading the dispatch"))?;
+        let canon = |x: &LlDispatchOutput| {
+            canonicalize(x).map_err(|e| BenchError::Reference {
+                what: "plan::low_latency::canonicalize",
+                source: Box::new(e),
+            })
+        };
+        if let Some(diff) = canon(&host)?.first_difference(&canon(p)?) {
+            bad.push(format!("rank {d}: dispatch differs from the plan: {diff}"));
+        }
+        gpu_disp.push(Some(host));
     }
     // The same values as the plan's [L][R*N][H] arrays.
     let expert_out: Vec<Option<Tensor3<bf16>>> = y_host
@@ -206,8 +233,12 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         what: "plan::low_latency::combine_reduced_on_expert_rank",
         source: Box::new(e),
     })?;
+    let mut gpu_comb = Vec::with_capacity(r);
     for (s, (c, wnt)) in combined.iter().zip(&want).enumerate() {
-        let Some(wnt) = wnt else { continue };
+        let Some(wnt) = wnt else {
+            gpu_comb.push(None);
+            continue;
+        };
         let got: Tensor2<bf16> = c.download().map_err(gpu_err("downloading combined_x"))?;
         let diff = got
             .data()
@@ -220,6 +251,19 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                 "rank {s}: {diff} combined elements differ from the plan"
             ));
         }
+        gpu_comb.push(Some(got));
+    }
+    // The canonical digest of the GPU's outputs and of the plan's.
+    let digest_of = |d: &[Option<LlDispatchOutput>], c: &[Option<Tensor2<bf16>>]| {
+        ep_core::digest::low_latency(d, c).map_err(|e| BenchError::Reference {
+            what: "digest",
+            source: Box::new(e),
+        })
+    };
+    let gpu_digest = digest_of(&gpu_disp, &gpu_comb)?;
+    let plan_digest = digest_of(&plan, &want)?;
+    if gpu_digest.total != plan_digest.total {
+        bad.push("the canonical digest differs from the plan's".into());
     }
     if !bad.is_empty() {
         for b in &bad {
@@ -227,7 +271,10 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         }
         return Ok(1);
     }
-    println!("verified: counts, layout ranges and combined_x bit for bit against the plan");
+    println!(
+        "verified: counts and layout ranges exact, every received row canonically, combined_x bit for bit against the plan; output digest {} (blake3, canonical format v2), equal to the plan's",
+        gpu_digest.total
+    );
 
     // Timing.
     let iters = args.gpu_iters.max(MIN_ITERS);
@@ -465,6 +512,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             "variant": "a (peers by pointer)",
             "device": format!("GPU {} ({} SMs)", dev.ordinal(), dev.num_sms()),
             "workload": w.description,
+            "digest": gpu_digest.total.to_string(),
             "report": rep,
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(
