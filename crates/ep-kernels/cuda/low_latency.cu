@@ -320,6 +320,13 @@ __device__ __forceinline__ uint2 cast8(int4 raw, bool round_scale, float *scale_
     return make_uint2(lo, hi);
 }
 
+// Where this rank's message of token `t` lands on destination `d`: its row in d's drecv[rank].
+__device__ __forceinline__ uint8_t *message_row(const Args &a, const ep_ll_layout &ly,
+                                                const SendSmem &sm, uint32_t R, uint32_t t,
+                                                uint32_t d) {
+    return half_of(a, d, a.half) + ep_ll_drecv_row(ly, a.rank, sm.slot[t * R + d]);
+}
+
 // The send part: every message of this rank into its destination's drecv[s], then (last block)
 // headers and signals.
 __device__ void dispatch_send(const Args &a, uint8_t *smem) {
@@ -361,7 +368,7 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
             }
             for (uint32_t d = 0; d < R; ++d) {
                 if (!((dm >> d) & 1u)) continue;
-                int4 *dst = (int4 *)(half_of(a, d, a.half) + ep_ll_drecv_row(ly, a.rank, sm.slot[t * R + d]));
+                int4 *dst = (int4 *)message_row(a, ly, sm, R, t, d);
 #pragma unroll
                 for (uint32_t k = 0; k < UNITS; ++k) {
                     const uint32_t c = c0 + k * 32 + lane;
@@ -393,7 +400,7 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
                 if (blk >= S) continue;
                 for (uint32_t d = 0; d < R; ++d) {
                     if (!((dm >> d) & 1u)) continue;
-                    uint8_t *dst = half_of(a, d, a.half) + ep_ll_drecv_row(ly, a.rank, sm.slot[t * R + d]);
+                    uint8_t *dst = message_row(a, ly, sm, R, t, d);
                     *(uint2 *)(dst + blk * 128 + sub * 8) = q;
                     if (sub == 0) *(float *)(dst + soff + 4ull * blk) = sinv;
                 }

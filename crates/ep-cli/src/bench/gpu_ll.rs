@@ -128,7 +128,6 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     };
     let mut g = LlGroup::new(dev.clone(), cfg).map_err(gpu_err("creating the group"))?;
     let ctx = dev.context();
-    let up = |t: &Tensor2<i64>| DevTensor::upload(ctx, t);
     let mut set = DevSet {
         x: Vec::new(),
         idx: Vec::new(),
@@ -143,7 +142,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         set.x
             .push(DevTensor::upload(ctx, x).map_err(gpu_err("uploading x"))?);
         set.idx
-            .push(up(&inp.topk_idx).map_err(gpu_err("uploading topk_idx"))?);
+            .push(DevTensor::upload(ctx, &inp.topk_idx).map_err(gpu_err("uploading topk_idx"))?);
         set.w
             .push(DevTensor::upload(ctx, &inp.topk_weights).map_err(gpu_err("uploading weights"))?);
     }
