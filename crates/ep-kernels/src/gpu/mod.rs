@@ -28,8 +28,8 @@ pub mod tensor;
 
 pub use device::Device;
 pub use low_latency::{
-    LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGpuHandle, LlGroup, LlPoison,
-    LlRankInputs, LlStats,
+    LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGpuHandle, LlGraph, LlGroup,
+    LlPoison, LlRankInputs, LlStats,
 };
 pub use normal::{
     CallStreams, CombineSource, GpuCombineArgs, GpuCombined, GpuDispatch, GpuDispatchArgs,
