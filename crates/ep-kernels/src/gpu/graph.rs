@@ -31,15 +31,15 @@ pub(crate) fn not_capturable(what: &str) -> Error {
 
 /// Begins a capture on every stream of `streams`, runs `f` (which enqueues the calls), ends
 /// every capture begun whatever happened (a stream left capturing is unusable), and returns
-/// `f`'s result with one instantiated, uploaded graph per stream. `f`'s error comes first, then
-/// the first failure to end a capture.
+/// `f`'s result (or the failure to begin) and, separately, one instantiated, uploaded graph per
+/// stream (or the first failure to end a capture): callers report `f`'s error first.
 ///
 /// Relaxed mode: the calls may allocate (`cuMemAlloc`) while capturing, which the stricter modes
 /// refuse; nothing else they do touches a capturing stream outside the capture.
 pub(crate) fn capture_streams<T>(
     streams: &[Arc<CudaStream>],
     f: impl FnOnce() -> Result<T>,
-) -> Result<(T, Vec<CudaGraph>)> {
+) -> (Result<T>, Result<Vec<CudaGraph>>) {
     let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
     let mut begun = 0;
     let mut out = Ok(());
@@ -74,12 +74,13 @@ pub(crate) fn capture_streams<T>(
             ended = Err(e);
         }
     }
-    let out = out?;
-    ended?;
-    for g in &execs {
-        g.upload().map_err(Error::cuda("cuGraphUpload"))?;
-    }
-    Ok((out, execs))
+    let execs = ended.and_then(|()| {
+        for g in &execs {
+            g.upload().map_err(Error::cuda("cuGraphUpload"))?;
+        }
+        Ok(execs)
+    });
+    (out, execs)
 }
 
 /// Launches `execs[i]` on `streams[i]`, in order. On a failure returns the index of the rank

@@ -243,7 +243,8 @@ impl LlGroup {
                 h.dispatch = *rec;
             }
         }
-        let (outputs, execs) = captured?;
+        let (outputs, execs) = captured;
+        let outputs = outputs?;
         if hook_left {
             return Err(Error::NotCapturable {
                 what: "a capture that ends with a receive hook pending".into(),
@@ -256,6 +257,7 @@ impl LlGroup {
                 fix: "capture at least one dispatch or combine".into(),
             });
         }
+        let execs = execs?;
         let dispatched = before
             .iter()
             .zip(&after)

@@ -160,7 +160,8 @@ impl NormalGroup {
         let cap = self.capture.take().unwrap_or_default();
         let (calls, last) = (self.call - call0, self.last);
         (self.call, self.last) = (call0, last0);
-        let (outputs, execs) = captured?;
+        let outputs = captured.0?;
+        let execs = captured.1?;
         let mut keep = cap.keep;
         if let Some(p) = &self.phase_times {
             keep.extend(p.iter().map(|t| t.buffer().clone()));
