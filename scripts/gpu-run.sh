@@ -89,9 +89,10 @@ if [ -x bundle/ep ]; then
     | tee "$out/bench-gpu-r2.txt" | grep -vE "phases"
   echo "ep bench --backend gpu exited ${PIPESTATUS[0]}"
   # Low-latency mode (variant a, co-resident ranks), issue 12's shape: FP8 dispatch.
+  # --graph: the same calls replayed from CUDA graphs too.
   echo "=== ep bench --backend gpu --mode low-latency"
   bundle/ep bench --backend gpu --mode low-latency --ranks 2 --tokens 128 --hidden 7168 --topk 8 \
-    --experts 288 --num-sms 64 --gpu-iters 1000 --json "$out/bench-gpu-ll-r2.json" 2>&1 \
+    --experts 288 --num-sms 64 --gpu-iters 1000 --graph --json "$out/bench-gpu-ll-r2.json" 2>&1 \
     | tee "$out/bench-gpu-ll-r2.txt"
   echo "ep bench --backend gpu --mode low-latency exited ${PIPESTATUS[0]}"
 fi

@@ -143,6 +143,15 @@ fn typed_errors_and_exit_codes() {
         2,
     );
     assert!(e.contains("one SM count"), "{e}");
+    // CUDA graphs are a GPU low-latency option.
+    for extra in [
+        &["--graph"][..],
+        &["--backend", "gpu", "--mode", "normal", "--graph"][..],
+        &["--mode", "low-latency", "--graph"][..],
+    ] {
+        let e = bench_fails(&cat(SMALL, extra), 2);
+        assert!(e.contains("--graph"), "{extra:?}: {e}");
+    }
     // Usage errors: exit 2.
     let e = bench_fails(
         &cat(SMALL, &["--hidden", "256", "--ranks-per-node", "3"]),

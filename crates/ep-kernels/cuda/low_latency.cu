@@ -137,7 +137,7 @@ __device__ uint64_t wait_ge(const Args &a, const uint64_t *word, uint64_t want, 
 // Waits for the signal of every unmasked source (thread `src` of warp 0 waits for `src`) and
 // checks its epoch; `count[src]` gets the message count (0 for masked sources). `expect`
 // (optional): the count each source must announce. Returns false if any check failed.
-__device__ bool wait_sources(const Args &a, uint64_t kernel, uint64_t half, bool combine,
+__device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, uint64_t half, bool combine,
                              uint32_t *count, const int32_t *expect) {
     __shared__ int ok;
     if (threadIdx.x == 0) ok = 1;
@@ -149,13 +149,12 @@ __device__ bool wait_sources(const Args &a, uint64_t kernel, uint64_t half, bool
             uint64_t off = combine ? ep_ll_combine_signal(a.num_ranks, half, src)
                                    : ep_ll_dispatch_signal(a.num_ranks, half, src);
             uint64_t waited = 0;
-            uint64_t v = wait_ge(a, signal_of(a, a.rank, off), ep_ll_threshold(a.call), kernel, off,
-                                 &waited);
+            uint64_t v = wait_ge(a, signal_of(a, a.rank, off), ep_ll_threshold(call_k), kernel, off, &waited);
             ep_err_block *err = (ep_err_block *)a.err;
             if (v == 0) {
                 ok = 0;
-            } else if (ep_ll_epoch(v) != a.call) {
-                ep_fail(err, EP_ERR_EPOCH, a.rank, kernel, a.rank, off, ep_ll_threshold(a.call), v, src);
+            } else if (ep_ll_epoch(v) != call_k) {
+                ep_fail(err, EP_ERR_EPOCH, a.rank, kernel, a.rank, off, ep_ll_threshold(call_k), v, src);
                 ok = 0;
             } else if (expect != nullptr && (int32_t)ep_ll_count(v) != __ldcg(&expect[src])) {
                 ep_fail(err, EP_ERR_COUNT, a.rank, kernel, a.rank, off, (uint64_t)expect[src], v, src);
@@ -169,6 +168,14 @@ __device__ bool wait_sources(const Args &a, uint64_t kernel, uint64_t half, bool
     }
     __syncthreads();
     return ok != 0;
+}
+
+// The operation's call number k (docs/protocol.md §3.10): by value, or (a captured graph, call ==
+// 0) from this block's epoch word, ep_block_epoch. A launch with the send part starts the
+// operation (word + 1); a receive-only launch (the hook) continues its send part's (the word).
+// Every LL kernel of a rank has num_sms blocks, so each word advances once per operation.
+__device__ __forceinline__ uint64_t op_epoch(const Args &a) {
+    return ep_block_epoch(a.call, a.epoch, (a.flags & EP_FLAG_LL_SEND) != 0);
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------
@@ -329,7 +336,7 @@ __device__ __forceinline__ uint8_t *message_row(const Args &a, const ep_ll_layou
 
 // The send part: every message of this rank into its destination's drecv[s], then (last block)
 // headers and signals.
-__device__ void dispatch_send(const Args &a, uint8_t *smem) {
+__device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     __shared__ uint32_t ncnt[MAXR];
     SendSmem sm = send_smem(a, smem);
     const ep_ll_layout ly = layout_of(a);
@@ -443,14 +450,14 @@ __device__ void dispatch_send(const Args &a, uint8_t *smem) {
         for (uint32_t d = 0; d < R; ++d) {
             if (masked(a, d)) continue;
             ep_st_release(signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
-                          ep_ll_encode(a.call, ncnt[d]));
+                          ep_ll_encode(call_k, ncnt[d]));
         }
     }
     stamp(a, 3);
 }
 
 // The receive part on rank d: wait for every unmasked source, place its messages.
-__device__ void dispatch_recv(const Args &a, uint8_t *smem) {
+__device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __shared__ uint32_t count[MAXR];
     __shared__ uint32_t first_msg[MAXR + 1];
@@ -460,7 +467,7 @@ __device__ void dispatch_recv(const Args &a, uint8_t *smem) {
     const bool fp8 = (a.flags & EP_FLAG_FP8) != 0, ue8m0 = (a.flags & EP_FLAG_UE8M0) != 0;
     uint32_t *begin = (uint32_t *)(smem + a.sm_begin); // [R][L]
     stamp(a, 4);
-    if (!wait_sources(a, EP_KERNEL_LL_DISPATCH, a.half, false, count, nullptr)) return;
+    if (!wait_sources(a, call_k, EP_KERNEL_LL_DISPATCH, a.half, false, count, nullptr)) return;
     stamp(a, 5);
     uint8_t *mine = half_of(a, a.rank, a.half);
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
@@ -565,17 +572,18 @@ __device__ void dispatch_recv(const Args &a, uint8_t *smem) {
 
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a) {
     extern __shared__ __align__(16) uint8_t smem[];
+    const uint64_t call_k = op_epoch(a);
     load_mask(a);
     if (masked(a, a.rank)) return;
-    if (a.flags & EP_FLAG_LL_SEND) dispatch_send(a, smem);
-    if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, smem);
+    if (a.flags & EP_FLAG_LL_SEND) dispatch_send(a, call_k, smem);
+    if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, call_k, smem);
 }
 
 // ---- combine -----------------------------------------------------------------------------------
 
 // The send part on the expert's rank d: one BF16 partial per message of the dispatch (read from
 // its meta records, in the dispatch's half), into the source's crecv[d]; then the signals.
-__device__ void combine_send(const Args &a, uint8_t *smem) {
+__device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __shared__ uint32_t count[MAXR];
     __shared__ uint32_t first_msg[MAXR + 1];
@@ -666,7 +674,7 @@ __device__ void combine_send(const Args &a, uint8_t *smem) {
         for (uint32_t s = 0; s < R; ++s) {
             if (masked(a, s)) continue;
             ep_st_release(signal_of(a, s, ep_ll_combine_signal(R, a.half, a.rank)),
-                          ep_ll_encode(a.call, count[s]));
+                          ep_ll_encode(call_k, count[s]));
         }
     }
     stamp(a, 3);
@@ -674,13 +682,13 @@ __device__ void combine_send(const Args &a, uint8_t *smem) {
 
 // The receive part on the token's rank s: wait for every unmasked expert rank, then
 // combined[t] = bf16(sum over d ascending of f32(partial_d)).
-__device__ void combine_recv(const Args &a) {
+__device__ void combine_recv(const Args &a, uint64_t call_k) {
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __shared__ uint32_t count[MAXR];
     const ep_ll_layout ly = layout_of(a);
     const uint32_t R = a.num_ranks, H = a.hidden, T = a.num_tokens;
     stamp(a, 4);
-    if (!wait_sources(a, EP_KERNEL_LL_COMBINE, a.half, true, count, (const int32_t *)a.send_counts)) return;
+    if (!wait_sources(a, call_k, EP_KERNEL_LL_COMBINE, a.half, true, count, (const int32_t *)a.send_counts)) return;
     stamp(a, 5);
     const uint8_t *mine = half_of(a, a.rank, a.half);
     const int32_t *slots = (const int32_t *)a.slots;
@@ -729,8 +737,9 @@ __device__ void combine_recv(const Args &a) {
 
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_combine(const Args a) {
     extern __shared__ __align__(16) uint8_t smem[];
+    const uint64_t call_k = op_epoch(a);
     load_mask(a);
     if (masked(a, a.rank)) return;
-    if (a.flags & EP_FLAG_LL_SEND) combine_send(a, smem);
-    if (a.flags & EP_FLAG_LL_RECV) combine_recv(a);
+    if (a.flags & EP_FLAG_LL_SEND) combine_send(a, call_k, smem);
+    if (a.flags & EP_FLAG_LL_RECV) combine_recv(a, call_k);
 }

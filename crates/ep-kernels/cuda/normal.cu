@@ -43,23 +43,9 @@ __device__ __forceinline__ void stamp(const Args &a, uint32_t i) {
         ((uint64_t *)a.phase_times)[blockIdx.x * EP_PHASE_SLOTS + i] = ep_now_ns();
 }
 
-// The call number k of this block's dispatch or combine (docs/protocol.md §1.1, §2.7): given by
-// value (eager calls), or, with a.call == 0 (a captured CUDA graph, whose arguments are frozen
-// at capture), this block's epoch word + 1. Either way thread 0 stores k into the word before the
-// barrier: block b is the only reader and writer of epoch[b] (every dispatch and combine kernel
-// of a group has the same 2C blocks), and the next kernel on the rank's stream reads it after
-// this one ended, so the words advance exactly once per call, eager or replayed.
-__device__ __forceinline__ uint64_t block_epoch(const Args &a) {
-    __shared__ uint64_t s_k;
-    if (threadIdx.x == 0) {
-        volatile uint64_t *w = (volatile uint64_t *)a.epoch + blockIdx.x;
-        const uint64_t k = a.call != 0 ? a.call : *w + 1;
-        *w = k;
-        s_k = k;
-    }
-    __syncthreads();
-    return s_k;
-}
+// The call number k of this block's dispatch or combine: ep_block_epoch (ep_device.cuh); every
+// dispatch and combine kernel of a group has the same 2C blocks, so the words advance once per call.
+__device__ __forceinline__ uint64_t block_epoch(const Args &a) { return ep_block_epoch(a.call, a.epoch, true); }
 
 // Tokens [t0, t1) of block (c, h): half h of chan(T, C, c).
 __device__ __forceinline__ void block_tokens(const Args &a, uint32_t c, uint32_t h, uint32_t *t0,

@@ -106,4 +106,26 @@ __device__ __forceinline__ int4 ep_ld_nc(const int4 *p) {
 /* A 16-byte load of data another rank wrote (no stale L1 line: .cg caches in L2 only). */
 __device__ __forceinline__ int4 ep_ld_cg(const int4 *p) { return __ldcg(p); }
 
+/*
+ * The call number k of this block's kernel (docs/protocol.md §1.1, §2.7, §3.10): given by value
+ * (`call != 0`, eager calls), or, with `call == 0` (a captured CUDA graph, whose arguments are
+ * frozen at capture), this block's epoch word + 1 when the launch starts an operation
+ * (`advance`), or the word itself when it continues one (a low-latency receive half launched
+ * after its send half). Either way thread 0 stores k into the word before the barrier: block b
+ * is the only reader and writer of `epoch[b]` (every kernel of a rank that uses the words has the
+ * same grid), and the next kernel on the rank's stream reads it after this one ended, so the
+ * words advance exactly once per operation, eager or replayed.
+ */
+__device__ __forceinline__ uint64_t ep_block_epoch(uint64_t call, uint64_t epoch, bool advance) {
+    __shared__ uint64_t s_k;
+    if (threadIdx.x == 0) {
+        volatile uint64_t *w = (volatile uint64_t *)epoch + blockIdx.x;
+        const uint64_t k = call != 0 ? call : *w + (advance ? 1u : 0u);
+        *w = k;
+        s_k = k;
+    }
+    __syncthreads();
+    return s_k;
+}
+
 #endif /* EP_DEVICE_CUH */

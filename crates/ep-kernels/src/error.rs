@@ -345,6 +345,14 @@ pub enum Error {
         /// Why, and what to do instead.
         fix: String,
     },
+    /// A captured graph cannot replay in the group's current state (docs/protocol.md §3.10).
+    #[error("this graph cannot replay now: {what}; {fix}")]
+    GraphOutOfStep {
+        /// What does not match the capture.
+        what: String,
+        /// What to do.
+        fix: String,
+    },
     /// A request the GPU backend does not support, with what to do instead.
     #[error("{0}")]
     Unsupported(String),

@@ -335,53 +335,9 @@ fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case
         g.recv_hook().unwrap();
     }
     g.sync().unwrap();
-    for d in 0..case.ranks {
-        match (&plan[d], masked[d]) {
-            (None, true) => {}
-            (Some(p), false) => check_dispatch(case, d, &outs[d], p),
-            other => panic!("rank {d}: plan/mask disagree: {:?}", other.1),
-        }
-    }
-    // Combine: random expert outputs (only the received rows matter).
-    let (l_count, rows, h) = (
-        case.experts / case.ranks,
-        case.ranks * case.max_tokens,
-        case.hidden,
-    );
-    let key = (case.ranks, l_count * rows, h, masked.to_vec());
-    if pool.y.as_ref().is_none_or(|y| y.key != key) {
-        let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0xc0);
-        let flat: Vec<Tensor2<bf16>> = (0..case.ranks)
-            .map(|_| wide_tensor(&mut rng, l_count * rows, h))
-            .collect();
-        let per_expert = flat
-            .iter()
-            .enumerate()
-            .map(|(d, y)| {
-                (!masked[d])
-                    .then(|| Tensor3::new(l_count, rows, h, y.data().to_vec()).expect("shape"))
-            })
-            .collect();
-        pool.y = Some(ExpertOutputs {
-            key,
-            flat,
-            per_expert,
-        });
-    }
-    let ys = pool.y.take().expect("set above");
-    let (y_host, expert_out) = (&ys.flat, &ys.per_expert);
-    let plan_handles: Vec<Option<LlHandle>> = plan
-        .iter()
-        .map(|p| p.as_ref().map(|p| p.handle.clone()))
-        .collect();
-    let want = combine_reduced_on_expert_rank(
-        &inputs,
-        &plan_handles,
-        expert_out,
-        &params,
-        PartialPrecision::Bf16,
-    )
-    .expect("plan combine");
+    check_dispatches(case, masked, &plan, &outs);
+    let ys = expert_outputs(pool, case, masked);
+    let y_host = &ys.flat;
     let y_dev: Vec<DevTensor> = if case.zero_copy {
         (0..case.ranks)
             .map(|d| {
@@ -418,6 +374,77 @@ fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case
         g.recv_hook().unwrap();
     }
     g.sync().unwrap();
+    check_combined(case, masked, &inputs, &plan, &ys, &combined);
+    pool.y = Some(ys);
+}
+
+/// Every rank's dispatch outputs against the plan's (masked ranks have none).
+fn check_dispatches(
+    case: &Case,
+    masked: &[bool],
+    plan: &[Option<LlDispatchOutput>],
+    outs: &[LlGpuDispatch],
+) {
+    for d in 0..case.ranks {
+        match (&plan[d], masked[d]) {
+            (None, true) => {}
+            (Some(p), false) => check_dispatch(case, d, &outs[d], p),
+            other => panic!("rank {d}: plan/mask disagree: {:?}", other.1),
+        }
+    }
+}
+
+/// Random expert outputs (only the received rows matter) for the case's shape: the pool's, or
+/// made now (take them; put them back into `pool.y` after the round).
+fn expert_outputs(pool: &mut Pool, case: &Case, masked: &[bool]) -> ExpertOutputs {
+    let (l_count, rows, h) = (
+        case.experts / case.ranks,
+        case.ranks * case.max_tokens,
+        case.hidden,
+    );
+    let key = (case.ranks, l_count * rows, h, masked.to_vec());
+    if let Some(y) = pool.y.take().filter(|y| y.key == key) {
+        return y;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0xc0);
+    let flat: Vec<Tensor2<bf16>> = (0..case.ranks)
+        .map(|_| wide_tensor(&mut rng, l_count * rows, h))
+        .collect();
+    let per_expert = flat
+        .iter()
+        .enumerate()
+        .map(|(d, y)| {
+            (!masked[d]).then(|| Tensor3::new(l_count, rows, h, y.data().to_vec()).expect("shape"))
+        })
+        .collect();
+    ExpertOutputs {
+        key,
+        flat,
+        per_expert,
+    }
+}
+
+/// Every rank's `combined_x` against the plan's combine of `ys`, bit for bit.
+fn check_combined(
+    case: &Case,
+    masked: &[bool],
+    inputs: &[RankInputs],
+    plan: &[Option<LlDispatchOutput>],
+    ys: &ExpertOutputs,
+    combined: &[DevTensor],
+) {
+    let plan_handles: Vec<Option<LlHandle>> = plan
+        .iter()
+        .map(|p| p.as_ref().map(|p| p.handle.clone()))
+        .collect();
+    let want = combine_reduced_on_expert_rank(
+        inputs,
+        &plan_handles,
+        &ys.per_expert,
+        &case.params(masked),
+        PartialPrecision::Bf16,
+    )
+    .expect("plan combine");
     for s in 0..case.ranks {
         match (&want[s], masked[s]) {
             (None, true) => {}
@@ -437,7 +464,6 @@ fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case
             other => panic!("rank {s}: plan/mask disagree: {:?}", other.1),
         }
     }
-    pool.y = Some(ys);
 }
 
 fn group(dev: &Arc<Device>, case: &Case) -> LlGroup {
@@ -679,4 +705,272 @@ fn bad_inputs_are_typed_errors_and_the_group_stays_usable() {
         LlGroup::new(dev.clone(), cfg),
         Err(Error::NotEnoughSms { .. })
     ));
+}
+
+/// Writes `inputs` (same shapes as at capture) into the tensors a graph was captured with.
+fn rewrite(dins: &[DevInputs], inputs: &[RankInputs]) {
+    for (d, inp) in dins.iter().zip(inputs) {
+        let Activations::Bf16(x) = &inp.x else {
+            panic!("low-latency inputs are BF16")
+        };
+        d.x.write(x).unwrap();
+        d.idx.write(&inp.topk_idx).unwrap();
+        d.w.write(&inp.topk_weights).unwrap();
+    }
+}
+
+/// Writes every rank's expert outputs into the zero-copy views `zc`.
+fn write_zero_copy(zc: &[DevTensor], ys: &ExpertOutputs) {
+    for (z, y) in zc.iter().zip(&ys.flat) {
+        z.write(y).unwrap();
+    }
+}
+
+/// Every rank's device epoch words equal the group's operation count (one call per operation).
+fn assert_epochs_kept_count(g: &mut LlGroup) {
+    let ops = g.num_ops();
+    let words = g.epochs_for_test().unwrap();
+    assert!(
+        words.iter().flatten().all(|&w| w == ops),
+        "epoch words {words:?}, expected {ops}"
+    );
+}
+
+/// Captures dispatch (+ hook) + combine (+ hook) once, then replays it `replays` times with fresh
+/// values and routings written into the captured inputs, outputs poisoned before each replay,
+/// each replay compared with the plan; an eager round every 10 replays.
+fn graph_rounds(dev: &Arc<Device>, case: &Case, replays: u64) {
+    let mut g = group(dev, case);
+    let masked = vec![false; case.ranks];
+    let dins = upload(dev, &inputs_of(case));
+    let ys = expert_outputs(&mut Pool::default(), case, &masked);
+    let y_dev: Vec<DevTensor> = ys
+        .flat
+        .iter()
+        .map(|y| DevTensor::upload(dev.context(), y).unwrap())
+        .collect();
+    let graph = g
+        .capture(|g| {
+            let outs = g.dispatch(&rank_inputs(&dins), &case.args())?;
+            if case.hook {
+                g.recv_hook()?;
+            }
+            let zc: Vec<DevTensor> = (0..case.ranks)
+                .map(|d| g.next_combine_buffer(d))
+                .collect::<Result<_, _>>()?;
+            let hs: Vec<_> = outs.iter().map(|o| &o.handle).collect();
+            let ins: Vec<_> = y_dev
+                .iter()
+                .map(|y| {
+                    if case.zero_copy {
+                        LlCombineInput::ZeroCopy
+                    } else {
+                        LlCombineInput::Tensor(y)
+                    }
+                })
+                .collect();
+            let combined = g.combine(&hs, &ins, case.hook)?;
+            if case.hook {
+                g.recv_hook()?;
+            }
+            Ok((outs, zc, combined))
+        })
+        .unwrap();
+    assert_eq!(graph.ops(), 2);
+    assert_eq!(g.num_ops(), 0, "a capture runs nothing");
+    let mut pool = Pool::default();
+    let mut eager = case.clone();
+    for i in 0..replays {
+        if i % 10 == 5 {
+            eager.seed = 90_000 + i;
+            round_pooled(&mut g, dev, &mut pool, &eager, &masked);
+        }
+        let mut c = case.clone();
+        c.seed = 10_000 + i;
+        let inputs = inputs_of(&c);
+        let plan = plan_dispatch(&inputs, &c.params(&masked)).expect("plan dispatch");
+        rewrite(&dins, &inputs);
+        g.poison_for_test(LlPoison::Dispatch, 0xa5).unwrap();
+        g.poison_for_test(LlPoison::Combine, 0x5a).unwrap();
+        let (outs, zc, combined) = graph.outputs();
+        if case.zero_copy {
+            write_zero_copy(zc, &ys);
+        }
+        graph.replay(&mut g).unwrap();
+        g.sync().unwrap();
+        check_dispatches(case, &masked, &plan, outs);
+        check_combined(case, &masked, &inputs, &plan, &ys, combined);
+    }
+    assert_epochs_kept_count(&mut g);
+    drop(graph);
+    round(&mut g, dev, case, &masked);
+}
+
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn captured_dispatch_and_combine_replay_with_fresh_routings() {
+    let dev = device();
+    for (fp8, hook, zero_copy) in [
+        (None, false, false),
+        (Some((false, false)), false, true),
+        (Some((true, true)), true, false),
+        (None, true, true),
+    ] {
+        let mut c = Case::new(4, 40, 1024, 6, 32);
+        c.max_tokens = 48;
+        c.sms = 8;
+        c.fp8 = fp8;
+        c.hook = hook;
+        c.zero_copy = zero_copy;
+        graph_rounds(&dev, &c, 100);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn dispatch_and_combine_graphs_alternate_and_refuse_out_of_step() {
+    let dev = device();
+    let mut c = Case::new(2, 32, 512, 4, 16);
+    c.fp8 = Some((true, false));
+    c.zero_copy = true;
+    let mut g = group(&dev, &c);
+    let masked = [false, false];
+    let dins = upload(&dev, &inputs_of(&c));
+    let ys = expert_outputs(&mut Pool::default(), &c, &masked);
+    let disp = g
+        .capture(|g| g.dispatch(&rank_inputs(&dins), &c.args()))
+        .unwrap();
+    assert_eq!(disp.ops(), 1);
+    g.poison_for_test(LlPoison::Dispatch, 0xa5).unwrap();
+    disp.replay(&mut g).unwrap();
+    // One operation later the next one uses the other half: a dispatch graph cannot follow.
+    let again = disp.replay(&mut g);
+    assert!(
+        matches!(again, Err(Error::GraphOutOfStep { .. })),
+        "{again:?}"
+    );
+    let comb = g
+        .capture(|g| {
+            let hs: Vec<_> = disp.outputs().iter().map(|o| &o.handle).collect();
+            let zc: Vec<DevTensor> = (0..2)
+                .map(|d| g.next_combine_buffer(d))
+                .collect::<Result<_, _>>()?;
+            let combined = g.combine(&hs, &[LlCombineInput::ZeroCopy; 2], false)?;
+            Ok((zc, combined))
+        })
+        .unwrap();
+    g.sync().unwrap();
+    for i in 0..30 {
+        let mut f = c.clone();
+        // The first combine follows the replay made before its capture (the case's inputs).
+        if i > 0 {
+            f.seed = 500 + i;
+        }
+        let inputs = inputs_of(&f);
+        let plan = plan_dispatch(&inputs, &f.params(&masked)).expect("plan dispatch");
+        if i > 0 {
+            rewrite(&dins, &inputs);
+            g.poison_for_test(LlPoison::Dispatch, 0xa5).unwrap();
+            disp.replay(&mut g).unwrap();
+        }
+        g.poison_for_test(LlPoison::Combine, 0x5a).unwrap();
+        write_zero_copy(&comb.outputs().0, &ys);
+        comb.replay(&mut g).unwrap();
+        g.sync().unwrap();
+        check_dispatches(&f, &masked, &plan, disp.outputs());
+        check_combined(&f, &masked, &inputs, &plan, &ys, &comb.outputs().1);
+    }
+    assert_epochs_kept_count(&mut g);
+    // A combine graph after a combine: the other half.
+    let after_combine = comb.replay(&mut g);
+    assert!(
+        matches!(after_combine, Err(Error::GraphOutOfStep { .. })),
+        "{after_combine:?}"
+    );
+    round(&mut g, &dev, &c, &masked);
+    // Replays run under the mask they were captured with.
+    g.update_mask(1, true).unwrap();
+    let masked_now = disp.replay(&mut g);
+    assert!(
+        matches!(masked_now, Err(Error::GraphOutOfStep { .. })),
+        "{masked_now:?}"
+    );
+    g.clean_mask().unwrap();
+    disp.replay(&mut g).unwrap();
+    comb.replay(&mut g).unwrap();
+    g.sync().unwrap();
+    assert_epochs_kept_count(&mut g);
+    // A combine graph needs a dispatch of the same tokens right before it.
+    let mut small = c.clone();
+    small.tokens = 16;
+    let sins = upload(&dev, &inputs_of(&small));
+    g.dispatch(&rank_inputs(&sins), &small.args()).unwrap();
+    let other_tokens = comb.replay(&mut g);
+    assert!(
+        matches!(other_tokens, Err(Error::GraphOutOfStep { .. })),
+        "{other_tokens:?}"
+    );
+    g.sync().unwrap();
+}
+
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn calls_that_need_the_host_are_refused_inside_a_capture() {
+    let dev = device();
+    let c = Case::new(2, 16, 256, 2, 8);
+    let mut g = group(&dev, &c);
+    let dins = upload(&dev, &inputs_of(&c));
+    let refused = |r: Result<ep_kernels::gpu::LlGraph<()>, Error>, what: &str| {
+        assert!(
+            matches!(r, Err(Error::NotCapturable { .. })),
+            "{what}: {r:?}"
+        );
+    };
+    refused(g.capture(|g| g.sync()), "sync");
+    refused(g.capture(|g| g.stats().map(drop)), "stats");
+    refused(g.capture(|g| g.clean()), "clean");
+    refused(g.capture(|g| g.update_mask(1, true)), "update_mask");
+    refused(
+        g.capture(|g| g.poison_for_test(LlPoison::Dispatch, 0)),
+        "poison_for_test",
+    );
+    refused(g.capture(|g| g.timed(|_| Ok(())).map(drop)), "timed");
+    refused(
+        g.capture(|g| g.capture(|_| Ok(())).map(drop)),
+        "nested capture",
+    );
+    refused(g.capture(|_| Ok(())), "an empty capture");
+    refused(
+        g.capture(|g| {
+            let args = LlDispatchArgs {
+                return_recv_hook: true,
+                ..LlDispatchArgs::default()
+            };
+            g.dispatch(&rank_inputs(&dins), &args).map(drop)
+        }),
+        "a pending hook at the end",
+    );
+    refused(
+        g.capture(|g| {
+            let a = g.dispatch(&rank_inputs(&dins), &LlDispatchArgs::default())?;
+            g.dispatch(&rank_inputs(&dins), &LlDispatchArgs::default())?;
+            let hs: Vec<_> = a.iter().map(|o| &o.handle).collect();
+            g.combine(&hs, &[LlCombineInput::ZeroCopy; 2], false)
+                .map(drop)
+        }),
+        "a combine of an older dispatch",
+    );
+    assert_eq!(g.num_ops(), 0);
+    assert!(!g.hook_pending());
+    // Nothing ran and the group is as before: eager rounds and a capture work.
+    round(&mut g, &dev, &c, &[false, false]);
+    let graph = g
+        .capture(|g| {
+            g.dispatch(&rank_inputs(&dins), &LlDispatchArgs::default())
+                .map(drop)
+        })
+        .unwrap();
+    assert_eq!(graph.ops(), 1);
+    round(&mut g, &dev, &c, &[false, false]);
+    assert_epochs_kept_count(&mut g);
 }

@@ -16,6 +16,13 @@
 //! the phase's bytes through the copy engine on every rank at once (dispatch: the messages sent
 //! and the rows placed; combine: the expert rows read); the gate's empty call is printed too.
 //!
+//! `--graph`: dispatch, combine and dispatch + combine are then each captured as CUDA graphs
+//! (`LlGroup::capture`), one replay of each is verified against the plan like the eager call
+//! (outputs poisoned first), and `max(--gpu-iters, 1000)` replays of each are timed the same way
+//! (`LlGroup::timed` around `LlGraph::replay`). A dispatch graph and a combine graph replay in
+//! alternation (each one operation: the halves stay in step); the untimed one of each pair runs
+//! outside the gate.
+//!
 //! Bytes: ep-rs sends one message per (token, destination rank); DeepEP one per (token, expert).
 //! Both per-token byte counts are printed, with DeepEP's bandwidth convention (spec §6.2).
 
@@ -95,6 +102,16 @@ struct LlReport {
     combine_phases_us: Vec<f64>,
     bytes_per_token_ep_rs: f64,
     bytes_per_token_deepep: f64,
+    /// `--graph`: the same calls replayed from CUDA graphs.
+    graph: Option<GraphReport>,
+}
+
+/// Replays of captured CUDA graphs (`--graph`), timed like the un-graphed calls.
+#[derive(Clone, Copy, Default, serde::Serialize)]
+struct GraphReport {
+    dispatch: Figure,
+    combine: Figure,
+    dispatch_combine: Figure,
 }
 
 /// Runs the low-latency GPU bench (module docs); exit code 0 when verified.
@@ -188,30 +205,6 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let hs: Vec<_> = handles.iter().collect();
     let combined = g.combine(&hs, &y_in, false).map_err(gpu_err("combine"))?;
     g.sync().map_err(gpu_err("first call"))?;
-    let mut bad = Vec::new();
-    // Every received row, its scales and src_info, canonically (rows per (expert, source) as
-    // multisets, as the oracle states them), besides counts and layout ranges exactly.
-    let mut gpu_disp = Vec::with_capacity(r);
-    for (d, (o, p)) in out.iter().zip(&plan).enumerate() {
-        let Some(p) = p else {
-            gpu_disp.push(None);
-            continue;
-        };
-        check_counts(d, o, p, &mut bad)?;
-        let host = o
-            .download(&cfg)
-            .map_err(gpu_err("downloading the dispatch"))?;
-        let canon = |x: &LlDispatchOutput| {
-            canonicalize(x).map_err(|e| BenchError::Reference {
-                what: "plan::low_latency::canonicalize",
-                source: Box::new(e),
-            })
-        };
-        if let Some(diff) = canon(&host)?.first_difference(&canon(p)?) {
-            bad.push(format!("rank {d}: dispatch differs from the plan: {diff}"));
-        }
-        gpu_disp.push(Some(host));
-    }
     // The same values as the plan's [L][R*N][H] arrays.
     let expert_out: Vec<Option<Tensor3<bf16>>> = y_host
         .iter()
@@ -232,38 +225,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         what: "plan::low_latency::combine_reduced_on_expert_rank",
         source: Box::new(e),
     })?;
-    let mut gpu_comb = Vec::with_capacity(r);
-    for (s, (c, wnt)) in combined.iter().zip(&want).enumerate() {
-        let Some(wnt) = wnt else {
-            gpu_comb.push(None);
-            continue;
-        };
-        let got: Tensor2<bf16> = c.download().map_err(gpu_err("downloading combined_x"))?;
-        let diff = got
-            .data()
-            .iter()
-            .zip(wnt.data())
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        if diff > 0 {
-            bad.push(format!(
-                "rank {s}: {diff} combined elements differ from the plan"
-            ));
-        }
-        gpu_comb.push(Some(got));
-    }
-    // The canonical digest of the GPU's outputs and of the plan's.
-    let digest_of = |d: &[Option<LlDispatchOutput>], c: &[Option<Tensor2<bf16>>]| {
-        ep_core::digest::low_latency(d, c).map_err(|e| BenchError::Reference {
-            what: "digest",
-            source: Box::new(e),
-        })
-    };
-    let gpu_digest = digest_of(&gpu_disp, &gpu_comb)?;
-    let plan_digest = digest_of(&plan, &want)?;
-    if gpu_digest.total != plan_digest.total {
-        bad.push("the canonical digest differs from the plan's".into());
-    }
+    let (bad, gpu_digest) = verify(&out, &combined, &cfg, &plan, &want)?;
     if !bad.is_empty() {
         for b in &bad {
             eprintln!("MISMATCH {b}");
@@ -272,7 +234,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     }
     println!(
         "verified: counts and layout ranges exact, every received row canonically, combined_x bit for bit against the plan; output digest {} (blake3, canonical format v2), equal to the plan's",
-        gpu_digest.total
+        gpu_digest
     );
 
     // Timing.
@@ -377,6 +339,28 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             .map_err(gpu_err("timed zero-token dispatch"))
     })?;
 
+    // CUDA graphs of the same calls (after the un-graphed figures).
+    let graph_samples = if args.graph {
+        let v = Verify {
+            cfg: &cfg,
+            plan: &plan,
+            want: &want,
+        };
+        let t = time_graphs(&mut g, &inputs, &dargs, &y_in, &v, total, warm)?;
+        if let Some(bad) = t.bad {
+            for b in &bad {
+                eprintln!("MISMATCH (graph replay) {b}");
+            }
+            return Ok(1);
+        }
+        println!(
+            "verified: one replay of each graph, counts, layout ranges and combined_x bit for bit against the plan"
+        );
+        Some(t)
+    } else {
+        None
+    };
+
     // Phases of one plain dispatch and one plain combine (median over blocks of all ranks).
     let slots = [1usize, 2, 4, 5, 6];
     let comb_slots = [2usize, 4, 5, 6];
@@ -454,6 +438,11 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     rep.dispatch_recv = figure(&dr, disp_bytes);
     rep.combine_send = figure(&cs, comb_bytes);
     rep.combine_recv = figure(&cr, comb_bytes);
+    rep.graph = graph_samples.as_ref().map(|t| GraphReport {
+        dispatch: figure(&t.dispatch, disp_bytes),
+        combine: figure(&t.combine, comb_bytes),
+        dispatch_combine: figure(&t.both, disp_bytes + comb_bytes),
+    });
     rep.empty_launch_us = figure(&t_empty, 0.0).median_us;
     rep.zero_token_dispatch_us = figure(&t_signal, 0.0).median_us;
     rep.copy_dispatch_bytes_us = figure(&t_copy_d, 0.0).median_us;
@@ -464,20 +453,43 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         "bytes per token sent: ep-rs {:.0} (one message per destination rank), DeepEP {:.0} (one per expert)",
         rep.bytes_per_token_ep_rs, rep.bytes_per_token_deepep
     );
+    let graph_cols = if rep.graph.is_some() {
+        format!(" {:>10} {:>10}", "graph us", "graph GB/s")
+    } else {
+        String::new()
+    };
     println!(
-        "{:<22} {:>10} {:>10}  (median of {iters} event-timed calls, slowest rank; DeepEP bytes)",
-        "call", "us", "GB/s"
+        "{:<22} {:>10} {:>10}{graph_cols}  (median of {iters} event-timed calls{}, slowest rank; DeepEP bytes)",
+        "call",
+        "us",
+        "GB/s",
+        if rep.graph.is_some() {
+            " / graph replays"
+        } else {
+            ""
+        }
     );
-    for (name, f) in [
-        ("dispatch", rep.dispatch),
-        ("combine", rep.combine),
-        ("dispatch + combine", rep.dispatch_combine),
-        ("hook: dispatch send", rep.dispatch_send),
-        ("hook: dispatch recv", rep.dispatch_recv),
-        ("hook: combine send", rep.combine_send),
-        ("hook: combine recv", rep.combine_recv),
+    let graphed = |f: fn(&GraphReport) -> Figure| rep.graph.as_ref().map(f);
+    for (name, f, gf) in [
+        ("dispatch", rep.dispatch, graphed(|g| g.dispatch)),
+        ("combine", rep.combine, graphed(|g| g.combine)),
+        (
+            "dispatch + combine",
+            rep.dispatch_combine,
+            graphed(|g| g.dispatch_combine),
+        ),
+        ("hook: dispatch send", rep.dispatch_send, None),
+        ("hook: dispatch recv", rep.dispatch_recv, None),
+        ("hook: combine send", rep.combine_send, None),
+        ("hook: combine recv", rep.combine_recv, None),
     ] {
-        println!("{name:<22} {:>10.2} {:>10.1}", f.median_us, f.gb_per_s);
+        let gcol = gf
+            .map(|g| format!(" {:>10.2} {:>10.1}", g.median_us, g.gb_per_s))
+            .unwrap_or_default();
+        println!(
+            "{name:<22} {:>10.2} {:>10.1}{gcol}",
+            f.median_us, f.gb_per_s
+        );
     }
     println!(
         "{:<22} {:>10.2}            (the gate's release to an empty end)",
@@ -511,7 +523,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             "variant": "a (peers by pointer)",
             "device": format!("GPU {} ({} SMs)", dev.ordinal(), dev.num_sms()),
             "workload": w.description,
-            "digest": gpu_digest.total.to_string(),
+            "digest": gpu_digest.to_string(),
             "report": rep,
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(
@@ -523,6 +535,177 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     }
     println!("total {:.1} s", started.elapsed().as_secs_f64());
     Ok(0)
+}
+
+/// The plan a call's outputs are verified against.
+struct Verify<'a> {
+    cfg: &'a LlConfig,
+    plan: &'a [Option<LlDispatchOutput>],
+    want: &'a [Option<Tensor2<bf16>>],
+}
+
+/// Counts, layout ranges and `combined_x` bit for bit against the plan: the mismatches.
+fn verify(
+    out: &[LlGpuDispatch],
+    combined: &[DevTensor],
+    cfg: &LlConfig,
+    plan: &[Option<LlDispatchOutput>],
+    want: &[Option<Tensor2<bf16>>],
+) -> Result<(Vec<String>, ep_core::digest::Digest), BenchError> {
+    let mut bad = Vec::new();
+    // Every received row, its scales and src_info, canonically (rows per (expert, source) as
+    // multisets, as the oracle states them), besides counts and layout ranges exactly.
+    let canon = |x: &LlDispatchOutput| {
+        canonicalize(x).map_err(|e| BenchError::Reference {
+            what: "plan::low_latency::canonicalize",
+            source: Box::new(e),
+        })
+    };
+    let mut gpu_disp = Vec::with_capacity(out.len());
+    for (d, (o, p)) in out.iter().zip(plan).enumerate() {
+        let Some(p) = p else {
+            gpu_disp.push(None);
+            continue;
+        };
+        check_counts(d, o, p, &mut bad)?;
+        let host = o
+            .download(cfg)
+            .map_err(gpu_err("downloading the dispatch"))?;
+        if let Some(diff) = canon(&host)?.first_difference(&canon(p)?) {
+            bad.push(format!("rank {d}: dispatch differs from the plan: {diff}"));
+        }
+        gpu_disp.push(Some(host));
+    }
+    let mut gpu_comb = Vec::with_capacity(combined.len());
+    for (s, (c, wnt)) in combined.iter().zip(want).enumerate() {
+        let Some(wnt) = wnt else {
+            gpu_comb.push(None);
+            continue;
+        };
+        let got: Tensor2<bf16> = c.download().map_err(gpu_err("downloading combined_x"))?;
+        let diff = got
+            .data()
+            .iter()
+            .zip(wnt.data())
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        if diff > 0 {
+            bad.push(format!(
+                "rank {s}: {diff} combined elements differ from the plan"
+            ));
+        }
+        gpu_comb.push(Some(got));
+    }
+    // The canonical digest of the GPU's outputs and of the plan's.
+    let digest_of = |d: &[Option<LlDispatchOutput>], c: &[Option<Tensor2<bf16>>]| {
+        ep_core::digest::low_latency(d, c).map_err(|e| BenchError::Reference {
+            what: "digest",
+            source: Box::new(e),
+        })
+    };
+    let gpu_digest = digest_of(&gpu_disp, &gpu_comb)?;
+    if gpu_digest.total != digest_of(plan, want)?.total {
+        bad.push("the canonical digest differs from the plan's".into());
+    }
+    Ok((bad, gpu_digest.total))
+}
+
+/// Per-call samples of the graph replays, or the mismatches of the verified replay.
+struct GraphSamples {
+    dispatch: Vec<f64>,
+    combine: Vec<f64>,
+    both: Vec<f64>,
+    bad: Option<Vec<String>>,
+}
+
+/// Captures dispatch + combine, dispatch, and combine as graphs; verifies one replay of the
+/// first and of the pair of the others (outputs poisoned first); times `total - warm` replays of
+/// each after `warm` (module docs).
+fn time_graphs(
+    g: &mut LlGroup,
+    inputs: &[LlRankInputs<'_>],
+    dargs: &LlDispatchArgs,
+    y_in: &[LlCombineInput<'_>],
+    v: &Verify<'_>,
+    total: usize,
+    warm: usize,
+) -> Result<GraphSamples, BenchError> {
+    let both = g
+        .capture(|g| {
+            let o = g.dispatch(inputs, dargs)?;
+            let hs: Vec<_> = o.iter().map(|o| &o.handle).collect();
+            let c = g.combine(&hs, y_in, false)?;
+            Ok((o, c))
+        })
+        .map_err(gpu_err("capturing dispatch + combine"))?;
+    let poison = |g: &mut LlGroup| -> Result<(), BenchError> {
+        g.poison_for_test(LlPoison::Dispatch, 0xa5)
+            .and_then(|()| g.poison_for_test(LlPoison::Combine, 0x5a))
+            .map_err(gpu_err("poisoning the outputs"))
+    };
+    poison(g)?;
+    both.replay(g).map_err(gpu_err("graph replay"))?;
+    g.sync().map_err(gpu_err("graph replay"))?;
+    let (o, c) = both.outputs();
+    let (bad, _) = verify(o, c, v.cfg, v.plan, v.want)?;
+    if !bad.is_empty() {
+        return Ok(GraphSamples {
+            dispatch: Vec::new(),
+            combine: Vec::new(),
+            both: Vec::new(),
+            bad: Some(bad),
+        });
+    }
+    let t_both = samples(total, warm, |_| {
+        g.timed(|g| both.replay(g))
+            .map(|(_, t)| t)
+            .map_err(gpu_err("timed dispatch + combine graph"))
+    })?;
+    // A dispatch graph, then (after one replay, whose handles it combines) a combine graph.
+    let disp = g
+        .capture(|g| g.dispatch(inputs, dargs))
+        .map_err(gpu_err("capturing dispatch"))?;
+    poison(g)?;
+    disp.replay(g).map_err(gpu_err("graph replay"))?;
+    let comb = g
+        .capture(|g| {
+            let hs: Vec<_> = disp.outputs().iter().map(|o| &o.handle).collect();
+            g.combine(&hs, y_in, false)
+        })
+        .map_err(gpu_err("capturing combine"))?;
+    comb.replay(g).map_err(gpu_err("graph replay"))?;
+    g.sync().map_err(gpu_err("graph replay"))?;
+    let (bad, _) = verify(disp.outputs(), comb.outputs(), v.cfg, v.plan, v.want)?;
+    if !bad.is_empty() {
+        return Ok(GraphSamples {
+            dispatch: Vec::new(),
+            combine: Vec::new(),
+            both: t_both,
+            bad: Some(bad),
+        });
+    }
+    let t_disp = samples(total, warm, |_| {
+        let t = g
+            .timed(|g| disp.replay(g))
+            .map(|(_, t)| t)
+            .map_err(gpu_err("timed dispatch graph"))?;
+        comb.replay(g).map_err(gpu_err("combine graph"))?;
+        Ok(t)
+    })?;
+    let t_comb = samples(total, warm, |_| {
+        // Each timed combine combines a fresh dispatch (untimed, enqueued before the gate).
+        disp.replay(g).map_err(gpu_err("dispatch graph"))?;
+        g.timed(|g| comb.replay(g))
+            .map(|(_, t)| t)
+            .map_err(gpu_err("timed combine graph"))
+    })?;
+    g.sync().map_err(gpu_err("graph replays"))?;
+    Ok(GraphSamples {
+        dispatch: t_disp,
+        combine: t_comb,
+        both: t_both,
+        bad: None,
+    })
 }
 
 fn check_counts(

@@ -114,6 +114,11 @@ pub struct BenchArgs {
     /// MPS.
     #[arg(long, value_name = "N")]
     pub procs: Option<usize>,
+    /// GPU, low-latency mode: after the un-graphed figures, capture dispatch, combine and
+    /// dispatch + combine each as a CUDA graph, verify one replay against the plan, and time
+    /// at least 1000 replays of each (printed beside the un-graphed figures, `graph` in --json).
+    #[arg(long)]
+    pub graph: bool,
 }
 
 /// How a run ended when it ran to the end.
@@ -301,6 +306,7 @@ const DEFAULTS: Defaults = Defaults {
 /// Runs `ep bench` on the backend `--backend` names and returns the exit code (0 verified,
 /// 1 mismatch): the simulator through [`run`], the GPU through [`gpu::run`].
 pub fn run_any(args: &BenchArgs) -> Result<i32, BenchError> {
+    check_graph_flag(args)?;
     if args.backend == Backend::Gpu {
         // Refused before the GPU is opened, as on the simulator (every command of ep bench
         // defaults low-latency dispatch to FP8).
@@ -312,10 +318,21 @@ pub fn run_any(args: &BenchArgs) -> Result<i32, BenchError> {
     run(args).map(|o| o.exit_code())
 }
 
+/// `--graph` is a GPU low-latency option: refused (usage error) anywhere else.
+fn check_graph_flag(args: &BenchArgs) -> Result<(), BenchError> {
+    if args.graph && (args.backend != Backend::Gpu || args.workload.mode != Mode::LowLatency) {
+        return Err(BenchError::Usage(
+            "--graph captures low-latency calls in CUDA graphs: use it with --backend gpu --mode low-latency".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Runs `ep bench` on the simulator (module docs): prints the report, writes `--json`, returns
 /// the outcome. `--backend gpu` goes to [`gpu::run`] ([`run_any`] routes).
 pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
     let started = Instant::now();
+    check_graph_flag(args)?;
     if args.backend == Backend::Gpu {
         return Err(BenchError::Usage(
             "bench::run drives the simulator; --backend gpu runs through bench::gpu::run (bench::run_any)".into(),

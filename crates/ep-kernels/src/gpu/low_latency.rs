@@ -22,6 +22,10 @@ use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use ep_core::plan::low_latency::{LlParams, validate_hidden, validate_params};
 use ep_core::protocol::layout::{LlLayout, REGION_ALIGN, ll_half, ll_signal_bytes};
 
+mod graph;
+
+pub use graph::LlGraph;
+
 use super::abi::{self, ErrBlock, LlArgs};
 use super::device::Device;
 use super::gate::{Gate, elapsed, record_ends};
@@ -180,6 +184,9 @@ struct LlRank {
     counters: Arc<DevBuf>,
     /// `int32[R]` shrink mask.
     mask: Arc<DevBuf>,
+    /// `[num_sms]` u64: each block's last call number (the device-resident epoch a captured
+    /// kernel counts from, docs/protocol.md §3.10).
+    epoch: Arc<DevBuf>,
     /// `[L]` i32 cumulative received tokens, `[R]` u64 ns waited per source.
     recv_stats: Arc<DevBuf>,
     wait_stats: Arc<DevBuf>,
@@ -213,6 +220,10 @@ pub struct LlGroup {
     smem_limit: usize,
     /// Per rank: where the kernels stamp their phase times, when measuring.
     phase_times: Option<Vec<DevTensor>>,
+    /// Identity (graphs replay on the group they were captured from).
+    id: u64,
+    /// The capture recording, if any ([`LlGroup::capture`]).
+    capture: Option<graph::LlCapture>,
 }
 
 /// Where each shared-memory array of a kernel starts, and the bytes needed.
@@ -350,6 +361,7 @@ impl LlGroup {
                 data,
                 counters: Arc::new(DevBuf::zeroed(&ctx, 16)?),
                 mask: Arc::new(DevBuf::zeroed(&ctx, 4 * r)?),
+                epoch: Arc::new(DevBuf::zeroed(&ctx, 8 * cfg.num_sms)?),
                 recv_stats: Arc::new(DevBuf::zeroed(&ctx, 4 * l)?),
                 wait_stats: Arc::new(DevBuf::zeroed(&ctx, 8 * r)?),
                 halves: [half()?, half()?],
@@ -370,6 +382,8 @@ impl LlGroup {
             gate: None,
             smem_limit,
             phase_times: None,
+            id: super::graph::next_group_id(),
+            capture: None,
         })
     }
 
@@ -403,6 +417,7 @@ impl LlGroup {
     /// failed to write shows.
     #[doc(hidden)]
     pub fn poison_for_test(&mut self, what: LlPoison, byte: u8) -> Result<()> {
+        self.not_capturing("poison_for_test")?;
         self.sync_streams()?;
         for r in &self.ranks {
             let mut bufs: Vec<&Arc<DevBuf>> = Vec::new();
@@ -437,6 +452,14 @@ impl LlGroup {
         let e = self.dev.err.read();
         if e.status == 0 {
             return Ok(());
+        }
+        if self.capture.is_some() {
+            // Reading the record needs finished streams, which a capture cannot wait for.
+            return Err(Error::NotCapturable {
+                what: "a call after a device error".into(),
+                fix: "the error surfaces after the capture: sync(), then reset() if it says so"
+                    .into(),
+            });
         }
         self.sync_streams()?;
         let e = self.dev.err.read();
@@ -504,6 +527,7 @@ impl LlGroup {
 
     /// Waits for every rank's stream and reports any device error.
     pub fn sync(&mut self) -> Result<()> {
+        self.not_capturing("sync")?;
         if let Some(cause) = &self.poison {
             return Err(Error::Poisoned {
                 cause: cause.clone(),
@@ -517,12 +541,15 @@ impl LlGroup {
     /// the signals and completion counters, clears the error record and any pending hook;
     /// earlier handles become invalid.
     pub fn reset(&mut self) -> Result<()> {
+        self.not_capturing("reset")?;
         self.sync_streams()?;
         for r in &self.ranks {
             r.signals.memset_async(&r.stream, 0, 0, r.signals.len())?;
             r.counters.memset_async(&r.stream, 0, 0, r.counters.len())?;
         }
         self.sync_streams()?;
+        // A rank whose kernels did not all run left its epoch words behind the counter.
+        self.write_epochs()?;
         self.dev.err.write(ErrBlock::default());
         self.poison = None;
         self.pending = None;
@@ -538,6 +565,7 @@ impl LlGroup {
     /// `clean_low_latency_buffer` (docs/protocol.md §3.7): zeroes every rank's signal words of
     /// both halves, then waits for all ranks (the barrier).
     pub fn clean(&mut self) -> Result<()> {
+        self.not_capturing("clean")?;
         self.check_ready()?;
         if self.pending.is_some() {
             return Err(hook_pending());
@@ -551,6 +579,7 @@ impl LlGroup {
     /// `low_latency_update_mask_buffer(rank, mask)`: masks (or unmasks) `rank` for the
     /// following calls of every rank (spec §2.7).
     pub fn update_mask(&mut self, rank: usize, masked: bool) -> Result<()> {
+        self.not_capturing("update_mask")?;
         if rank >= self.num_ranks() {
             return Err(Error::RankOutOfRange {
                 rank,
@@ -568,6 +597,7 @@ impl LlGroup {
 
     /// `low_latency_clean_mask_buffer`: unmasks every rank.
     pub fn clean_mask(&mut self) -> Result<()> {
+        self.not_capturing("clean_mask")?;
         self.mask.iter_mut().for_each(|m| *m = false);
         self.write_mask()
     }
@@ -582,11 +612,26 @@ impl LlGroup {
         for r in &self.ranks {
             r.mask.write(0, &bytes)?;
         }
+        // A masked rank's kernels are not launched, so its epoch words fell behind: every mask
+        // change sets them to the counter (the streams are idle), and a graph replays only
+        // under the mask it was captured with (docs/protocol.md §3.10).
+        self.write_epochs()
+    }
+
+    /// Sets every rank's epoch words to the call counter (the streams must be idle).
+    fn write_epochs(&self) -> Result<()> {
+        let words: Vec<u8> = std::iter::repeat_n(self.call.to_le_bytes(), self.cfg.num_sms)
+            .flatten()
+            .collect();
+        for r in &self.ranks {
+            r.epoch.write(0, &words)?;
+        }
         Ok(())
     }
 
     /// Per-rank statistics since the last [`LlGroup::clear_stats`] (synchronises).
     pub fn stats(&mut self) -> Result<Vec<LlStats>> {
+        self.not_capturing("stats")?;
         self.sync()?;
         self.ranks
             .iter()
@@ -611,6 +656,7 @@ impl LlGroup {
 
     /// Zeroes the statistics.
     pub fn clear_stats(&mut self) -> Result<()> {
+        self.not_capturing("clear_stats")?;
         for r in &self.ranks {
             r.recv_stats
                 .memset_async(&r.stream, 0, 0, r.recv_stats.len())?;
@@ -648,7 +694,10 @@ impl LlGroup {
             num_local_experts: cfg.num_local_experts() as u64,
             hidden: cfg.hidden as u64,
             num_max_tokens: cfg.num_max_dispatch_tokens_per_rank as u64,
-            call: self.call,
+            // A captured kernel must not freeze its call number: 0 makes it take the next one
+            // from its epoch words at every replay.
+            call: if self.capture.is_some() { 0 } else { self.call },
+            epoch: self.ranks[rank].epoch.ptr(),
             half,
             // Co-resident ranks: every peer is on this GPU.
             flags: abi::EP_FLAG_SAME_GPU,
@@ -669,6 +718,7 @@ impl LlGroup {
     /// Measurement: from now on (`on`, which also zeroes the stamps) the kernels stamp
     /// `%globaltimer` at their phase boundaries ([`LlGroup::phase_times`]); off with `false`.
     pub fn measure_phases(&mut self, on: bool) -> Result<()> {
+        self.not_capturing("measure_phases")?;
         self.phase_times = if on {
             let slots = abi::EP_PHASE_SLOTS as usize;
             Some(
@@ -688,6 +738,7 @@ impl LlGroup {
     /// `%globaltimer` values (ns; 0 = not reached): send start, routing known, rows stored,
     /// signals released (last block), receive start, sources acquired, end.
     pub fn phase_times(&mut self) -> Result<Vec<Vec<Vec<u64>>>> {
+        self.not_capturing("phase_times")?;
         self.sync()?;
         let Some(bufs) = &self.phase_times else {
             return Ok(Vec::new());
@@ -838,6 +889,9 @@ impl LlGroup {
             ));
         }
         let (op, half) = self.start_op()?;
+        for i in inputs {
+            self.keep([i.x, i.topk_idx, i.topk_weights].map(DevTensor::buffer));
+        }
         let mut flags = 0;
         if args.use_fp8 {
             flags |= abi::EP_FLAG_FP8;
@@ -1011,10 +1065,29 @@ impl LlGroup {
                 }
             }
         }
+        if let Some(cap) = &mut self.capture {
+            // A replay's combine finds its routing in the previous operation's half: only a
+            // handle of the operation just before can be captured (docs/protocol.md §3.10).
+            if handles.iter().any(|hd| hd.op + 1 != self.op) {
+                return Err(Error::NotCapturable {
+                    what: "a combine whose handle is not from the operation just before it".into(),
+                    fix: "capture the combine right after its dispatch (with only its recv_hook between)"
+                        .into(),
+                });
+            }
+            if self.op == cap.op0 {
+                cap.prev = Some(handles.iter().map(|hd| hd.num_tokens).collect());
+            }
+        }
         let zero_copy: Vec<DevTensor> = (0..r)
             .map(|s| self.next_combine_buffer(s))
             .collect::<Result<_>>()?;
         let (_, half) = self.start_op()?;
+        for inp in inputs {
+            if let LlCombineInput::Tensor(t) = inp {
+                self.keep([t.buffer()]);
+            }
+        }
         let mut recv_args = Vec::with_capacity(r);
         let mut out = Vec::with_capacity(r);
         for (s, (hd, inp)) in handles.iter().zip(inputs).enumerate() {
@@ -1062,6 +1135,7 @@ impl LlGroup {
     /// Runs `f`, which enqueues work on every rank's stream, with every rank released at once
     /// behind a gate, and returns each rank's device time (seconds, CUDA events).
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
+        self.not_capturing("timed")?;
         if self.gate.is_none() {
             self.gate = Some(Gate::new(&self.dev)?);
         }

@@ -7,6 +7,7 @@
 //! - [`ipc`]: device buffers shared with other processes (CUDA IPC);
 //! - [`device`]: one GPU with its kernels and error record;
 //! - `gate`: timing several ranks' streams from one release;
+//! - `graph`: the CUDA-graph capture and replay plumbing both groups share;
 //! - [`normal`]: layout, dispatch, cached dispatch, combine and the copy ceiling; calls captured
 //!   in CUDA graphs and ordered against the caller's streams;
 //! - [`low_latency`]: [`LlGroup`], low-latency dispatch and combine (variant (a), peers by pointer).
@@ -16,6 +17,7 @@
 pub mod abi;
 pub mod device;
 mod gate;
+mod graph;
 mod host;
 pub mod ipc;
 pub mod low_latency;
@@ -26,8 +28,8 @@ pub mod tensor;
 
 pub use device::Device;
 pub use low_latency::{
-    LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGpuHandle, LlGroup, LlPoison,
-    LlRankInputs, LlStats,
+    LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGpuHandle, LlGraph, LlGroup,
+    LlPoison, LlRankInputs, LlStats,
 };
 pub use normal::{
     CallStreams, CombineSource, GpuCombineArgs, GpuCombined, GpuDispatch, GpuDispatchArgs,

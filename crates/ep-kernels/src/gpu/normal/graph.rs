@@ -11,28 +11,22 @@
 //! replays mix freely. The host adds the graph's call count to its counter at each replay, so
 //! it always knows the epoch (error records, `last_call`).
 //!
-//! **One graph per local rank.** Co-resident ranks' kernels spin on each other, so they must run
-//! concurrently: each rank's calls are captured from its own stream into its own graph and
-//! replayed on its own stream, exactly as eager calls are enqueued (independent branches of one
-//! graph may be serialised by the driver, which would deadlock them).
+//! **One graph per local rank** (`gpu/graph.rs`, shared with low-latency mode): each rank's
+//! calls are captured from its own stream into its own graph and replayed on its own stream.
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::sys;
 use cudarc::driver::{CudaEvent, CudaGraph, CudaStream};
 
 use super::{GpuHandle, LastDispatch, NormalGroup, check_rank_count};
 use crate::error::{Error, Result};
+use crate::gpu::graph::{capture_streams, launch_graphs, not_capturable};
 use crate::gpu::mem::DevBuf;
 use crate::gpu::tensor::{DType, DevTensor};
 
-/// A fresh group identity (graphs replay only on the group they were captured from).
-pub(super) fn next_group_id() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
-}
+pub(super) use crate::gpu::graph::next_group_id;
 
 /// What a capture in progress collects.
 #[derive(Debug, Default)]
@@ -103,22 +97,14 @@ impl<T> NormalGraph<T> {
             .context()
             .bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
-        for (i, (r, exec)) in g.ranks.iter().zip(&self.execs).enumerate() {
-            // SAFETY: the exec is alive (owned by self) and was captured from this group (ids
-            // checked): its kernels address this group's arenas, epoch words and error record,
-            // alive while the group is, and buffers held by `self.keep`; the stream is a live
-            // stream of the group's context.
-            let launched =
-                unsafe { sys::cuGraphLaunch(exec.cu_graph_exec(), r.stream.cu_stream()) }
-                    .result()
-                    .map_err(Error::cuda("cuGraphLaunch"));
-            if let Err(e) = launched {
-                if i > 0 {
-                    // Ranks already launched wait for this one: they will time out.
-                    g.poison = Some(format!("graph launch of local rank {i} failed: {e}"));
-                }
-                return Err(e);
+        // The graphs were captured from this group (ids checked): their kernels address its
+        // arenas, epoch words and error record, alive while it is, and buffers in `self.keep`.
+        if let Err((i, e)) = launch_graphs(&self.execs, g.ranks.iter().map(|r| &r.stream)) {
+            if i > 0 {
+                // Ranks already launched wait for this one: they will time out.
+                g.poison = Some(format!("graph launch of local rank {i} failed: {e}"));
             }
+            return Err(e);
         }
         g.call += self.calls;
         if self.last.is_some() {
@@ -166,54 +152,16 @@ impl NormalGroup {
         }
         self.check_ready()?;
         let (call0, last0) = (self.call, self.last);
-        // Relaxed: the calls allocate (cuMemAlloc) while capturing, which the stricter modes
-        // refuse; nothing else they do touches a capturing stream outside the capture.
-        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-        let mut begun = 0;
-        let mut out = Ok(());
-        for r in &self.ranks {
-            if let Err(e) = r.stream.begin_capture(mode) {
-                out = Err(Error::Cuda {
-                    op: "cuStreamBeginCapture",
-                    source: e,
-                });
-                break;
-            }
-            begun += 1;
-        }
-        let out = out.and_then(|()| {
+        let streams: Vec<_> = self.ranks.iter().map(|r| r.stream.clone()).collect();
+        let captured = capture_streams(&streams, || {
             self.capture = Some(Capture::default());
             f(self)
         });
         let cap = self.capture.take().unwrap_or_default();
         let (calls, last) = (self.call - call0, self.last);
         (self.call, self.last) = (call0, last0);
-        // End every capture begun, whatever happened: a stream left capturing is unusable.
-        let mut execs = Vec::with_capacity(begun);
-        let mut ended = Ok(());
-        for (i, r) in self.ranks[..begun].iter().enumerate() {
-            let e = match r.stream.end_capture(sys::CUgraphInstantiate_flags(0)) {
-                Ok(Some(g)) => {
-                    execs.push(g);
-                    continue;
-                }
-                Ok(None) => {
-                    Error::Unsupported(format!("the capture of local rank {i} produced no graph"))
-                }
-                Err(source) => Error::Cuda {
-                    op: "cuStreamEndCapture / cuGraphInstantiate",
-                    source,
-                },
-            };
-            if ended.is_ok() {
-                ended = Err(e);
-            }
-        }
-        let outputs = out?;
-        ended?;
-        for g in &execs {
-            g.upload().map_err(Error::cuda("cuGraphUpload"))?;
-        }
+        let outputs = captured.0?;
+        let execs = captured.1?;
         let mut keep = cap.keep;
         if let Some(p) = &self.phase_times {
             keep.extend(p.iter().map(|t| t.buffer().clone()));
@@ -357,10 +305,7 @@ impl NormalGroup {
         if self.capture.is_none() {
             return Ok(());
         }
-        Err(Error::NotCapturable {
-            what: what.into(),
-            fix: "it needs the host or a finished stream mid-sequence; call it before or after the capture".into(),
-        })
+        Err(not_capturable(what))
     }
 
     /// A per-call output of local rank `rank`: stream-ordered memory of its stream, or, while
