@@ -784,8 +784,11 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         })?;
         row.ceiling_dispatch = figure(&s, dispatch_bytes);
         if !fp8 {
-            let outs: Vec<DevTensor> = (0..r)
-                .map(|s| {
+            // One output per local rank (every rank co-resident, this rank in a rank process).
+            let outs: Vec<DevTensor> = sets[0]
+                .local
+                .iter()
+                .map(|&s| {
                     DevTensor::empty(
                         dev.context(),
                         DType::Bf16,

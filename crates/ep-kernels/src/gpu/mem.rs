@@ -129,7 +129,7 @@ impl DevBuf {
             .map_err(Error::cuda("cuMemcpyDtoDAsync"))
     }
 
-    /// Copies `src` to `[off, off + src.len())` (synchronous).
+    /// Copies `src` to `[off, off + src.len())`; returns when the bytes are in device memory.
     pub fn write(&self, off: usize, src: &[u8]) -> Result<()> {
         self.check(off, src.len())?;
         self.ctx
@@ -137,7 +137,13 @@ impl DevBuf {
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
         // SAFETY: the destination range lies in this allocation (checked), `src` is host memory.
         unsafe { result::memcpy_htod_sync(self.ptr + off as u64, src) }
-            .map_err(Error::cuda("cuMemcpyHtoD"))
+            .map_err(Error::cuda("cuMemcpyHtoD"))?;
+        // From pageable memory cuMemcpyHtoD may return once the bytes are staged, before the DMA
+        // lands; it runs on the legacy stream, which the non-blocking rank streams do not wait
+        // for. Wait for it, so that a kernel launched after `write` returns reads the new bytes.
+        // SAFETY: the null stream is the context's legacy stream (the context is current).
+        unsafe { result::stream::synchronize(std::ptr::null_mut()) }
+            .map_err(Error::cuda("cuStreamSynchronize(legacy)"))
     }
 
     /// Copies `[off, off + dst.len())` into `dst` (synchronous).
