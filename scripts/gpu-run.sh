@@ -50,6 +50,10 @@ for t in bundle/tests/*; do
   # shellcheck disable=SC2053 # $only is a glob
   [ -z "$only" ] || [[ $name == $only ]] || continue
   run_test "$t" "$name" "$@"
+  # The low-latency suite once more on kernel variant (b), NVSHMEM's device API (one PE).
+  if [ "$name" = ep-kernels--gpu_low_latency ]; then
+    export EP_LL_VARIANT=nvshmem; run_test "$t" "$name-nvshmem" "$@"; unset EP_LL_VARIANT
+  fi
 done
 procs=bundle/tests/ep-kernels--gpu_normal_procs
 if [ "${GPU_RUN_MPS:-0}" = 1 ] && [ -x "$procs" ]; then
@@ -95,6 +99,11 @@ if [ -x bundle/ep ]; then
     --experts 288 --num-sms 64 --gpu-iters 1000 --graph --json "$out/bench-gpu-ll-r2.json" 2>&1 \
     | tee "$out/bench-gpu-ll-r2.txt"
   echo "ep bench --backend gpu --mode low-latency exited ${PIPESTATUS[0]}"
+  echo "=== ep bench --backend gpu --mode low-latency --variant nvshmem"
+  bundle/ep bench --backend gpu --mode low-latency --variant nvshmem --ranks 2 --tokens 128 --hidden 7168 \
+    --topk 8 --experts 288 --num-sms 64 --gpu-iters 1000 --graph --json "$out/bench-gpu-ll-r2-nvshmem.json" 2>&1 \
+    | tee "$out/bench-gpu-ll-r2-nvshmem.txt"
+  echo "ep bench --backend gpu --mode low-latency --variant nvshmem exited ${PIPESTATUS[0]}"
 fi
 echo "$pass passed, $fail failed${skipped:+; skipped: $skipped}"
 [ $fail -eq 0 ]

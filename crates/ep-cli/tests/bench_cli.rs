@@ -152,6 +152,22 @@ fn typed_errors_and_exit_codes() {
         let e = bench_fails(&cat(SMALL, extra), 2);
         assert!(e.contains("--graph"), "{extra:?}: {e}");
     }
+    // So is the kernel variant.
+    for extra in [
+        &["--variant", "nvshmem"][..],
+        &[
+            "--backend",
+            "gpu",
+            "--mode",
+            "normal",
+            "--variant",
+            "nvshmem",
+        ][..],
+        &["--mode", "low-latency", "--variant", "nvshmem"][..],
+    ] {
+        let e = bench_fails(&cat(SMALL, extra), 2);
+        assert!(e.contains("--variant"), "{extra:?}: {e}");
+    }
     // Usage errors: exit 2.
     let e = bench_fails(
         &cat(SMALL, &["--hidden", "256", "--ranks-per-node", "3"]),

@@ -1,9 +1,15 @@
-// Low-latency mode on GPUs, variant (a): every peer addressed by pointer (co-resident ranks or
-// NVLink P2P), docs/protocol.md §3. One message per (token, destination rank) — meta record and
-// row (BF16, or e4m3 + per-128 f32 scales cast once by the sender) — stored straight into the
-// destination's `drecv[s]`; the receiver fans each message out to the packed per-expert rows at
-// the deterministic place `begin(l, s) + pos`. Combine is reduced on the expert's rank: one BF16
-// partial per (token, expert rank), summed in ascending rank order by the token's rank.
+// Low-latency mode on GPUs, docs/protocol.md §3, in two variants built from this one source:
+// (a) every peer addressed by pointer (co-resident ranks or NVLink P2P): messages are stored
+// straight into the destination's `drecv[s]`; (b) `EP_LL_NVSHMEM` (compiled relocatable, linked
+// at run time against the loaded libnvshmem_device.a): every peer through NVSHMEM's device API —
+// rows and meta records staged in this rank's `dsend` regions, then `put_nbi` / `put_signal_nbi`,
+// `fence`, `quiet`, and signals polled with `signal_fetch` (a bounded wait; `signal_wait_until`
+// has no bound). Only the peer operations differ (the `#ifdef EP_LL_NVSHMEM` blocks); routing,
+// placement, offsets and signal values are shared. One message per (token, destination rank) —
+// meta record and row (BF16, or e4m3 + per-128 f32 scales cast once by the sender); the receiver
+// fans each message out to the packed per-expert rows at the deterministic place
+// `begin(l, s) + pos`. Combine is reduced on the expert's rank: one BF16 partial per (token,
+// expert rank), summed in ascending rank order by the token's rank.
 //
 // Each op kernel has a send part and a receive part (EP_FLAG_LL_SEND / EP_FLAG_LL_RECV): one
 // launch with both is the plain call, two launches are the hook halves. The send part never
@@ -19,6 +25,11 @@
 
 #include "ep_protocol.cuh"
 #include "ep_device.cuh"
+
+#ifdef EP_LL_NVSHMEM
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
 
 #define NT EP_GPU_THREADS
 #define WARPS (EP_GPU_THREADS / 32)
@@ -78,6 +89,17 @@ __device__ __forceinline__ uint64_t *signal_of(const Args &a, uint64_t r, uint64
     return (uint64_t *)(a.peer_signals[r] + off);
 }
 
+#ifdef EP_LL_NVSHMEM
+__device__ __forceinline__ int pe_of(const Args &a, uint64_t r) { return (int)a.peer_pe[r]; }
+
+// Variant (b): the warp puts `bytes` of this rank's staged `src` to `dst` (a symmetric address of
+// rank `d`'s region) after every lane's staging stores.
+__device__ __forceinline__ void put_warp(const Args &a, uint64_t d, void *dst, const void *src, uint64_t bytes) {
+    __syncwarp();
+    nvshmemx_putmem_nbi_warp(dst, src, bytes, pe_of(a, d));
+}
+#endif
+
 __device__ __forceinline__ uint64_t atomic_add_acq_rel(uint64_t *p, uint64_t v) {
     uint64_t old;
     asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
@@ -110,16 +132,28 @@ __device__ bool last_block(const Args &a, uint64_t *counter) {
     return last != 0;
 }
 
+// One read of this rank's signal word, ordering the reads after it: (a) an acquire load;
+// (b) NVSHMEM's signal_fetch, then a fence.
+__device__ __forceinline__ uint64_t load_signal(const uint64_t *word) {
+#ifdef EP_LL_NVSHMEM
+    uint64_t v = nvshmem_signal_fetch((uint64_t *)word);
+    __threadfence();
+    return v;
+#else
+    return ep_ld_acquire(word);
+#endif
+}
+
 // Waits until `*word >= want` (acquire), bounded like ep_wait_eq; returns the value, 0 on failure.
 __device__ uint64_t wait_ge(const Args &a, const uint64_t *word, uint64_t want, uint64_t kernel,
                             uint64_t word_offset, uint64_t *waited_ns) {
     ep_err_block *err = (ep_err_block *)a.err;
-    uint64_t v = ep_ld_acquire(word);
+    uint64_t v = load_signal(word);
     *waited_ns = 0;
     if (v >= want) return v;
     uint64_t start = ep_now_ns();
     for (uint32_t polls = 1;; ++polls) {
-        v = ep_ld_acquire(word);
+        v = load_signal(word);
         if (v >= want) {
             *waited_ns = ep_now_ns() - start;
             return v;
@@ -334,6 +368,16 @@ __device__ __forceinline__ uint8_t *message_row(const Args &a, const ep_ll_layou
     return half_of(a, d, a.half) + ep_ll_drecv_row(ly, a.rank, sm.slot[t * R + d]);
 }
 
+// Where this rank writes the header and meta records of its messages to `d`: (a) d's
+// `drecv[rank]` itself; (b) this rank's `dsend_meta[d]`, put with the signal (§3.3).
+__device__ __forceinline__ uint8_t *meta_block_out(const Args &a, const ep_ll_layout &ly, uint32_t d) {
+#ifdef EP_LL_NVSHMEM
+    return half_of(a, a.rank, a.half) + ep_ll_dsend_meta(ly, d);
+#else
+    return half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank);
+#endif
+}
+
 // The send part: every message of this rank into its destination's drecv[s], then (last block)
 // headers and signals.
 __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
@@ -373,6 +417,18 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                 const uint32_t c = c0 + k * 32 + lane;
                 if (c < C) v[k] = ep_ld_nc(src + c);
             }
+#ifdef EP_LL_NVSHMEM
+            // Staged once in dsend_rows[t], then put to each destination.
+            int4 *stage = (int4 *)(half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t));
+#pragma unroll
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t c = c0 + k * 32 + lane;
+                if (c < C) stage[c] = v[k];
+            }
+            const uint64_t bytes = 16ull * min(32u * UNITS, C - c0);
+            for (uint32_t d = 0; d < R; ++d)
+                if ((dm >> d) & 1u) put_warp(a, d, message_row(a, ly, sm, R, t, d) + 16ull * c0, stage + c0, bytes);
+#else
             for (uint32_t d = 0; d < R; ++d) {
                 if (!((dm >> d) & 1u)) continue;
                 int4 *dst = (int4 *)message_row(a, ly, sm, R, t, d);
@@ -382,6 +438,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                     if (c < C) dst[c] = v[k];
                 }
             }
+#endif
         }
     } else {
         // A half warp per 128-channel block: a unit is 2 x UNITS blocks of one token.
@@ -405,13 +462,30 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                 float sinv;
                 const uint2 q = cast8(raw[k], round_scale, &sinv); // every lane: it shuffles
                 if (blk >= S) continue;
+#ifdef EP_LL_NVSHMEM
+                uint8_t *stage = half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
+                *(uint2 *)(stage + blk * 128 + sub * 8) = q;
+                if (sub == 0) *(float *)(stage + soff + 4ull * blk) = sinv;
+#else
                 for (uint32_t d = 0; d < R; ++d) {
                     if (!((dm >> d) & 1u)) continue;
                     uint8_t *dst = message_row(a, ly, sm, R, t, d);
                     *(uint2 *)(dst + blk * 128 + sub * 8) = q;
                     if (sub == 0) *(float *)(dst + soff + 4ull * blk) = sinv;
                 }
+#endif
             }
+#ifdef EP_LL_NVSHMEM
+            // The unit's e4m3 blocks and their scales, staged, then put to each destination.
+            const uint8_t *stage = half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
+            const uint32_t b1 = min(b0 + 2 * UNITS, S);
+            for (uint32_t d = 0; d < R; ++d) {
+                if (!((dm >> d) & 1u)) continue;
+                uint8_t *dst = message_row(a, ly, sm, R, t, d);
+                put_warp(a, d, dst + 128ull * b0, stage + 128ull * b0, 128ull * (b1 - b0));
+                put_warp(a, d, dst + soff + 4ull * b0, stage + soff + 4ull * b0, 4ull * (b1 - b0));
+            }
+#endif
         }
     }
     // While the rows drain: positions, then the meta records (receivers read them only after
@@ -422,8 +496,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
         for (uint32_t d = 0; d < R; ++d) {
             if (!((dm >> d) & 1u)) continue;
-            uint8_t *meta = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + hdr +
-                            (uint64_t)sm.slot[t * R + d] * meta_bytes;
+            uint8_t *meta = meta_block_out(a, ly, d) + hdr + (uint64_t)sm.slot[t * R + d] * meta_bytes;
             const bool on_d = e >= 0 && (uint32_t)e / L == d;
             const uint32_t bal = __ballot_sync(FULL, on_d);
             if (on_d) {
@@ -441,10 +514,24 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
         const uint32_t d = i / L, l = i % L;
         if (masked(a, d)) continue;
-        uint32_t *header = (uint32_t *)(half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank));
+        uint32_t *header = (uint32_t *)meta_block_out(a, ly, d);
         header[l] = sm.tot[d * L + l];
     }
     __syncthreads();
+#ifdef EP_LL_NVSHMEM
+    // Warp d: fence (every row put of this PE before what follows), then one put_signal of
+    // header + meta records carrying disp_sig[h][rank]; then quiet (staging free, §3.7).
+    if (warp < R && !masked(a, warp)) {
+        const uint32_t d = warp;
+        __threadfence();
+        nvshmem_fence();
+        nvshmemx_putmem_signal_nbi_warp(half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank), meta_block_out(a, ly, d),
+                                        hdr + (uint64_t)ncnt[d] * meta_bytes,
+                                        signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
+                                        ep_ll_encode(call_k, ncnt[d]), NVSHMEM_SIGNAL_SET, pe_of(a, d));
+        if (lane == 0) nvshmem_quiet();
+    }
+#else
     if (threadIdx.x == 0) {
         fence_for_peers(a);
         for (uint32_t d = 0; d < R; ++d) {
@@ -453,6 +540,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                           ep_ll_encode(call_k, ncnt[d]));
         }
     }
+#endif
     stamp(a, 3);
 }
 
@@ -638,7 +726,12 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             er[j] = __shfl_sync(FULL, src_row, j);
             ew[j] = __uint_as_float(__shfl_sync(FULL, my_w, j));
         }
+#ifdef EP_LL_NVSHMEM
+        // Staged in csend[s][i], then put to s's crecv[rank] slot i.
+        int4 *dst = (int4 *)(half_of(a, a.rank, a.half) + ep_ll_csend(ly, s, i));
+#else
         int4 *dst = (int4 *)(half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i));
+#endif
         for (uint32_t k = 0; k < UNITS; ++k) {
             const uint32_t c = c0 + k * 32 + lane;
             if (c >= C) break;
@@ -667,9 +760,24 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             for (int x = 0; x < 4; ++x) o2[x] = __floats2bfloat162_rn(acc[2 * x], acc[2 * x + 1]);
             dst[c] = out;
         }
+#ifdef EP_LL_NVSHMEM
+        put_warp(a, s, half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i) + 16ull * c0, dst + c0,
+                 16ull * min(32u * UNITS, C - c0));
+#endif
     }
     stamp(a, 2);
     if (!last_block(a, (uint64_t *)a.counter)) return;
+#ifdef EP_LL_NVSHMEM
+    // Thread s: fence (every partial put of this PE first), the signal, then quiet.
+    if (threadIdx.x < R && !masked(a, threadIdx.x)) {
+        const uint32_t s = threadIdx.x;
+        __threadfence();
+        nvshmem_fence();
+        nvshmemx_signal_op(signal_of(a, s, ep_ll_combine_signal(R, a.half, a.rank)), ep_ll_encode(call_k, count[s]),
+                           NVSHMEM_SIGNAL_SET, pe_of(a, s));
+        nvshmem_quiet();
+    }
+#else
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < R; ++s) {
             if (masked(a, s)) continue;
@@ -677,6 +785,7 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                           ep_ll_encode(call_k, count[s]));
         }
     }
+#endif
     stamp(a, 3);
 }
 

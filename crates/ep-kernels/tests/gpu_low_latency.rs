@@ -1,10 +1,15 @@
-//! Low-latency mode on the GPU (variant (a), co-resident ranks) against the plan
+//! Low-latency mode on the GPU (co-resident ranks) against the plan
 //! (`ep_core::plan::low_latency`, itself checked against the oracle): counts, layout ranges,
 //! `src_info`, every received row and scale bit for bit (BF16, FP8, rounded scales, UE8M0),
 //! combine bit for bit with ep-rs's reduction order (BF16 partials reduced on the expert's rank),
 //! hook halves, zero-copy combine, a masked rank, many back-to-back rounds with fresh routings,
 //! an absent rank (typed timeout, reset recovers), bad inputs. Outputs are poisoned before each
 //! call; activations span a wide range of binades.
+//!
+//! Every test runs on the kernel variant `EP_LL_VARIANT` names: `pointers` (default, variant
+//! (a)) or `nvshmem` (variant (b): one NVSHMEM PE in this process holding every rank's regions,
+//! the kernels linked at run time). `scripts/gpu-run.sh` runs this file once per variant. The
+//! tests named `variant_b_*` always use variant (b).
 //!
 //! These tests need a GPU: they are `#[ignore]`d, and `scripts/gpu-run.sh` runs them with
 //! `--include-ignored` on the GPU machine. Without a GPU they fail (they never pass unrun).
@@ -14,7 +19,7 @@
     reason = "rows are compared by index across three layouts"
 )]
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ep_core::plan::low_latency::{
@@ -28,8 +33,9 @@ use ep_kernels::Error;
 use ep_kernels::gpu::mem::DevBuf;
 use ep_kernels::gpu::{
     DType, DevTensor, Device, HostElem, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch,
-    LlGroup, LlPoison, LlRankInputs,
+    LlGroup, LlPoison, LlRankInputs, LlVariant,
 };
+use ep_kernels::nvshmem::{Bootstrap, BringUp, NvshmemSession, SoloRendezvous};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -466,8 +472,43 @@ fn check_combined(
     }
 }
 
+/// The variant `EP_LL_VARIANT` selects (module docs).
+fn variant() -> LlVariant {
+    match std::env::var("EP_LL_VARIANT").as_deref() {
+        Ok("nvshmem") => LlVariant::Nvshmem,
+        Ok("pointers") | Err(_) => LlVariant::Pointers,
+        Ok(other) => panic!("EP_LL_VARIANT={other}: use pointers or nvshmem"),
+    }
+}
+
+/// This process's one-PE NVSHMEM session (NVSHMEM initialises once per process).
+fn session() -> Arc<NvshmemSession> {
+    static S: OnceLock<Arc<NvshmemSession>> = OnceLock::new();
+    S.get_or_init(|| {
+        let s = BringUp::new(0, 1, Bootstrap::UniqueId(&SoloRendezvous))
+            .device(0)
+            .init()
+            .expect("NVSHMEM with one PE (variant (b) needs NVSHMEM: EP_TEST_NVSHMEM_LIB or NVSHMEM_HOME)");
+        eprintln!("{}", s.report());
+        Arc::new(s)
+    })
+    .clone()
+}
+
+fn new_group_of(dev: &Arc<Device>, cfg: LlConfig, v: LlVariant) -> Result<LlGroup, Error> {
+    match v {
+        LlVariant::Pointers => LlGroup::new(dev.clone(), cfg),
+        LlVariant::Nvshmem => LlGroup::with_nvshmem(dev.clone(), cfg, session()),
+    }
+}
+
+fn new_group(dev: &Arc<Device>, cfg: LlConfig) -> Result<LlGroup, Error> {
+    new_group_of(dev, cfg, variant())
+}
+
 fn group(dev: &Arc<Device>, case: &Case) -> LlGroup {
-    let mut g = LlGroup::new(dev.clone(), case.config()).expect("group");
+    let mut g = new_group(dev, case.config()).expect("group");
+    assert_eq!(g.variant(), variant());
     g.set_timeout(Duration::from_secs(5));
     g
 }
@@ -698,11 +739,11 @@ fn bad_inputs_are_typed_errors_and_the_group_stays_usable() {
     // Shapes the kernels cannot address are refused at creation.
     let mut cfg = c.config();
     cfg.hidden = 100;
-    assert!(LlGroup::new(dev.clone(), cfg).is_err());
+    assert!(new_group(&dev, cfg).is_err());
     let mut cfg = c.config();
     cfg.num_sms = 100;
     assert!(matches!(
-        LlGroup::new(dev.clone(), cfg),
+        new_group(&dev, cfg),
         Err(Error::NotEnoughSms { .. })
     ));
 }
@@ -973,4 +1014,31 @@ fn calls_that_need_the_host_are_refused_inside_a_capture() {
     assert_eq!(graph.ops(), 1);
     round(&mut g, &dev, &c, &[false, false]);
     assert_epochs_kept_count(&mut g);
+}
+
+#[test]
+#[ignore = "needs a GPU and NVSHMEM: run with scripts/gpu-run.sh"]
+fn variant_b_links_at_run_time_reports_its_transport_and_equals_the_plan() {
+    let dev = device();
+    let mut c = Case::new(2, 64, 2048, 8, 32);
+    c.fp8 = Some((true, true));
+    c.hook = true;
+    let mut first = new_group_of(&dev, c.config(), LlVariant::Nvshmem).expect("variant (b)");
+    assert_eq!(first.variant(), LlVariant::Nvshmem);
+    let report = first.transport_report();
+    eprintln!("{report}");
+    assert!(report.starts_with("variant (b)"), "{report}");
+    round(&mut first, &dev, &c, &[false, false]);
+    drop(first);
+    // A second group in the same process takes the linked module from the disk cache.
+    let mut c = Case::new(4, 48, 7168, 8, 32);
+    c.fp8 = Some((false, false));
+    c.zero_copy = true;
+    let mut second = new_group_of(&dev, c.config(), LlVariant::Nvshmem).expect("variant (b)");
+    let report = second.transport_report();
+    assert!(report.contains("from the cache"), "{report}");
+    for seed in 0..3 {
+        c.seed = 40 + seed;
+        round(&mut second, &dev, &c, &[false; 4]);
+    }
 }

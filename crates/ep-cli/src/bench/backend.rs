@@ -15,8 +15,31 @@ pub enum Backend {
     /// The deterministic simulator (`Sim`) with every violation check (seeded by --seed); for
     /// small runs.
     SimChecked,
-    /// GPUs through CUDA and NVSHMEM (not built yet).
+    /// GPU 0 through CUDA (and NVSHMEM for the low-latency `--variant nvshmem`).
     Gpu,
+}
+
+/// The low-latency GPU kernel variant (docs/protocol.md §3.10, §3.11).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum LlVariantArg {
+    /// (a) Peers by pointer.
+    #[default]
+    Pointers,
+    /// (b) Every peer through NVSHMEM's device API: the co-resident ranks are regions of one
+    /// NVSHMEM PE in this process; the kernels are linked at run time against the loaded
+    /// NVSHMEM's device library.
+    Nvshmem,
+}
+
+impl LlVariantArg {
+    /// `a` or `b`, as the protocol names them.
+    #[must_use]
+    pub fn letter(self) -> &'static str {
+        match self {
+            Self::Pointers => "a",
+            Self::Nvshmem => "b",
+        }
+    }
 }
 
 impl Backend {

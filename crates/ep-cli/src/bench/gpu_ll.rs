@@ -1,6 +1,9 @@
-//! `ep bench --backend gpu --mode low-latency`: low-latency mode, variant (a) (peers by pointer),
-//! on `--ranks` co-resident ranks of one GPU (`ep_kernels::gpu::LlGroup`), `--num-sms` blocks per
-//! rank.
+//! `ep bench --backend gpu --mode low-latency`: low-latency mode on `--ranks` co-resident ranks of
+//! one GPU (`ep_kernels::gpu::LlGroup`), `--num-sms` blocks per rank, kernel variant `--variant`:
+//! (a) peers by pointer, or (b) every peer through NVSHMEM's device API — then the NVSHMEM
+//! environment plan (ep-core's, DeepEP's variables) is set in this process before NVSHMEM starts
+//! with one PE holding every rank, and the plan, NVSHMEM's init report and the group's transport
+//! report are printed before anything runs.
 //!
 //! Verification first: one dispatch and combine of the workload (outputs poisoned before) against
 //! the plan (`plan::low_latency`, itself checked against the oracle) — counts and layout ranges
@@ -32,6 +35,12 @@ use ep_core::plan::low_latency::{
     LlDispatchOutput, LlParams, PartialPrecision, canonicalize, combine_reduced_on_expert_rank,
     dispatch as plan_dispatch,
 };
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use ep_core::config::{
+    BufferConfig, IbgdaNicHandler, low_latency_rdma_size_hint, nvshmem_env_plan,
+};
 use ep_core::routing::Activations;
 use ep_core::tensor::{Tensor2, Tensor3};
 use ep_kernels::gpu::mem::DevBuf;
@@ -39,11 +48,12 @@ use ep_kernels::gpu::{
     DType, DevTensor, Device, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup,
     LlPoison, LlRankInputs,
 };
+use ep_kernels::nvshmem::{Bootstrap, BringUp, NvshmemSession, SoloRendezvous, env as nv_env};
 use half::bf16;
 
-use super::BenchArgs;
 use super::error::BenchError;
 use super::gpu::{Figure, figure, gpu_err, samples};
+use super::{BenchArgs, LlVariantArg};
 use crate::workload::{self, Defaults};
 
 /// Calls timed per figure at least (issue: ≥ 1000 replays).
@@ -69,6 +79,10 @@ impl DevSet {
 
 #[derive(Clone, Default, serde::Serialize)]
 struct LlReport {
+    /// `a` or `b`.
+    variant: &'static str,
+    /// How the ranks reach each other (`LlGroup::transport_report`).
+    transport: String,
     ranks: usize,
     sms_per_rank: usize,
     tokens_per_rank: usize,
@@ -117,7 +131,6 @@ struct GraphReport {
 /// Runs the low-latency GPU bench (module docs); exit code 0 when verified.
 pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let started = Instant::now();
-    let dev = Device::open(0).map_err(gpu_err("opening GPU 0"))?;
     let defaults = Defaults {
         hidden: 7168,
         low_latency_fp8: true,
@@ -130,8 +143,15 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let k = w.inputs[0].num_topk();
     let n = w.inputs.iter().map(|i| i.num_tokens()).max().unwrap_or(0);
     let sms = args.workload.num_sms;
+    // Variant (b): NVSHMEM (environment plan first) before the GPU is opened for the group.
+    let session = match args.variant {
+        LlVariantArg::Pointers => None,
+        LlVariantArg::Nvshmem => Some(start_nvshmem(r, n.max(1), hidden, e)?),
+    };
+    let dev = Device::open(0).map_err(gpu_err("opening GPU 0"))?;
     println!(
-        "ep bench: low-latency mode (variant a: peers by pointer) on GPU {} ({} SMs), {r} co-resident ranks x {sms} SMs, {}",
+        "ep bench: low-latency mode (variant {}) on GPU {} ({} SMs), {r} co-resident ranks x {sms} SMs, {}",
+        args.variant.letter(),
         dev.ordinal(),
         dev.num_sms(),
         w.description
@@ -143,7 +163,13 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         num_experts: e,
         num_sms: sms,
     };
-    let mut g = LlGroup::new(dev.clone(), cfg).map_err(gpu_err("creating the group"))?;
+    let mut g = match session {
+        None => LlGroup::new(dev.clone(), cfg),
+        Some(s) => LlGroup::with_nvshmem(dev.clone(), cfg, s),
+    }
+    .map_err(gpu_err("creating the group"))?;
+    let transport = g.transport_report();
+    println!("transport: {transport}");
     let ctx = dev.context();
     let mut set = DevSet {
         x: Vec::new(),
@@ -247,6 +273,8 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         ..dargs
     };
     let mut rep = LlReport {
+        variant: args.variant.letter(),
+        transport,
         ranks: r,
         sms_per_rank: sms,
         tokens_per_rank: n,
@@ -520,7 +548,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         let doc = serde_json::json!({
             "backend": "gpu",
             "mode": "low-latency",
-            "variant": "a (peers by pointer)",
+            "variant": args.variant.letter(),
             "device": format!("GPU {} ({} SMs)", dev.ordinal(), dev.num_sms()),
             "workload": w.description,
             "digest": gpu_digest.to_string(),
@@ -545,6 +573,58 @@ struct Verify<'a> {
 }
 
 /// Counts, layout ranges and `combined_x` bit for bit against the plan: the mismatches.
+/// NVSHMEM for variant (b): ep-core's environment plan for an `r`-rank low-latency buffer of
+/// this shape (DeepEP's variables; values the user set are kept) set in this process, printed,
+/// then NVSHMEM started with one PE (this process) on GPU 0, its init report printed.
+fn start_nvshmem(
+    r: usize,
+    n: usize,
+    hidden: usize,
+    experts: usize,
+) -> Result<Arc<NvshmemSession>, BenchError> {
+    let mut cfg = BufferConfig::new(r);
+    cfg.low_latency_mode = true;
+    let bytes =
+        low_latency_rdma_size_hint(n, hidden, r, experts).map_err(|e| BenchError::Reference {
+            what: "low_latency_rdma_size_hint",
+            source: Box::new(e),
+        })?;
+    cfg.num_rdma_bytes = bytes as u64;
+    cfg.num_qps_per_rank = u32::try_from((experts / r).max(1)).unwrap_or(u32::MAX);
+    cfg.allow_nvlink_for_low_latency_mode = true;
+    let user: BTreeMap<String, String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("NVSHMEM_"))
+        .collect();
+    let plan = nvshmem_env_plan(&cfg, &user, IbgdaNicHandler::Auto).map_err(|e| {
+        BenchError::Reference {
+            what: "nvshmem_env_plan",
+            source: Box::new(e),
+        }
+    })?;
+    // SAFETY: called before this process starts NVSHMEM or opens the GPU, from the bench's one
+    // thread; nothing else reads or writes the environment meanwhile (set_in_process's contract).
+    let applied = unsafe { nv_env::set_in_process(&nv_env::from_plan(&plan)) };
+    for a in &applied {
+        println!(
+            "env {}={} ({:?}{})",
+            a.var,
+            a.value,
+            a.source,
+            if a.value != a.planned {
+                format!(", the plan wanted {}", a.planned)
+            } else {
+                String::new()
+            }
+        );
+    }
+    let s = BringUp::new(0, 1, Bootstrap::UniqueId(&SoloRendezvous))
+        .device(0)
+        .init()
+        .map_err(gpu_err("starting NVSHMEM (one PE)"))?;
+    print!("{}", s.report());
+    Ok(Arc::new(s))
+}
+
 fn verify(
     out: &[LlGpuDispatch],
     combined: &[DevTensor],

@@ -39,7 +39,7 @@ use ep_sim::cost::{CostModel, PhaseRecord, Prediction};
 use ep_sim::{Sim, SimConfig, ThreadSim};
 use half::slice::HalfFloatSliceExt;
 
-pub use backend::Backend;
+pub use backend::{Backend, LlVariantArg};
 pub use error::{BenchError, error_chain};
 pub use progress::ProgressMode;
 pub use report::Report;
@@ -119,6 +119,11 @@ pub struct BenchArgs {
     /// at least 1000 replays of each (printed beside the un-graphed figures, `graph` in --json).
     #[arg(long)]
     pub graph: bool,
+    /// GPU, low-latency mode: the kernel variant, pointers (a: peers by pointer) or nvshmem (b:
+    /// every put, signal, fence and quiet through NVSHMEM's device API, one PE in this process,
+    /// the NVSHMEM environment plan applied before its init).
+    #[arg(long, value_enum, default_value_t = LlVariantArg::Pointers)]
+    pub variant: LlVariantArg,
 }
 
 /// How a run ended when it ran to the end.
@@ -318,11 +323,17 @@ pub fn run_any(args: &BenchArgs) -> Result<i32, BenchError> {
     run(args).map(|o| o.exit_code())
 }
 
-/// `--graph` is a GPU low-latency option: refused (usage error) anywhere else.
+/// `--graph` and `--variant` are GPU low-latency options: refused (usage error) anywhere else.
 fn check_graph_flag(args: &BenchArgs) -> Result<(), BenchError> {
-    if args.graph && (args.backend != Backend::Gpu || args.workload.mode != Mode::LowLatency) {
+    let gpu_ll = args.backend == Backend::Gpu && args.workload.mode == Mode::LowLatency;
+    if args.graph && !gpu_ll {
         return Err(BenchError::Usage(
             "--graph captures low-latency calls in CUDA graphs: use it with --backend gpu --mode low-latency".into(),
+        ));
+    }
+    if args.variant != LlVariantArg::Pointers && !gpu_ll {
+        return Err(BenchError::Usage(
+            "--variant picks the GPU low-latency kernels: use it with --backend gpu --mode low-latency".into(),
         ));
     }
     Ok(())

@@ -1,7 +1,10 @@
-//! Low-latency mode on one GPU with `R` co-resident ranks, variant (a): peers by pointer
-//! (docs/protocol.md §3, `cuda/low_latency.cu`). Each rank has its `ll.signals` and `ll.data`
-//! (laid out by `ep_core::protocol::layout::LlLayout`), its own stream, and its received-row
-//! outputs; nothing on the path synchronises with the host.
+//! Low-latency mode on one GPU with `R` co-resident ranks (docs/protocol.md §3,
+//! `cuda/low_latency.cu`), in either kernel variant ([`LlVariant`]): (a) peers by pointer
+//! ([`LlGroup::new`]), or (b) every peer through NVSHMEM's device API ([`LlGroup::with_nvshmem`]:
+//! the ranks are regions of one PE's symmetric heap, the kernels linked at run time against the
+//! loaded NVSHMEM's device library). Each rank has its `ll.signals` and `ll.data` (laid out by
+//! `ep_core::protocol::layout::LlLayout`), its own stream, and its received-row outputs; nothing
+//! on the path synchronises with the host.
 //!
 //! Operations number from 0 per group (`op`); operation `m` uses half `m mod 2` of `ll.data` and
 //! of the group's output buffers, so a dispatch's outputs (views) stay valid until the next
@@ -27,11 +30,13 @@ mod graph;
 pub use graph::LlGraph;
 
 use super::abi::{self, ErrBlock, LlArgs};
-use super::device::Device;
+use super::device::{Device, LlKernels};
 use super::gate::{Gate, elapsed, record_ends};
 use super::mem::DevBuf;
 use super::tensor::{DType, DevTensor};
 use crate::error::{Error, Result};
+use crate::nvshmem::NvshmemSession;
+use crate::nvshmem::device_link::{LinkedLl, link_ll_module};
 
 /// Ranks a low-latency kernel can address.
 pub const MAX_RANKS: usize = abi::EP_GPU_MAX_RANKS as usize;
@@ -202,12 +207,40 @@ pub struct LlStats {
     pub wait_ns: Vec<u64>,
 }
 
+/// The kernel variant a group runs (docs/protocol.md §3.10, §3.11).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlVariant {
+    /// (a) Peers by pointer.
+    Pointers,
+    /// (b) Every peer through NVSHMEM's device API.
+    Nvshmem,
+}
+
+/// How the kernels reach the peers.
+#[derive(Debug)]
+enum Peers {
+    Pointers,
+    Nvshmem(Box<NvshmemPeers>),
+}
+
+/// Variant (b)'s state: the session (one PE holding every co-resident rank's regions), the
+/// module linked at run time, each rank's PE.
+#[derive(Debug)]
+struct NvshmemPeers {
+    session: Arc<NvshmemSession>,
+    linked: LinkedLl,
+    kernels: LlKernels,
+    pes: Vec<u64>,
+}
+
 /// `R` co-resident ranks on one GPU running low-latency mode (module docs).
 #[derive(Debug)]
 pub struct LlGroup {
     dev: Arc<Device>,
     cfg: LlConfig,
     ranks: Vec<LlRank>,
+    /// After `ranks`: their arenas may live in the session's symmetric heap.
+    peers: Peers,
     call: u64,
     op: u64,
     generation: u64,
@@ -281,6 +314,106 @@ impl LlGroup {
     /// typed error when the shape is outside what the kernels address or the ranks cannot all
     /// be resident at once.
     pub fn new(dev: Arc<Device>, cfg: LlConfig) -> Result<Self> {
+        Self::build(dev, cfg, Peers::Pointers, &mut |ctx, bytes| {
+            DevBuf::new(ctx, bytes)
+        })
+    }
+
+    /// Variant (b): `cfg.num_ranks` co-resident ranks whose `ll.signals` and `ll.data` are
+    /// regions of `session`'s symmetric heap (one PE: [`Error::Unsupported`] otherwise), every
+    /// put, signal, fence and quiet through NVSHMEM's device API. The kernels are linked at run
+    /// time against the `libnvshmem_device.a` of the session's library (cached on disk,
+    /// [`link_ll_module`]); a version mismatch or a missing device library is a typed error.
+    pub fn with_nvshmem(
+        dev: Arc<Device>,
+        cfg: LlConfig,
+        session: Arc<NvshmemSession>,
+    ) -> Result<Self> {
+        if session.n_pes() != 1 {
+            return Err(Error::Unsupported(format!(
+                "an NVSHMEM session of {} PEs: the co-resident variant (b) holds every rank in one PE; start NVSHMEM with one PE in this process",
+                session.n_pes()
+            )));
+        }
+        if session.report().device != dev.ordinal() {
+            return Err(Error::Unsupported(format!(
+                "NVSHMEM runs on GPU {}, the group on GPU {}: open the Device NVSHMEM was initialised on",
+                session.report().device,
+                dev.ordinal()
+            )));
+        }
+        let linked = link_ll_module(dev.context(), &session)?;
+        let kernels = LlKernels {
+            dispatch: linked.dispatch.clone(),
+            combine: linked.combine.clone(),
+        };
+        let pe = u64::from(session.my_pe());
+        let peers = Peers::Nvshmem(Box::new(NvshmemPeers {
+            session: session.clone(),
+            linked,
+            kernels,
+            pes: vec![pe; cfg.num_ranks],
+        }));
+        Self::build(dev, cfg, peers, &mut |ctx, bytes| {
+            let sym = Arc::new(session.alloc(bytes, REGION_ALIGN as usize)?);
+            let ptr = sym.device_ptr();
+            // SAFETY: the symmetric buffer is device memory of this GPU (the session's device,
+            // checked above) of `bytes` bytes, kept allocated by `sym`, which the view holds.
+            Ok(unsafe { DevBuf::foreign(ctx, ptr, bytes, sym) })
+        })
+    }
+
+    /// The kernel variant.
+    pub fn variant(&self) -> LlVariant {
+        match self.peers {
+            Peers::Pointers => LlVariant::Pointers,
+            Peers::Nvshmem(_) => LlVariant::Nvshmem,
+        }
+    }
+
+    /// How each rank reaches its peers, and (variant (b)) what NVSHMEM brought up: its
+    /// version, the transports, IBGDA's state, and the linked module.
+    pub fn transport_report(&self) -> String {
+        match &self.peers {
+            Peers::Pointers => format!(
+                "variant (a): {} co-resident ranks reach each other by pointer (this GPU's memory)",
+                self.num_ranks()
+            ),
+            Peers::Nvshmem(n) => {
+                let rep = n.session.report();
+                format!(
+                    "variant (b): {} co-resident ranks are regions of NVSHMEM PE {} of {} (every peer through the device API, loopback on this GPU); NVSHMEM {} ({}); transports up: {}; IBGDA: {}; device code {} ({})",
+                    self.num_ranks(),
+                    n.session.my_pe(),
+                    n.session.n_pes(),
+                    rep.version,
+                    rep.library.display(),
+                    rep.transports_up().join(", "),
+                    rep.ibgda,
+                    n.linked.cubin_path.display(),
+                    if n.linked.from_cache {
+                        "from the cache"
+                    } else {
+                        "linked now"
+                    }
+                )
+            }
+        }
+    }
+
+    fn fns(&self) -> &LlKernels {
+        match &self.peers {
+            Peers::Pointers => &self.dev.ll,
+            Peers::Nvshmem(n) => &n.kernels,
+        }
+    }
+
+    fn build(
+        dev: Arc<Device>,
+        cfg: LlConfig,
+        peers: Peers,
+        arena: &mut dyn FnMut(&Arc<cudarc::driver::CudaContext>, usize) -> Result<DevBuf>,
+    ) -> Result<Self> {
         let r = cfg.num_ranks;
         if r == 0 || r > MAX_RANKS {
             return Err(Error::Unsupported(format!(
@@ -338,8 +471,13 @@ impl LlGroup {
         let mut ranks = Vec::with_capacity(r);
         for _ in 0..r {
             let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
-            let signals = Arc::new(DevBuf::zeroed(&ctx, ll_signal_bytes(r) as usize)?);
-            let data = Arc::new(DevBuf::new(&ctx, (2 * ly.half_bytes()) as usize)?);
+            let signals = arena(&ctx, ll_signal_bytes(r) as usize)?;
+            signals.memset_async(&stream, 0, 0, signals.len())?;
+            stream
+                .synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+            let signals = Arc::new(signals);
+            let data = Arc::new(arena(&ctx, (2 * ly.half_bytes()) as usize)?);
             debug_assert!(data.ptr() % REGION_ALIGN == 0);
             let half = || -> Result<HalfBufs> {
                 Ok(HalfBufs {
@@ -371,6 +509,7 @@ impl LlGroup {
             dev,
             cfg,
             ranks,
+            peers,
             call: 0,
             op: 0,
             generation: 0,
@@ -712,6 +851,9 @@ impl LlGroup {
             a.peer_signals[d] = r.signals.ptr();
             a.peer_data[d] = r.data.ptr();
         }
+        if let Peers::Nvshmem(n) = &self.peers {
+            a.peer_pe[..n.pes.len()].copy_from_slice(&n.pes);
+        }
         a
     }
 
@@ -976,7 +1118,7 @@ impl LlGroup {
             if !args.return_recv_hook {
                 send.flags |= abi::EP_FLAG_LL_RECV;
             }
-            self.launch(s, &self.dev.ll.dispatch, &send)?;
+            self.launch(s, &self.fns().dispatch, &send)?;
         }
         for (s, o) in out.iter().enumerate() {
             self.ranks[s].halves[half as usize].dispatch = Some((op, o.handle.num_tokens));
@@ -996,8 +1138,8 @@ impl LlGroup {
             ));
         };
         let (f, list) = match &p {
-            Pending::Dispatch(l) => (&self.dev.ll.dispatch, l),
-            Pending::Combine(l) => (&self.dev.ll.combine, l),
+            Pending::Dispatch(l) => (&self.fns().dispatch, l),
+            Pending::Combine(l) => (&self.fns().combine, l),
         };
         for (s, a) in list.iter().enumerate() {
             if let Some(a) = a {
@@ -1124,7 +1266,7 @@ impl LlGroup {
             if !return_recv_hook {
                 send.flags |= abi::EP_FLAG_LL_RECV;
             }
-            self.launch(s, &self.dev.ll.combine, &send)?;
+            self.launch(s, &self.fns().combine, &send)?;
         }
         if return_recv_hook {
             self.pending = Some(Pending::Combine(recv_args.into_iter().map(Some).collect()));
@@ -1147,6 +1289,13 @@ impl LlGroup {
         let ends = record_ends(self.ranks.iter().map(|r| &r.stream))?;
         self.sync()?;
         Ok((out, elapsed(&starts, &ends)?))
+    }
+}
+
+impl Drop for LlGroup {
+    fn drop(&mut self) {
+        // The arenas may be NVSHMEM symmetric memory, whose free does not wait for kernels.
+        let _ = self.sync_streams();
     }
 }
 

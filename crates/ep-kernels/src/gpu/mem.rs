@@ -17,6 +17,9 @@ pub struct DevBuf {
     bytes: usize,
     /// Stream-ordered memory (`cuMemAllocAsync`): freed on this stream.
     stream: Option<Arc<CudaStream>>,
+    /// Memory another allocator owns (an NVSHMEM symmetric buffer): kept alive by this handle,
+    /// released by its owner's drop, never by `cuMemFree`.
+    owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 // SAFETY: the allocation is plain device memory addressed by an integer; every access goes
@@ -38,7 +41,28 @@ impl DevBuf {
             ptr,
             bytes,
             stream: None,
+            owner: None,
         })
+    }
+
+    /// A view of `bytes` at `ptr` that another allocator owns (`owner`, e.g. an NVSHMEM
+    /// symmetric buffer, held until this handle drops; never freed here).
+    ///
+    /// # Safety
+    /// `[ptr, ptr + bytes)` is device memory of `ctx` that stays allocated while `owner` lives.
+    pub unsafe fn foreign(
+        ctx: &Arc<CudaContext>,
+        ptr: u64,
+        bytes: usize,
+        owner: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        Self {
+            ctx: ctx.clone(),
+            ptr,
+            bytes,
+            stream: None,
+            owner: Some(owner),
+        }
     }
 
     /// `bytes` of stream-ordered device memory (`cuMemAllocAsync` on `stream`, freed on it when
@@ -57,6 +81,7 @@ impl DevBuf {
             ptr,
             bytes,
             stream: Some(stream.clone()),
+            owner: None,
         })
     }
 
@@ -160,6 +185,9 @@ impl DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
+        if self.owner.is_some() {
+            return; // its owner frees it
+        }
         // Kernels using it have finished: owners sync their streams before dropping buffers
         // (and cuMemFree itself waits for work using the memory).
         self.ctx.record_err(self.ctx.bind_to_thread());

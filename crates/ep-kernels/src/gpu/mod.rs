@@ -29,7 +29,7 @@ pub mod tensor;
 pub use device::Device;
 pub use low_latency::{
     LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGpuHandle, LlGraph, LlGroup,
-    LlPoison, LlRankInputs, LlStats,
+    LlPoison, LlRankInputs, LlStats, LlVariant,
 };
 pub use normal::{
     CallStreams, CombineSource, GpuCombineArgs, GpuCombined, GpuDispatch, GpuDispatchArgs,

@@ -24,6 +24,7 @@
 //! released. A session dropped without `finalize` leaves NVSHMEM running and so keeps its context
 //! (and the library, never unloaded) alive until the process exits.
 
+pub mod device_link;
 pub mod env;
 pub mod launch;
 pub mod rendezvous;
@@ -42,7 +43,9 @@ use nvshmem_sys::{
 };
 
 use crate::error::{Error, Result};
-pub use rendezvous::{CallerFedRendezvous, Rendezvous, SessionToken, TcpRendezvous, UniqueId};
+pub use rendezvous::{
+    CallerFedRendezvous, Rendezvous, SessionToken, SoloRendezvous, TcpRendezvous, UniqueId,
+};
 pub use report::{IbgdaState, InitReport};
 
 /// Set once the process has started an NVSHMEM init (successful or not).

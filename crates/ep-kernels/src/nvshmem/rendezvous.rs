@@ -65,6 +65,25 @@ pub trait Rendezvous {
     ) -> Result<UniqueId>;
 }
 
+/// A job of one process (one PE, e.g. co-resident ranks as regions of its heap): it is its own
+/// root, so the id is created here and goes nowhere.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SoloRendezvous;
+
+impl Rendezvous for SoloRendezvous {
+    fn unique_id(
+        &self,
+        rank: u32,
+        world: u32,
+        make_root_id: &mut dyn FnMut() -> Result<UniqueId>,
+    ) -> Result<UniqueId> {
+        if rank != 0 || world != 1 {
+            return Err(Error::BadRank { rank, world });
+        }
+        make_root_id()
+    }
+}
+
 /// The caller already holds the root's id (it created it with
 /// [`crate::nvshmem::create_unique_id`] on rank 0 and broadcast it its own way).
 #[derive(Clone, Debug)]

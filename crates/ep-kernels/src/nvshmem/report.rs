@@ -30,6 +30,18 @@ pub enum IbgdaState {
     },
 }
 
+impl fmt::Display for IbgdaState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IbgdaState::NotRequested => f.write_str("not requested"),
+            IbgdaState::Live => f.write_str("live"),
+            IbgdaState::FellBack { reason } => {
+                write!(f, "requested, NVSHMEM fell back ({reason})")
+            }
+        }
+    }
+}
+
 /// The state of NVSHMEM after a successful init on this rank.
 #[derive(Clone, Debug)]
 pub struct InitReport {
@@ -106,12 +118,7 @@ impl fmt::Display for InitReport {
             "  p2p peers: {:?}; remote peers: {:?}",
             self.p2p_peers, self.remote_peers
         )?;
-        let ibgda = match &self.ibgda {
-            IbgdaState::NotRequested => "not requested".to_string(),
-            IbgdaState::Live => "live".to_string(),
-            IbgdaState::FellBack { reason } => format!("requested, NVSHMEM fell back ({reason})"),
-        };
-        writeln!(f, "  ibgda: {ibgda}")?;
+        writeln!(f, "  ibgda: {}", self.ibgda)?;
         let env: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         write!(f, "  env: {}", env.join(" "))
     }
