@@ -19,6 +19,8 @@
     reason = "rows are compared by index across three layouts"
 )]
 
+mod common;
+
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -35,7 +37,7 @@ use ep_kernels::gpu::{
     DType, DevTensor, Device, HostElem, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch,
     LlGroup, LlPoison, LlRankInputs, LlVariant,
 };
-use ep_kernels::nvshmem::{Bootstrap, BringUp, NvshmemSession, SoloRendezvous};
+use ep_kernels::nvshmem::{Bootstrap, BringUp, NvshmemSession, SoloRendezvous, TcpRendezvous};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -329,11 +331,15 @@ fn round(g: &mut LlGroup, dev: &Arc<Device>, case: &Case, masked: &[bool]) {
     round_pooled(g, dev, &mut Pool::default(), case, masked);
 }
 
+/// One dispatch + combine of `case` on `g`'s local ranks (every rank's inputs are made from the
+/// seed, the plan is the whole world's; each local rank's outputs are checked against it).
 fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case, masked: &[bool]) {
     let inputs = inputs_of(case);
     let params = case.params(masked);
     let plan = plan_dispatch(&inputs, &params).expect("plan dispatch");
-    let dins = upload_pooled(dev, pool, &inputs);
+    let local = g.local_ranks();
+    let mine: Vec<RankInputs> = local.iter().map(|&r| inputs[r].clone()).collect();
+    let dins = upload_pooled(dev, pool, &mine);
     g.poison_for_test(LlPoison::Dispatch, 0xa5).unwrap();
     let outs = g.dispatch(&rank_inputs(&dins), &case.args()).unwrap();
     if case.hook {
@@ -341,13 +347,15 @@ fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case
         g.recv_hook().unwrap();
     }
     g.sync().unwrap();
-    check_dispatches(case, masked, &plan, &outs);
+    check_dispatches(case, masked, &plan, &local, &outs);
     let ys = expert_outputs(pool, case, masked);
     let y_host = &ys.flat;
     let y_dev: Vec<DevTensor> = if case.zero_copy {
-        (0..case.ranks)
-            .map(|d| {
-                let buf = g.next_combine_buffer(d).unwrap();
+        local
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| {
+                let buf = g.next_combine_buffer(i).unwrap();
                 let off = (buf.ptr() - buf.buffer().ptr()) as usize;
                 buf.buffer()
                     .write(off, &ep_kernels::gpu::HostElem::to_bytes(y_host[d].data()))
@@ -356,10 +364,10 @@ fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case
             })
             .collect()
     } else {
-        y_host
+        local
             .iter()
             .enumerate()
-            .map(|(r, y)| pool.view(dev, r, 3, y, DType::Bf16))
+            .map(|(i, &d)| pool.view(dev, i, 3, &y_host[d], DType::Bf16))
             .collect()
     };
     let handles: Vec<_> = outs.iter().map(|o| o.handle.clone()).collect();
@@ -380,21 +388,23 @@ fn round_pooled(g: &mut LlGroup, dev: &Arc<Device>, pool: &mut Pool, case: &Case
         g.recv_hook().unwrap();
     }
     g.sync().unwrap();
-    check_combined(case, masked, &inputs, &plan, &ys, &combined);
+    check_combined(case, masked, &inputs, &plan, &ys, &local, &combined);
     pool.y = Some(ys);
 }
 
-/// Every rank's dispatch outputs against the plan's (masked ranks have none).
+/// Every local rank's dispatch outputs (`outs[i]` of rank `local[i]`) against the plan's
+/// (masked ranks have none).
 fn check_dispatches(
     case: &Case,
     masked: &[bool],
     plan: &[Option<LlDispatchOutput>],
+    local: &[usize],
     outs: &[LlGpuDispatch],
 ) {
-    for d in 0..case.ranks {
+    for (i, &d) in local.iter().enumerate() {
         match (&plan[d], masked[d]) {
             (None, true) => {}
-            (Some(p), false) => check_dispatch(case, d, &outs[d], p),
+            (Some(p), false) => check_dispatch(case, d, &outs[i], p),
             other => panic!("rank {d}: plan/mask disagree: {:?}", other.1),
         }
     }
@@ -430,13 +440,15 @@ fn expert_outputs(pool: &mut Pool, case: &Case, masked: &[bool]) -> ExpertOutput
     }
 }
 
-/// Every rank's `combined_x` against the plan's combine of `ys`, bit for bit.
+/// Every local rank's `combined_x` (`combined[i]` of rank `local[i]`) against the plan's
+/// combine of `ys`, bit for bit.
 fn check_combined(
     case: &Case,
     masked: &[bool],
     inputs: &[RankInputs],
     plan: &[Option<LlDispatchOutput>],
     ys: &ExpertOutputs,
+    local: &[usize],
     combined: &[DevTensor],
 ) {
     let plan_handles: Vec<Option<LlHandle>> = plan
@@ -451,11 +463,11 @@ fn check_combined(
         PartialPrecision::Bf16,
     )
     .expect("plan combine");
-    for s in 0..case.ranks {
+    for (i, &s) in local.iter().enumerate() {
         match (&want[s], masked[s]) {
             (None, true) => {}
             (Some(w), false) => {
-                let got: Tensor2<bf16> = combined[s].download().unwrap();
+                let got: Tensor2<bf16> = combined[i].download().unwrap();
                 assert_eq!(got.shape(), w.shape(), "combined shape of rank {s}");
                 for t in 0..w.rows() {
                     assert!(
@@ -839,8 +851,9 @@ fn graph_rounds(dev: &Arc<Device>, case: &Case, replays: u64) {
         }
         graph.replay(&mut g).unwrap();
         g.sync().unwrap();
-        check_dispatches(case, &masked, &plan, outs);
-        check_combined(case, &masked, &inputs, &plan, &ys, combined);
+        let all: Vec<usize> = (0..case.ranks).collect();
+        check_dispatches(case, &masked, &plan, &all, outs);
+        check_combined(case, &masked, &inputs, &plan, &ys, &all, combined);
     }
     assert_epochs_kept_count(&mut g);
     drop(graph);
@@ -918,8 +931,9 @@ fn dispatch_and_combine_graphs_alternate_and_refuse_out_of_step() {
         write_zero_copy(&comb.outputs().0, &ys);
         comb.replay(&mut g).unwrap();
         g.sync().unwrap();
-        check_dispatches(&f, &masked, &plan, disp.outputs());
-        check_combined(&f, &masked, &inputs, &plan, &ys, &comb.outputs().1);
+        let all: Vec<usize> = (0..f.ranks).collect();
+        check_dispatches(&f, &masked, &plan, &all, disp.outputs());
+        check_combined(&f, &masked, &inputs, &plan, &ys, &all, &comb.outputs().1);
     }
     assert_epochs_kept_count(&mut g);
     // A combine graph after a combine: the other half.
@@ -1041,4 +1055,57 @@ fn variant_b_links_at_run_time_reports_its_transport_and_equals_the_plan() {
         c.seed = 40 + seed;
         round(&mut second, &dev, &c, &[false; 4]);
     }
+}
+
+/// Variant (b) with one rank per process: two processes (on one GPU they share it; without MPS
+/// their kernels take turns, so waits are generous and shapes small), NVSHMEM with two PEs
+/// (unique id over the loopback rendezvous), each process driving its PE's rank: BF16, FP8 with
+/// UE8M0, hook halves and zero-copy, checked against the whole world's plan on its own rank.
+#[test]
+#[ignore = "needs a GPU and NVSHMEM: run with scripts/gpu-run.sh"]
+fn variant_b_one_rank_per_process_equals_the_plan() {
+    common::procs::spawn_or_run(
+        "variant_b_one_rank_per_process_equals_the_plan",
+        2,
+        |rank| {
+            let ordinal = common::procs::my_ordinal();
+            let rdv = TcpRendezvous::from_env()?;
+            let session = Arc::new(
+                BringUp::new(rank, 2, Bootstrap::UniqueId(&rdv))
+                    .device(ordinal)
+                    .init()?,
+            );
+            eprintln!("{}", session.report());
+            let dev = Device::open(ordinal)?;
+            let mut cases = Vec::new();
+            let mut c = Case::new(2, 64, 2048, 8, 32);
+            c.seed = 7;
+            cases.push(c.clone());
+            c.fp8 = Some((true, true));
+            c.hook = true;
+            c.seed = 8;
+            cases.push(c.clone());
+            let mut c = Case::new(2, 40, 7168, 6, 16);
+            c.max_tokens = 48;
+            c.fp8 = Some((false, false));
+            c.zero_copy = true;
+            c.routing = Routing::Zipf { exponent: 1.2 };
+            cases.push(c);
+            for c in &cases {
+                // Collective: both processes create (and drop) their groups in the same order.
+                let mut g = LlGroup::with_nvshmem(dev.clone(), c.config(), session.clone())?;
+                g.set_timeout(Duration::from_secs(20));
+                assert_eq!(g.local_ranks(), vec![rank as usize]);
+                eprintln!("{}", g.transport_report());
+                for seed in 0..2 {
+                    let mut f = c.clone();
+                    f.seed += 100 * seed;
+                    round(&mut g, &dev, &f, &[false, false]);
+                }
+                g.clean()?;
+                round(&mut g, &dev, c, &[false, false]);
+            }
+            Ok(())
+        },
+    );
 }

@@ -182,6 +182,8 @@ struct HalfBufs {
 
 #[derive(Debug)]
 struct LlRank {
+    /// Its rank in the group (`0..R`).
+    rank: usize,
     stream: Arc<CudaStream>,
     signals: Arc<DevBuf>,
     data: Arc<DevBuf>,
@@ -238,7 +240,12 @@ struct NvshmemPeers {
 pub struct LlGroup {
     dev: Arc<Device>,
     cfg: LlConfig,
+    /// The ranks this process drives (all `R` co-resident, or one per process), in rank order.
     ranks: Vec<LlRank>,
+    /// Every rank's `ll.signals` / `ll.data` as this process's kernels address them (pointers,
+    /// or symmetric addresses of this PE's heap).
+    peer_signals: Vec<u64>,
+    peer_data: Vec<u64>,
     /// After `ranks`: their arenas may live in the session's symmetric heap.
     peers: Peers,
     call: u64,
@@ -314,14 +321,17 @@ impl LlGroup {
     /// typed error when the shape is outside what the kernels address or the ranks cannot all
     /// be resident at once.
     pub fn new(dev: Arc<Device>, cfg: LlConfig) -> Result<Self> {
-        Self::build(dev, cfg, Peers::Pointers, &mut |ctx, bytes| {
+        let all: Vec<usize> = (0..cfg.num_ranks).collect();
+        Self::build(dev, cfg, Peers::Pointers, &all, &mut |ctx, bytes| {
             DevBuf::new(ctx, bytes)
         })
     }
 
-    /// Variant (b): `cfg.num_ranks` co-resident ranks whose `ll.signals` and `ll.data` are
-    /// regions of `session`'s symmetric heap (one PE: [`Error::Unsupported`] otherwise), every
-    /// put, signal, fence and quiet through NVSHMEM's device API. The kernels are linked at run
+    /// Variant (b): every put, signal, fence and quiet through NVSHMEM's device API, the ranks'
+    /// `ll.signals` and `ll.data` in `session`'s symmetric heap. With one PE, `cfg.num_ranks`
+    /// co-resident ranks are regions of it; with `cfg.num_ranks` PEs (one process per rank),
+    /// this process drives rank `my_pe` (creation is then collective, like the session's
+    /// allocations, and so are [`LlGroup::clean`] and [`LlGroup::reset`]). The kernels are linked at run
     /// time against the `libnvshmem_device.a` of the session's library (cached on disk,
     /// [`link_ll_module`]); a version mismatch or a missing device library is a typed error.
     pub fn with_nvshmem(
@@ -329,12 +339,24 @@ impl LlGroup {
         cfg: LlConfig,
         session: Arc<NvshmemSession>,
     ) -> Result<Self> {
-        if session.n_pes() != 1 {
+        // One PE holding every rank, or one PE per rank (this process drives rank my_pe).
+        let (local, pes): (Vec<usize>, Vec<u64>) = if session.n_pes() == 1 {
+            (
+                (0..cfg.num_ranks).collect(),
+                vec![u64::from(session.my_pe()); cfg.num_ranks],
+            )
+        } else if session.n_pes() as usize == cfg.num_ranks {
+            (
+                vec![session.my_pe() as usize],
+                (0..cfg.num_ranks as u64).collect(),
+            )
+        } else {
             return Err(Error::Unsupported(format!(
-                "an NVSHMEM session of {} PEs: the co-resident variant (b) holds every rank in one PE; start NVSHMEM with one PE in this process",
-                session.n_pes()
+                "an NVSHMEM session of {} PEs for {} ranks: variant (b) takes one PE holding every rank (co-resident) or one PE per rank",
+                session.n_pes(),
+                cfg.num_ranks
             )));
-        }
+        };
         if session.report().device != dev.ordinal() {
             return Err(Error::Unsupported(format!(
                 "NVSHMEM runs on GPU {}, the group on GPU {}: open the Device NVSHMEM was initialised on",
@@ -347,14 +369,14 @@ impl LlGroup {
             dispatch: linked.dispatch.clone(),
             combine: linked.combine.clone(),
         };
-        let pe = u64::from(session.my_pe());
         let peers = Peers::Nvshmem(Box::new(NvshmemPeers {
             session: session.clone(),
             linked,
             kernels,
-            pes: vec![pe; cfg.num_ranks],
+            pes,
         }));
-        Self::build(dev, cfg, peers, &mut |ctx, bytes| {
+        // Collective in rank order: every PE allocates the same arrays in the same order.
+        Self::build(dev, cfg, peers, &local, &mut |ctx, bytes| {
             let sym = Arc::new(session.alloc(bytes, REGION_ALIGN as usize)?);
             let ptr = sym.device_ptr();
             // SAFETY: the symmetric buffer is device memory of this GPU (the session's device,
@@ -412,6 +434,7 @@ impl LlGroup {
         dev: Arc<Device>,
         cfg: LlConfig,
         peers: Peers,
+        local: &[usize],
         arena: &mut dyn FnMut(&Arc<cudarc::driver::CudaContext>, usize) -> Result<DevBuf>,
     ) -> Result<Self> {
         let r = cfg.num_ranks;
@@ -468,8 +491,8 @@ impl LlGroup {
         let ctx = dev.context().clone();
         let (l, rows, h) = (cfg.num_local_experts(), cfg.rows_per_expert(), cfg.hidden);
         let s = h / 128;
-        let mut ranks = Vec::with_capacity(r);
-        for _ in 0..r {
+        let mut ranks = Vec::with_capacity(local.len());
+        for &rank in local {
             let stream = ctx.new_stream().map_err(Error::cuda("cuStreamCreate"))?;
             let signals = arena(&ctx, ll_signal_bytes(r) as usize)?;
             signals.memset_async(&stream, 0, 0, signals.len())?;
@@ -494,6 +517,7 @@ impl LlGroup {
                 })
             };
             ranks.push(LlRank {
+                rank,
                 stream,
                 signals,
                 data,
@@ -505,10 +529,25 @@ impl LlGroup {
                 halves: [half()?, half()?],
             });
         }
+        // Peers by pointer, or regions of one PE: each rank's own arrays; one PE per rank: the
+        // symmetric address of this PE's arrays stands for every PE's (with `peer_pe`).
+        let (peer_signals, peer_data) = if ranks.len() == r {
+            (
+                ranks.iter().map(|k| k.signals.ptr()).collect(),
+                ranks.iter().map(|k| k.data.ptr()).collect(),
+            )
+        } else {
+            (
+                vec![ranks[0].signals.ptr(); r],
+                vec![ranks[0].data.ptr(); r],
+            )
+        };
         Ok(Self {
             dev,
             cfg,
             ranks,
+            peer_signals,
+            peer_data,
             peers,
             call: 0,
             op: 0,
@@ -536,9 +575,26 @@ impl LlGroup {
         self.cfg.num_ranks
     }
 
-    /// Rank `r`'s stream (its kernels run there, in call order).
-    pub fn stream(&self, r: usize) -> &Arc<CudaStream> {
-        &self.ranks[r].stream
+    /// The ranks this process drives, ascending: every per-rank argument and result of the
+    /// calls is indexed like this list (all ranks when co-resident, one in a rank process).
+    pub fn local_ranks(&self) -> Vec<usize> {
+        self.ranks.iter().map(|k| k.rank).collect()
+    }
+
+    /// Local rank `i`'s stream (its kernels run there, in call order).
+    pub fn stream(&self, i: usize) -> &Arc<CudaStream> {
+        &self.ranks[i].stream
+    }
+
+    /// A barrier of the group's processes (one PE per rank), after this process's streams.
+    fn barrier_processes(&self) -> Result<()> {
+        if let Peers::Nvshmem(n) = &self.peers
+            && self.ranks.len() < self.num_ranks()
+        {
+            self.sync_streams()?;
+            n.session.barrier_all();
+        }
+        Ok(())
     }
 
     /// The bound of every device wait (default 10 s).
@@ -682,11 +738,14 @@ impl LlGroup {
     pub fn reset(&mut self) -> Result<()> {
         self.not_capturing("reset")?;
         self.sync_streams()?;
+        // Every process's kernels have stopped before any zeroes a word the others may write.
+        self.barrier_processes()?;
         for r in &self.ranks {
             r.signals.memset_async(&r.stream, 0, 0, r.signals.len())?;
             r.counters.memset_async(&r.stream, 0, 0, r.counters.len())?;
         }
         self.sync_streams()?;
+        self.barrier_processes()?;
         // A rank whose kernels did not all run left its epoch words behind the counter.
         self.write_epochs()?;
         self.dev.err.write(ErrBlock::default());
@@ -709,10 +768,12 @@ impl LlGroup {
         if self.pending.is_some() {
             return Err(hook_pending());
         }
+        self.barrier_processes()?;
         for r in &self.ranks {
             r.signals.memset_async(&r.stream, 0, 0, r.signals.len())?;
         }
-        self.sync_streams()
+        self.sync_streams()?;
+        self.barrier_processes()
     }
 
     /// `low_latency_update_mask_buffer(rank, mask)`: masks (or unmasks) `rank` for the
@@ -805,13 +866,13 @@ impl LlGroup {
         self.sync_streams()
     }
 
-    /// `get_next_low_latency_combine_buffer`: rank `r`'s zero-copy expert-output region for the
-    /// next operation, `[L·R·N, H]` BF16 (write the expert outputs there, then combine with
-    /// [`LlCombineInput::ZeroCopy`]).
-    pub fn next_combine_buffer(&self, r: usize) -> Result<DevTensor> {
-        let rank = self.ranks.get(r).ok_or(Error::RankOutOfRange {
-            rank: r,
-            num_ranks: self.num_ranks(),
+    /// `get_next_low_latency_combine_buffer`: local rank `i`'s zero-copy expert-output region
+    /// for the next operation, `[L·R·N, H]` BF16 (write the expert outputs there, then combine
+    /// with [`LlCombineInput::ZeroCopy`]).
+    pub fn next_combine_buffer(&self, i: usize) -> Result<DevTensor> {
+        let rank = self.ranks.get(i).ok_or(Error::RankOutOfRange {
+            rank: i,
+            num_ranks: self.ranks.len(),
         })?;
         let ly = self.cfg.layout();
         let off = ly.half_base(ll_half(self.op)) + ly.cy(0, 0);
@@ -824,10 +885,11 @@ impl LlGroup {
         ))
     }
 
-    fn base_args(&self, rank: usize, half: u64) -> LlArgs {
+    fn base_args(&self, i: usize, half: u64) -> LlArgs {
         let cfg = &self.cfg;
+        let rank = i;
         let mut a = LlArgs {
-            rank: rank as u64,
+            rank: self.ranks[i].rank as u64,
             num_ranks: cfg.num_ranks as u64,
             num_experts: cfg.num_experts as u64,
             num_local_experts: cfg.num_local_experts() as u64,
@@ -847,10 +909,8 @@ impl LlGroup {
             timeout_ns: self.timeout.as_nanos().min(u128::from(u64::MAX)) as u64,
             ..LlArgs::default()
         };
-        for (d, r) in self.ranks.iter().enumerate() {
-            a.peer_signals[d] = r.signals.ptr();
-            a.peer_data[d] = r.data.ptr();
-        }
+        a.peer_signals[..cfg.num_ranks].copy_from_slice(&self.peer_signals);
+        a.peer_data[..cfg.num_ranks].copy_from_slice(&self.peer_data);
         if let Peers::Nvshmem(n) = &self.peers {
             a.peer_pe[..n.pes.len()].copy_from_slice(&n.pes);
         }
@@ -864,7 +924,7 @@ impl LlGroup {
         self.phase_times = if on {
             let slots = abi::EP_PHASE_SLOTS as usize;
             Some(
-                (0..self.num_ranks())
+                (0..self.ranks.len())
                     .map(|_| {
                         DevTensor::zeros(self.dev.context(), DType::I64, self.cfg.num_sms, slots)
                     })
@@ -895,7 +955,8 @@ impl LlGroup {
             .collect()
     }
 
-    fn launch(&self, rank: usize, f: &CudaFunction, args: &LlArgs) -> Result<()> {
+    fn launch(&self, i: usize, f: &CudaFunction, args: &LlArgs) -> Result<()> {
+        let rank = self.ranks[i].rank;
         if self.absent == Some(rank) || self.mask[rank] {
             return Ok(());
         }
@@ -903,14 +964,14 @@ impl LlGroup {
         let args = match &self.phase_times {
             Some(bufs) => {
                 measured = *args;
-                measured.phase_times = bufs[rank].ptr();
+                measured.phase_times = bufs[i].ptr();
                 &measured
             }
             None => args,
         };
         let smem = Smem::new(&self.cfg, args.num_tokens, args.num_topk.max(1));
         debug_assert!(smem.bytes as usize <= self.smem_limit);
-        let mut b = self.ranks[rank].stream.launch_builder(f);
+        let mut b = self.ranks[i].stream.launch_builder(f);
         b.arg(args);
         // SAFETY: the kernel takes one `ep_ll_args` by value (generated from the same table as
         // `LlArgs`); every address in it is a live allocation of this group or a tensor whose
@@ -936,7 +997,7 @@ impl LlGroup {
 
     fn check_dispatch_inputs(&self, inputs: &[LlRankInputs<'_>]) -> Result<usize> {
         let (r, h, n) = (
-            self.num_ranks(),
+            self.ranks.len(),
             self.cfg.hidden,
             self.cfg.num_max_dispatch_tokens_per_rank,
         );
@@ -947,7 +1008,8 @@ impl LlGroup {
             });
         }
         let mut k_all = None;
-        for (s, i) in inputs.iter().enumerate() {
+        for (li, i) in inputs.iter().enumerate() {
+            let s = self.ranks[li].rank;
             let what = |m: &str| format!("{m} of rank {s}");
             i.x.expect(&what("x"), DType::Bf16, None, Some(h))?;
             let t = i.x.rows();
@@ -1104,7 +1166,7 @@ impl LlGroup {
                 ),
                 recv_count: DevTensor::contiguous(hb.count.clone(), 0, DType::I32, 1, l),
                 handle: LlGpuHandle {
-                    rank: s,
+                    rank: self.ranks[s].rank,
                     op,
                     generation: self.generation,
                     num_tokens: inp.x.rows(),
@@ -1165,7 +1227,7 @@ impl LlGroup {
         inputs: &[LlCombineInput<'_>],
         return_recv_hook: bool,
     ) -> Result<Vec<DevTensor>> {
-        let r = self.num_ranks();
+        let r = self.ranks.len();
         for found in [handles.len(), inputs.len()] {
             if found != r {
                 return Err(Error::RankCountMismatch { expected: r, found });
@@ -1175,9 +1237,10 @@ impl LlGroup {
             self.cfg.num_local_experts() * self.cfg.rows_per_expert(),
             self.cfg.hidden,
         );
-        for (s, (hd, inp)) in handles.iter().zip(inputs).enumerate() {
+        for (li, (hd, inp)) in handles.iter().zip(inputs).enumerate() {
+            let s = self.ranks[li].rank;
             let dhalf = ll_half(hd.op) as usize;
-            let live = self.ranks[s].halves[dhalf].dispatch;
+            let live = self.ranks[li].halves[dhalf].dispatch;
             if hd.rank != s || hd.generation != self.generation || live.map(|d| d.0) != Some(hd.op)
             {
                 return Err(Error::Unsupported(format!(

@@ -9,6 +9,8 @@
     reason = "each test binary uses a part of the shared helpers"
 )]
 
+pub(crate) mod procs;
+
 use std::sync::Arc;
 
 use ep_core::digest;

@@ -219,8 +219,12 @@ impl LlGroup {
                 .collect()
         };
         let before = records(self);
-        let ranks: Vec<usize> = (0..self.num_ranks())
-            .filter(|&r| self.absent != Some(r) && !self.mask[r])
+        // Local indices of the ranks whose kernels run.
+        let ranks: Vec<usize> = (0..self.ranks.len())
+            .filter(|&i| {
+                let r = self.ranks[i].rank;
+                self.absent != Some(r) && !self.mask[r]
+            })
             .collect();
         let streams: Vec<_> = ranks
             .iter()
