@@ -24,6 +24,7 @@
 //! released. A session dropped without `finalize` leaves NVSHMEM running and so keeps its context
 //! (and the library, never unloaded) alive until the process exits.
 
+pub mod device_link;
 pub mod env;
 pub mod launch;
 pub mod rendezvous;
