@@ -356,6 +356,58 @@ pub enum Error {
     /// A request the GPU backend does not support, with what to do instead.
     #[error("{0}")]
     Unsupported(String),
+    /// The NVSHMEM variant of the low-latency kernels was compiled with NVSHMEM headers of
+    /// another version than the host library loaded: its device code can only be linked against
+    /// the `libnvshmem_device.a` of the version it was compiled with.
+    #[error(
+        "the NVSHMEM low-latency kernels were compiled with NVSHMEM {compiled} headers, but the NVSHMEM loaded is {loaded} ({library}): install NVSHMEM {compiled} (e.g. pip install nvidia-nvshmem-cu13=={compiled}) and point ep-rs at its libnvshmem_host.so.3 (BringUp::library or the NVSHMEM search path), or rebuild ep-kernels against NVSHMEM {loaded} (NVSHMEM_HOME=<its install dir> cargo build)"
+    )]
+    NvshmemDeviceMismatch {
+        /// Version of the headers build.rs compiled with.
+        compiled: Version,
+        /// Version of the host library loaded.
+        loaded: Version,
+        /// The host library loaded.
+        library: String,
+    },
+    /// The loaded NVSHMEM ships no device library to link the kernels against.
+    #[error(
+        "libnvshmem_device.a not found in {dir} (NVSHMEM {version}): the NVSHMEM low-latency kernels are linked against it at run time; use an NVSHMEM {version} install that ships it beside libnvshmem_host.so.3 (the pip wheel nvidia-nvshmem-cu13=={version} does)"
+    )]
+    NvshmemDeviceLibraryMissing {
+        /// The directory of the loaded host library.
+        dir: String,
+        /// Its version.
+        version: Version,
+    },
+    /// The CUDA driver's linker failed on the NVSHMEM low-latency kernels.
+    #[error(
+        "linking the NVSHMEM low-latency kernels against {library} failed in {op}: {source}; linker log:\n{log}\nthe device library must be the one of the NVSHMEM ep-kernels was compiled with; rebuild ep-kernels against it (NVSHMEM_HOME) if the log names undefined symbols"
+    )]
+    NvshmemDeviceLink {
+        /// The driver call that failed.
+        op: &'static str,
+        /// The device library linked.
+        library: String,
+        /// The driver error.
+        #[source]
+        source: cudarc::driver::DriverError,
+        /// The linker's error and info log.
+        log: String,
+    },
+    /// `nvshmemx_cumodule_init` refused the linked low-latency module.
+    #[error(
+        "nvshmemx_cumodule_init on the NVSHMEM low-latency module (linked with {library}) failed: {source}; the module must be linked against the libnvshmem_device.a of the NVSHMEM that is initialised (delete the cached cubin, {cubin}, if it came from another NVSHMEM)"
+    )]
+    NvshmemModuleInit {
+        /// The device library linked.
+        library: String,
+        /// The linked cubin used (`-` when not cached).
+        cubin: String,
+        /// NVSHMEM's error (`ModuleNotLinked` for code 7).
+        #[source]
+        source: nvshmem_sys::Error,
+    },
 }
 
 impl Error {

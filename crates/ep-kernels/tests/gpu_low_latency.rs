@@ -37,6 +37,7 @@ use ep_kernels::gpu::{
     DType, DevTensor, Device, HostElem, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch,
     LlGroup, LlPoison, LlRankInputs, LlVariant,
 };
+use ep_kernels::nvshmem::device_link::{LinkedLl, link_ll_module};
 use ep_kernels::nvshmem::{Bootstrap, BringUp, NvshmemSession, SoloRendezvous, TcpRendezvous};
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -1108,4 +1109,53 @@ fn variant_b_one_rank_per_process_equals_the_plan() {
             Ok(())
         },
     );
+}
+
+/// The run-time link of variant (b): linked against the loaded NVSHMEM's
+/// `libnvshmem_device.a` when the cache has no entry (the entry is written), loaded from the
+/// cache otherwise; both functions load and opt in to more than the default shared memory.
+#[test]
+#[ignore = "needs a GPU and NVSHMEM with libnvshmem_device.a: run with scripts/gpu-run.sh"]
+fn variant_b_module_links_at_run_time_and_caches() {
+    assert!(
+        ep_kernels::kernels::nvshmem_headers_version().is_some(),
+        "ep-kernels was built without the NVSHMEM headers (see build.rs)"
+    );
+    let session = session();
+    let check = |ll: &LinkedLl| {
+        assert!(!ll.dispatch().cu_function().is_null());
+        assert!(!ll.combine().cu_function().is_null());
+        assert!(
+            ll.max_dynamic_smem() > 48 << 10,
+            "{}",
+            ll.max_dynamic_smem()
+        );
+    };
+    let first = link_ll_module(&session).expect("link (or load) the NVSHMEM LL module");
+    check(&first);
+    let path = first
+        .cubin_path()
+        .expect("a cache file (set EP_CACHE_DIR or HOME)")
+        .to_path_buf();
+    // Without the cache entry the driver must link again and rewrite it.
+    std::fs::remove_file(&path).expect("remove the cache entry");
+    let linked = link_ll_module(&session).expect("link against libnvshmem_device.a");
+    check(&linked);
+    assert!(!linked.from_cache(), "{linked:?}");
+    assert_eq!(
+        linked.cubin_path(),
+        Some(path.as_path()),
+        "{:?}",
+        linked.cache_note()
+    );
+    let image = std::fs::read(&path).expect("the cache entry was written");
+    assert_eq!(&image[..4], b"\x7fELF");
+    assert_eq!(
+        u16::from_le_bytes([image[16], image[17]]),
+        2,
+        "a linked (ET_EXEC) cubin"
+    );
+    let cached = link_ll_module(&session).expect("load from the cache");
+    check(&cached);
+    assert!(cached.from_cache(), "{cached:?}");
 }

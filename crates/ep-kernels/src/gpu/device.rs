@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUdevice_attribute};
-use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 
 use super::abi::ErrBlock;
@@ -62,18 +62,7 @@ impl Device {
         let ll_module = ctx
             .load_module(Ptx::from_binary(ll_bytes.to_vec()))
             .map_err(Error::cuda("cuModuleLoadData(low_latency)"))?;
-        let get_in = |module: &Arc<cudarc::driver::CudaModule>,
-                      name: &'static str|
-         -> Result<CudaFunction> {
-            let f = module
-                .load_function(name)
-                .map_err(Error::cuda("cuModuleGetFunction"))?;
-            // SAFETY: `f` is a function of a module loaded in this context.
-            unsafe { sys::cuFuncLoad(f.cu_function()) }
-                .result()
-                .map_err(Error::cuda("cuFuncLoad"))?;
-            Ok(f)
-        };
+        let get_in = load_function_eager;
         let get = |name: &'static str| get_in(&module, name);
         let normal = NormalKernels {
             layout: get("ep_normal_layout")?,
@@ -87,17 +76,7 @@ impl Device {
             dispatch: get_in(&ll_module, "ep_ll_dispatch")?,
             combine: get_in(&ll_module, "ep_ll_combine")?,
         };
-        let max_dynamic_smem = ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(Error::cuda(
-                "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)",
-            ))? as usize;
-        // The LL kernels size their shared memory per call (LlGroup checks it against this):
-        // each may opt in to the device's limit less its static shared memory.
-        let mut max_dynamic_smem = max_dynamic_smem;
-        for f in [&ll.dispatch, &ll.combine] {
-            max_dynamic_smem = max_dynamic_smem.min(set_max_dynamic_smem(f, max_dynamic_smem)?);
-        }
+        let max_dynamic_smem = opt_in_dynamic_smem(&ctx, &[&ll.dispatch, &ll.combine])?;
         let num_sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
@@ -143,6 +122,38 @@ impl Device {
     pub fn ordinal(&self) -> usize {
         self.ctx.ordinal()
     }
+}
+
+/// `name` of `module`, loaded onto the device now rather than at its first launch (GPU.md: with
+/// lazy loading, kernels of co-resident ranks that wait on each other never overlap).
+pub(crate) fn load_function_eager(
+    module: &Arc<CudaModule>,
+    name: &'static str,
+) -> Result<CudaFunction> {
+    let f = module
+        .load_function(name)
+        .map_err(Error::cuda("cuModuleGetFunction"))?;
+    // SAFETY: `f` is a function of a module loaded in this context.
+    unsafe { sys::cuFuncLoad(f.cu_function()) }
+        .result()
+        .map_err(Error::cuda("cuFuncLoad"))?;
+    Ok(f)
+}
+
+/// The LL kernels size their shared memory per call (LlGroup checks it against the result):
+/// each of `fns` may opt in to the device's limit less its static shared memory. Returns the
+/// dynamic shared memory every one of them may use.
+pub(crate) fn opt_in_dynamic_smem(ctx: &CudaContext, fns: &[&CudaFunction]) -> Result<usize> {
+    let optin = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(Error::cuda(
+            "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)",
+        ))? as usize;
+    let mut max_dynamic_smem = optin;
+    for f in fns {
+        max_dynamic_smem = max_dynamic_smem.min(set_max_dynamic_smem(f, max_dynamic_smem)?);
+    }
+    Ok(max_dynamic_smem)
 }
 
 /// Lets `f` launch with as much dynamic shared memory as `optin` (the device's per-block opt-in

@@ -364,10 +364,10 @@ impl LlGroup {
                 dev.ordinal()
             )));
         }
-        let linked = link_ll_module(dev.context(), &session)?;
+        let linked = link_ll_module(&session)?;
         let kernels = LlKernels {
-            dispatch: linked.dispatch.clone(),
-            combine: linked.combine.clone(),
+            dispatch: linked.dispatch().clone(),
+            combine: linked.combine().clone(),
         };
         let peers = Peers::Nvshmem(Box::new(NvshmemPeers {
             session: session.clone(),
@@ -412,8 +412,10 @@ impl LlGroup {
                     rep.library.display(),
                     rep.transports_up().join(", "),
                     rep.ibgda,
-                    n.linked.cubin_path.display(),
-                    if n.linked.from_cache {
+                    n.linked
+                        .cubin_path()
+                        .map_or_else(|| "(not cached)".into(), |p| p.display().to_string()),
+                    if n.linked.from_cache() {
                         "from the cache"
                     } else {
                         "linked now"
@@ -480,7 +482,11 @@ impl LlGroup {
             });
         }
         let smem = Smem::new(&cfg, n as u64, MAX_TOPK as u64);
-        let smem_limit = dev.max_dynamic_smem();
+        let smem_limit = match &peers {
+            Peers::Pointers => dev.max_dynamic_smem(),
+            // The linked functions opt in to what their own static shared memory leaves.
+            Peers::Nvshmem(n) => dev.max_dynamic_smem().min(n.linked.max_dynamic_smem()),
+        };
         if smem.bytes as usize > smem_limit {
             return Err(Error::Unsupported(format!(
                 "{n} tokens x top-{MAX_TOPK} over {} experts need {} bytes of shared memory per block; the GPU allows {smem_limit}: fewer tokens per call or experts",
