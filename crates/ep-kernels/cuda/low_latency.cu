@@ -132,15 +132,20 @@ __device__ bool last_block(const Args &a, uint64_t *counter) {
     return last != 0;
 }
 
-// One read of this rank's signal word, ordering the reads after it: (a) an acquire load;
-// (b) NVSHMEM's signal_fetch, then a fence.
+// One read of this rank's signal word: (a) an acquire load; (b) NVSHMEM's signal_fetch (a
+// relaxed read; wait_ge fences once it has seen the value it waits for).
 __device__ __forceinline__ uint64_t load_signal(const uint64_t *word) {
 #ifdef EP_LL_NVSHMEM
-    uint64_t v = nvshmem_signal_fetch((uint64_t *)word);
-    __threadfence();
-    return v;
+    return nvshmem_signal_fetch((uint64_t *)word);
 #else
     return ep_ld_acquire(word);
+#endif
+}
+
+// After load_signal saw the awaited value: orders the reads of what the signal covers after it.
+__device__ __forceinline__ void signal_seen() {
+#ifdef EP_LL_NVSHMEM
+    __threadfence();
 #endif
 }
 
@@ -150,11 +155,15 @@ __device__ uint64_t wait_ge(const Args &a, const uint64_t *word, uint64_t want, 
     ep_err_block *err = (ep_err_block *)a.err;
     uint64_t v = load_signal(word);
     *waited_ns = 0;
-    if (v >= want) return v;
+    if (v >= want) {
+        signal_seen();
+        return v;
+    }
     uint64_t start = ep_now_ns();
     for (uint32_t polls = 1;; ++polls) {
         v = load_signal(word);
         if (v >= want) {
+            signal_seen();
             *waited_ns = ep_now_ns() - start;
             return v;
         }
@@ -210,6 +219,17 @@ __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, ui
 // Every LL kernel of a rank has num_sms blocks, so each word advances once per operation.
 __device__ __forceinline__ uint64_t op_epoch(const Args &a) {
     return ep_block_epoch(a.call, a.epoch, (a.flags & EP_FLAG_LL_SEND) != 0);
+}
+
+// Variant (b): the send part's last block completes every put of this PE (nvshmem_quiet)
+// before the kernel ends, so the staging is free when its half comes round again (§3.7); at the
+// end, after the receive part, it is off the signals' path.
+__device__ __forceinline__ void quiet_if_last(bool last) {
+#ifdef EP_LL_NVSHMEM
+    if (last && threadIdx.x == 0) nvshmem_quiet();
+#else
+    (void)last;
+#endif
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------
@@ -369,7 +389,8 @@ __device__ __forceinline__ uint8_t *message_row(const Args &a, const ep_ll_layou
 }
 
 // Where this rank writes the header and meta records of its messages to `d`: (a) d's
-// `drecv[rank]` itself; (b) this rank's `dsend_meta[d]`, put with the signal (§3.3).
+// `drecv[rank]` itself; (b) this rank's `dsend_meta[d]` (each meta record is put by the warp
+// that wrote it, the header with the signal).
 __device__ __forceinline__ uint8_t *meta_block_out(const Args &a, const ep_ll_layout &ly, uint32_t d) {
 #ifdef EP_LL_NVSHMEM
     return half_of(a, a.rank, a.half) + ep_ll_dsend_meta(ly, d);
@@ -379,8 +400,8 @@ __device__ __forceinline__ uint8_t *meta_block_out(const Args &a, const ep_ll_la
 }
 
 // The send part: every message of this rank into its destination's drecv[s], then (last block)
-// headers and signals.
-__device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
+// headers and signals. Returns whether this block was the last (variant (b) quiets there).
+__device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     __shared__ uint32_t ncnt[MAXR];
     SendSmem sm = send_smem(a, smem);
     const ep_ll_layout ly = layout_of(a);
@@ -506,10 +527,14 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                 *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
             }
             if (lane == 0) *(uint64_t *)meta = ep_ll_meta_head(t, __popc(bal));
+#ifdef EP_LL_NVSHMEM
+            put_warp(a, d, half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + hdr + (uint64_t)sm.slot[t * R + d] * meta_bytes,
+                     meta, 8ull + 8ull * __popc(bal));
+#endif
         }
     }
     stamp(a, 2);
-    if (!last_block(a, (uint64_t *)a.counter)) return;
+    if (!last_block(a, (uint64_t *)a.counter)) return false;
     // Headers c(l, s) for every unmasked destination, then the signals.
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
         const uint32_t d = i / L, l = i % L;
@@ -519,17 +544,16 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     }
     __syncthreads();
 #ifdef EP_LL_NVSHMEM
-    // Warp d: fence (every row put of this PE before what follows), then one put_signal of
-    // header + meta records carrying disp_sig[h][rank]; then quiet (staging free, §3.7).
+    // Warp d: fence (every row and meta put of this PE before what follows), then one
+    // put_signal of the header carrying disp_sig[h][rank]. The quiet that frees the staging
+    // (§3.7) comes at the kernel's end, off the signals' path.
     if (warp < R && !masked(a, warp)) {
         const uint32_t d = warp;
-        __threadfence();
-        nvshmem_fence();
+        if (lane == 0) nvshmem_fence();
+        __syncwarp();
         nvshmemx_putmem_signal_nbi_warp(half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank), meta_block_out(a, ly, d),
-                                        hdr + (uint64_t)ncnt[d] * meta_bytes,
-                                        signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
+                                        4ull * L, signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
                                         ep_ll_encode(call_k, ncnt[d]), NVSHMEM_SIGNAL_SET, pe_of(a, d));
-        if (lane == 0) nvshmem_quiet();
     }
 #else
     if (threadIdx.x == 0) {
@@ -542,6 +566,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     }
 #endif
     stamp(a, 3);
+    return true;
 }
 
 // The receive part on rank d: wait for every unmasked source, place its messages.
@@ -663,15 +688,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a)
     const uint64_t call_k = op_epoch(a);
     load_mask(a);
     if (masked(a, a.rank)) return;
-    if (a.flags & EP_FLAG_LL_SEND) dispatch_send(a, call_k, smem);
+    const bool last = (a.flags & EP_FLAG_LL_SEND) && dispatch_send(a, call_k, smem);
     if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, call_k, smem);
+    quiet_if_last(last);
 }
 
 // ---- combine -----------------------------------------------------------------------------------
 
 // The send part on the expert's rank d: one BF16 partial per message of the dispatch (read from
 // its meta records, in the dispatch's half), into the source's crecv[d]; then the signals.
-__device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
+__device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __shared__ uint32_t count[MAXR];
     __shared__ uint32_t first_msg[MAXR + 1];
@@ -766,16 +792,15 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 #endif
     }
     stamp(a, 2);
-    if (!last_block(a, (uint64_t *)a.counter)) return;
+    if (!last_block(a, (uint64_t *)a.counter)) return false;
 #ifdef EP_LL_NVSHMEM
-    // Thread s: fence (every partial put of this PE first), the signal, then quiet.
+    // Thread s: fence (every partial put of this PE first), then the signal (the quiet comes at
+    // the kernel's end).
     if (threadIdx.x < R && !masked(a, threadIdx.x)) {
         const uint32_t s = threadIdx.x;
-        __threadfence();
         nvshmem_fence();
         nvshmemx_signal_op(signal_of(a, s, ep_ll_combine_signal(R, a.half, a.rank)), ep_ll_encode(call_k, count[s]),
                            NVSHMEM_SIGNAL_SET, pe_of(a, s));
-        nvshmem_quiet();
     }
 #else
     if (threadIdx.x == 0) {
@@ -787,6 +812,7 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     }
 #endif
     stamp(a, 3);
+    return true;
 }
 
 // The receive part on the token's rank s: wait for every unmasked expert rank, then
@@ -849,6 +875,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_combine(const Args a) 
     const uint64_t call_k = op_epoch(a);
     load_mask(a);
     if (masked(a, a.rank)) return;
-    if (a.flags & EP_FLAG_LL_SEND) combine_send(a, call_k, smem);
+    const bool last = (a.flags & EP_FLAG_LL_SEND) && combine_send(a, call_k, smem);
     if (a.flags & EP_FLAG_LL_RECV) combine_recv(a, call_k);
+    quiet_if_last(last);
 }

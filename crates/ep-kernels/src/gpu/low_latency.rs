@@ -403,14 +403,33 @@ impl LlGroup {
             ),
             Peers::Nvshmem(n) => {
                 let rep = n.session.report();
+                let shape = if self.ranks.len() == self.num_ranks() {
+                    format!(
+                        "{} co-resident ranks are regions of NVSHMEM PE {} of {}",
+                        self.num_ranks(),
+                        n.session.my_pe(),
+                        n.session.n_pes()
+                    )
+                } else {
+                    format!(
+                        "rank {} of {} in this process is NVSHMEM PE {} of {} (p2p peers: {:?}, remote peers: {:?})",
+                        self.ranks[0].rank,
+                        self.num_ranks(),
+                        n.session.my_pe(),
+                        n.session.n_pes(),
+                        rep.p2p_peers,
+                        rep.remote_peers
+                    )
+                };
                 format!(
-                    "variant (b): {} co-resident ranks are regions of NVSHMEM PE {} of {} (every peer through the device API, loopback on this GPU); NVSHMEM {} ({}); transports up: {}; IBGDA: {}; device code {} ({})",
-                    self.num_ranks(),
-                    n.session.my_pe(),
-                    n.session.n_pes(),
+                    "variant (b): {shape}, every peer through the device API; NVSHMEM {} ({}); transports up: {}; IBGDA: {}; device code {} ({})",
                     rep.version,
                     rep.library.display(),
-                    rep.transports_up().join(", "),
+                    if rep.transports_up().is_empty() {
+                        "none needed (one PE: every put is a loopback)".to_string()
+                    } else {
+                        rep.transports_up().join(", ")
+                    },
                     rep.ibgda,
                     n.linked
                         .cubin_path()
@@ -548,6 +567,12 @@ impl LlGroup {
                 vec![ranks[0].data.ptr(); r],
             )
         };
+        // One process per rank: no peer may signal before every process has zeroed its words.
+        if let Peers::Nvshmem(n) = &peers
+            && ranks.len() < r
+        {
+            n.session.barrier_all();
+        }
         Ok(Self {
             dev,
             cfg,
@@ -615,11 +640,13 @@ impl LlGroup {
     }
 
     /// Test support: fills buffers with `byte` (synchronously) so that anything the kernels
-    /// failed to write shows.
+    /// failed to write shows. With one process per rank it is collective (a barrier before and
+    /// after: no peer's kernel may write the arenas meanwhile).
     #[doc(hidden)]
     pub fn poison_for_test(&mut self, what: LlPoison, byte: u8) -> Result<()> {
         self.not_capturing("poison_for_test")?;
-        self.sync_streams()?;
+        // Other processes' kernels may still be writing into these arenas (collective).
+        self.barrier_processes()?;
         for r in &self.ranks {
             let mut bufs: Vec<&Arc<DevBuf>> = Vec::new();
             for h in &r.halves {
@@ -641,7 +668,8 @@ impl LlGroup {
                 b.memset_async(&r.stream, byte, 0, b.len())?;
             }
         }
-        self.sync_streams()
+        self.sync_streams()?;
+        self.barrier_processes()
     }
 
     fn check_ready(&mut self) -> Result<()> {
