@@ -127,7 +127,8 @@ fn pow2i(e: i32) -> f32 {
 /// `t = n + g` with `n = rint(t)`, `|g| <= 1/2`, Taylor series of `2^g` to degree 7 (next term
 /// below `2^-27`), then two exact power-of-two factors so that `n` down to -252 stays finite.
 pub fn exp2(t: f32) -> f32 {
-    let t = t.clamp(-252.0, 127.0);
+    // max/min (not clamp): a NaN becomes -252, as fmaxf/fminf do in the header.
+    let t = t.max(-252.0).min(127.0);
     let n = t.round_ties_even();
     let g = t - n;
     let p = EXP2_C[..7]
