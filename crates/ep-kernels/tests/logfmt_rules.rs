@@ -265,7 +265,7 @@ proptest! {
         let layout = Layout::new(h).unwrap();
         let meta = lf::row_meta(&x);
         let hu = h as u64;
-        // SAFETY (all calls in this block): arithmetic, and reads of h/128 meta words.
+        // SAFETY: every call here is arithmetic or reads the h/128 meta words of `meta`.
         unsafe {
             prop_assert_eq!(ffi::ep_shim_logfmt_data_offset(hu), layout.data_offset() as u64);
             prop_assert_eq!(ffi::ep_shim_logfmt_num_chunks(hu), layout.num_chunks() as u64);
