@@ -528,4 +528,29 @@ int64_t ep_shim_pack_layout_range(uint32_t b, uint32_t c) { return ep_pack_layou
 uint32_t ep_shim_layout_range_begin(int64_t v) { return ep_layout_range_begin(v); }
 uint32_t ep_shim_layout_range_count(int64_t v) { return ep_layout_range_count(v); }
 }
+#include "ep_logfmt.cuh"
+static ep_logfmt_div lf_div(const float *p) { ep_logfmt_div d = {p[0], p[1], p[2], p[3]}; return d; }
+extern "C" {
+float ep_shim_logfmt_log2(float x) { return ep_logfmt_log2(x); }
+float ep_shim_logfmt_exp2(float t) { return ep_logfmt_exp2(t); }
+uint32_t ep_shim_logfmt_division_meta(const uint16_t *x, uint32_t n) { return ep_logfmt_division_meta(x, n); }
+int ep_shim_logfmt_params(uint32_t meta, float *p) { ep_logfmt_div d; int c = ep_logfmt_params(meta, &d); p[0] = d.log_amin; p[1] = d.step; p[2] = d.inv_step; p[3] = d.bias; return c; }
+uint32_t ep_shim_logfmt_code(uint16_t x, const float *p) { ep_logfmt_div d = lf_div(p); return ep_logfmt_code(x, &d); }
+float ep_shim_logfmt_magnitude(uint32_t c, const float *p) { ep_logfmt_div d = lf_div(p); return ep_logfmt_magnitude(c, &d); }
+void ep_shim_logfmt_pack16(const uint32_t *codes, uint32_t signs, uint32_t *w) { ep_logfmt_pack16(codes, signs, w); }
+uint32_t ep_shim_logfmt_unpack_code(const uint32_t *w, uint32_t i) { return ep_logfmt_unpack_code(w, i); }
+void ep_shim_logfmt_encode16(const uint16_t *x, const float *p, uint32_t *w) { ep_logfmt_div d = lf_div(p); ep_logfmt_encode16(x, &d, w); }
+void ep_shim_logfmt_decode16(const uint32_t *w, const float *p, float *out) { ep_logfmt_div d = lf_div(p); ep_logfmt_decode16(w, &d, out); }
+uint64_t ep_shim_logfmt_data_offset(uint64_t h) { return ep_logfmt_data_offset(h); }
+uint64_t ep_shim_logfmt_num_chunks(uint64_t h) { return ep_logfmt_num_chunks(h); }
+uint64_t ep_shim_logfmt_chunk_channels(uint64_t h, uint64_t k) { return ep_logfmt_chunk_channels(h, k); }
+uint64_t ep_shim_logfmt_chunk_bytes(uint64_t ch, int cast) { return ep_logfmt_chunk_bytes(ch, cast); }
+uint64_t ep_shim_logfmt_max_bytes(uint64_t h) { return ep_logfmt_max_bytes(h); }
+uint64_t ep_shim_logfmt_deepep_bytes(uint64_t h) { return ep_logfmt_deepep_bytes(h); }
+int ep_shim_logfmt_chunk_cast(const uint32_t *meta, uint64_t h, uint64_t k) { return ep_logfmt_chunk_cast(meta, h, k); }
+uint64_t ep_shim_logfmt_chunk_offset(const uint32_t *meta, uint64_t h, uint64_t k) { return ep_logfmt_chunk_offset(meta, h, k); }
+uint64_t ep_shim_logfmt_message_bytes(const uint32_t *meta, uint64_t h) { return ep_logfmt_message_bytes(meta, h); }
+uint64_t ep_shim_logfmt_encode_row(const uint16_t *x, uint64_t h, uint8_t *out) { return ep_logfmt_encode_row(x, h, out); }
+void ep_shim_logfmt_decode_row(const uint8_t *m, uint64_t h, float *out) { ep_logfmt_decode_row(m, h, out); }
+}
 "#;

@@ -778,3 +778,87 @@ fn duplicate_expert_entries() {
         );
     }
 }
+
+/// LogFMT-10 combine (spec §2.6, `use_logfmt`; §6.4's LogFMT inputs `randn·0.5·rand`, and
+/// smaller `randn·0.05` so that most chunks of the weighted partials are below 1 and cast):
+/// [`PartialPrecision::LogFmt10`] against the `Bf16` variant and against DeepEP's expectation
+/// `x · Σ_k w` with `calc_diff < 9e-4`. The spec gives no LogFMT-specific bound; this is its FP8
+/// combine bound. Identity expert, BF16 dispatch, R=8, E=32, N=T=64, K=8, H=1536 (three
+/// 512-channel chunks).
+#[test]
+fn logfmt_combine_within_tolerance_of_bf16() {
+    let (r, e, n, k, h) = (8, 32, 64, 8, 1536);
+    let mut rng = ChaCha8Rng::seed_from_u64(610);
+    let mut randn = move || -> f32 {
+        let (u, v): (f32, f32) = (rng.random_range(f32::EPSILON..1.0), rng.random());
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(611);
+    let identity =
+        |_: usize, row: &[f32]| row.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+    let params = LlParams::new(n, e);
+    let mut lossy = 0usize;
+    for (name, scale, by_rand) in [
+        ("randn*0.5*rand", 0.5f32, true),
+        ("randn*0.05", 0.05, false),
+    ] {
+        let mut inputs = deepep_ll_inputs(610, r, e, n, k, h, 10);
+        for inp in &mut inputs {
+            inp.x = Activations::Bf16(Tensor2::from_fn(n, h, |_, _| {
+                let f = if by_rand { rng.random::<f32>() } else { 1.0 };
+                bf16::from_f32(randn() * scale * f)
+            }));
+        }
+        let outs = plan::dispatch(&inputs, &params).unwrap();
+        let y: ExpertOut = outs
+            .iter()
+            .map(|o| o.as_ref().map(|o| map_rows(o, identity).unwrap()))
+            .collect();
+        let hs = handles(&outs);
+        let bf =
+            plan::combine_reduced_on_expert_rank(&inputs, &hs, &y, &params, PartialPrecision::Bf16)
+                .unwrap();
+        let lf = plan::combine_reduced_on_expert_rank(
+            &inputs,
+            &hs,
+            &y,
+            &params,
+            PartialPrecision::LogFmt10,
+        )
+        .unwrap();
+        for me in 0..r {
+            let (a, b) = (lf[me].as_ref().unwrap(), bf[me].as_ref().unwrap());
+            assert!(a.data().iter().all(|v| !v.is_nan()));
+            lossy += a
+                .data()
+                .iter()
+                .zip(b.data())
+                .filter(|(x, y)| x != y)
+                .count();
+            let to64 = |t: &Tensor2<bf16>| -> Vec<f64> {
+                t.data().iter().map(|v| f64::from(v.to_f32())).collect()
+            };
+            let diff = calc_diff(&to64(a), &to64(b));
+            if me == 0 {
+                eprintln!("{name}: rank 0 calc_diff vs BF16 {diff:e}");
+            }
+            assert!(diff < 9e-4, "{name} rank {me}: calc_diff vs BF16 {diff}");
+            let x = x_bf16(&inputs[me]);
+            let mut want = Vec::new();
+            for t in 0..n {
+                let wsum: f32 = (0..k)
+                    .filter(|&j| inputs[me].topk_idx.get(t, j) >= 0)
+                    .map(|j| inputs[me].topk_weights.get(t, j))
+                    .sum();
+                want.extend((0..h).map(|c| f64::from(x.get(t, c).to_f32() * wsum)));
+            }
+            let diff = calc_diff(&to64(a), &want);
+            assert!(diff < 9e-4, "{name} rank {me}: calc_diff vs x·Σw {diff}");
+        }
+    }
+    eprintln!(
+        "{lossy} of {} combined values differ from the BF16 variant",
+        2 * r * n * h
+    );
+    assert!(lossy > r * n * h / 10, "LogFMT changed only {lossy} values");
+}

@@ -35,7 +35,7 @@
 use half::bf16;
 
 use crate::error::{Error, Result};
-use crate::numerics::fp8;
+use crate::numerics::{fp8, logfmt};
 use crate::routing::{Activations, RankInputs, validate_inputs, validate_routing};
 use crate::tensor::{Tensor2, Tensor3};
 
@@ -975,6 +975,9 @@ pub enum PartialPrecision {
     F32,
     /// Partials are rounded to BF16 before travelling (two roundings).
     Bf16,
+    /// Partials are rounded to BF16, then travel LogFMT-10 encoded (spec §2.6, `use_logfmt`;
+    /// [`crate::numerics::logfmt`]); the owner sums the decoded f32 values.
+    LogFmt10,
 }
 
 /// Low-latency combine on every rank (spec §2.5): `out[me]` is `[T_me, H]` BF16, `None` if `me`
@@ -992,10 +995,11 @@ pub fn combine(
 
 /// Combine with ep-rs's reduction order (DESIGN.md: "reduces a token's expert outputs on the
 /// expert's rank"): for each owner rank `d` in ascending order, `p_d = Σ` over the token's
-/// entries on `d` (in `k` order, FMA as in [`combine`]), optionally rounded to BF16; then
-/// `combined = bf16(Σ_d p_d)` with f32 adds in ascending `d`. Differs from [`combine`] by
-/// rounding only: both are within a few f32 ulps of each other before the final BF16 rounding
-/// with [`PartialPrecision::F32`], and within one BF16 rounding per owner with `Bf16`.
+/// entries on `d` (in `k` order, FMA as in [`combine`]), optionally rounded to BF16 (and
+/// LogFMT-10 encoded and decoded with `LogFmt10`); then `combined = bf16(Σ_d p_d)` with f32 adds
+/// in ascending `d`. Differs from [`combine`] by rounding only: both are within a few f32 ulps of
+/// each other before the final BF16 rounding with [`PartialPrecision::F32`], and within one BF16
+/// rounding per owner with `Bf16`; `LogFmt10` adds LogFMT's per-value error to `Bf16`'s.
 pub fn combine_reduced_on_expert_rank(
     inputs: &[RankInputs],
     handles: &[Option<LlHandle>],
@@ -1064,10 +1068,18 @@ fn combine_impl(
             }
             if let Some(precision) = partials {
                 for (p, _) in partial.iter().zip(&touched).filter(|(_, t)| **t) {
+                    if precision == PartialPrecision::LogFmt10 {
+                        let row: Vec<bf16> = p.iter().map(|&v| bf16::from_f32(v)).collect();
+                        let decoded = logfmt::decode_row(&logfmt::encode_row(&row)?, h)?;
+                        for (a, v) in acc.iter_mut().zip(decoded) {
+                            *a += v;
+                        }
+                        continue;
+                    }
                     for (a, &v) in acc.iter_mut().zip(p) {
                         let v = match precision {
-                            PartialPrecision::F32 => v,
                             PartialPrecision::Bf16 => bf16::from_f32(v).to_f32(),
+                            PartialPrecision::F32 | PartialPrecision::LogFmt10 => v,
                         };
                         *a += v;
                     }
