@@ -515,6 +515,9 @@ uint64_t ep_shim_ll_drecv_row(L4, uint64_t s, uint64_t i) { MK; return ep_ll_dre
 uint64_t ep_shim_ll_csend(L4, uint64_t s, uint64_t i) { MK; return ep_ll_csend(lay, s, i); }
 uint64_t ep_shim_ll_crecv(L4, uint64_t d, uint64_t i) { MK; return ep_ll_crecv(lay, d, i); }
 uint64_t ep_shim_ll_cy(L4, uint64_t e, uint64_t row) { MK; return ep_ll_cy(lay, e, row); }
+uint64_t ep_shim_ll_logfmt_meta(L4) { MK; return ep_ll_logfmt_meta(lay); }
+uint64_t ep_shim_ll_csend_meta(L4, uint64_t s, uint64_t i) { MK; return ep_ll_csend_meta(lay, s, i); }
+uint64_t ep_shim_ll_crecv_meta(L4, uint64_t d, uint64_t i) { MK; return ep_ll_crecv_meta(lay, d, i); }
 uint64_t ep_shim_ll_half_bytes(L4) { MK; return ep_ll_half_bytes(lay); }
 uint64_t ep_shim_ll_total_bytes(L4) { MK; return ep_ll_total_bytes(lay); }
 uint64_t ep_shim_ll_meta_entry(uint16_t l, uint16_t pos, uint32_t w) { return ep_ll_meta_entry(l, pos, w); }

@@ -25,6 +25,7 @@
 
 #include "ep_protocol.cuh"
 #include "ep_device.cuh"
+#include "ep_logfmt.cuh"
 
 #ifdef EP_LL_NVSHMEM
 #include <nvshmem.h>
@@ -693,6 +694,116 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a)
     quiet_if_last(last);
 }
 
+// ---- LogFMT-10 (use_logfmt: combine partials, ep_logfmt.cuh's codec) -----------------------------
+//
+// A partial's slot holds its chunks at their raw places (chunk g of 512 channels at byte 1024 g),
+// a cast chunk in the first 10/8 of its place; its division metas (one u32 per 128 channels) sit
+// in the slot's crecv_meta (docs/protocol.md §3.12). A warp's unit (4 x 32 lanes x 8 channels) is
+// two whole chunks, so each unit decides and encodes its chunks alone.
+
+// Lane `lane` holds channels [8c, 8c + 8) of a partial in `v` (valid: c < C). Returns its
+// division's meta word (the 16 lanes of a half warp are one division); every lane calls it.
+__device__ __forceinline__ uint32_t logfmt_division_meta(int4 v, bool valid) {
+    const uint16_t *x = (const uint16_t *)&v;
+    uint32_t hi = 0u, lo = 0xffffu;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const uint32_t b = ep_logfmt_abs_bits(x[j]);
+        hi = b > hi ? b : hi;
+        lo = b < lo ? b : lo;
+    }
+    if (!valid) hi = 0u, lo = 0xffffu;
+#pragma unroll
+    for (int o = 8; o >= 1; o /= 2) {
+        hi = max(hi, __shfl_xor_sync(FULL, hi, o));
+        lo = min(lo, __shfl_xor_sync(FULL, lo, o));
+    }
+    return ep_logfmt_meta_word(hi, lo);
+}
+
+// Encodes one unit of a partial (`out[k]`: chunk c = c0 + 32k + lane, c < C valid) into the slot
+// at `slot` (raw places) and its metas at `metas`; returns, per chunk of the unit (bit j), whether
+// it was cast. Every lane calls it.
+__device__ uint32_t logfmt_store_unit(const int4 *out, uint32_t c0, uint32_t C, uint32_t lane, uint8_t *slot,
+                                      uint32_t *metas) {
+    uint32_t meta[UNITS];
+    int castable[UNITS];
+#pragma unroll
+    for (uint32_t k = 0; k < UNITS; ++k) {
+        const uint32_t c = c0 + k * 32 + lane;
+        meta[k] = logfmt_division_meta(out[k], c < C);
+        ep_logfmt_div p;
+        castable[k] = c >= C || ep_logfmt_params(meta[k], &p);
+        if (c < C && lane % 16 == 0) metas[c / 16] = meta[k];
+    }
+    uint32_t cast_bits = 0;
+#pragma unroll
+    for (uint32_t j = 0; j < UNITS / 2; ++j) {
+        const bool cast = __all_sync(FULL, castable[2 * j] && castable[2 * j + 1]);
+        if (cast) cast_bits |= 1u << j;
+#pragma unroll
+        for (uint32_t kk = 0; kk < 2; ++kk) {
+            const uint32_t k = 2 * j + kk, c = c0 + k * 32 + lane;
+            const uint16_t *x = (const uint16_t *)&out[k];
+            if (!cast) {
+                if (c < C) ((int4 *)slot)[c] = out[k];
+                continue;
+            }
+            // A group of 16 values is two lanes' 8: the even lane packs both.
+            ep_logfmt_div p;
+            ep_logfmt_params(meta[k], &p);
+            uint32_t codes[16], signs = 0;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                codes[q] = ep_logfmt_code(x[q], &p);
+                signs |= (uint32_t)(x[q] >> 15) << q;
+            }
+#pragma unroll
+            for (int q = 0; q < 8; ++q) codes[8 + q] = __shfl_down_sync(FULL, codes[q], 1);
+            signs |= __shfl_down_sync(FULL, signs, 1) << 8;
+            if (c < C && lane % 2 == 0) {
+                uint32_t w[EP_LOGFMT_GROUP_WORDS];
+                ep_logfmt_pack16(codes, signs, w);
+                const uint32_t chunk = c / 64, group = (c % 64) / 2;
+                uint32_t *dst = (uint32_t *)(slot + 2ull * EP_LOGFMT_CHUNK * chunk + 4ull * EP_LOGFMT_GROUP_WORDS * group);
+#pragma unroll
+                for (uint32_t q = 0; q < EP_LOGFMT_GROUP_WORDS; ++q) dst[q] = w[q];
+            }
+        }
+    }
+    return cast_bits;
+}
+
+// Channels [8c, 8c + 8) of the partial in `slot` (metas at `metas`, H channels), as f32.
+__device__ __forceinline__ void logfmt_load8(const uint8_t *slot, const uint32_t *metas, uint32_t c, uint32_t H,
+                                             float *v) {
+    const uint32_t chunk = c / 64, S = H / 128;
+    bool cast = true;
+    for (uint32_t dv = 4 * chunk; dv < min(4 * chunk + 4, S); ++dv) cast = cast && ep_logfmt_castable(__ldcg(&metas[dv]));
+    if (!cast) {
+        const int4 raw = ld_cg16(slot + 16ull * c);
+        const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&raw;
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            float2 f = __bfloat1622float2(h2[x]);
+            v[2 * x] = f.x;
+            v[2 * x + 1] = f.y;
+        }
+        return;
+    }
+    ep_logfmt_div p;
+    ep_logfmt_params(__ldcg(&metas[c / 16]), &p);
+    const uint32_t group = (c % 64) / 2;
+    const uint32_t *src = (const uint32_t *)(slot + 2ull * EP_LOGFMT_CHUNK * chunk + 4ull * EP_LOGFMT_GROUP_WORDS * group);
+    uint32_t w[EP_LOGFMT_GROUP_WORDS];
+#pragma unroll
+    for (uint32_t q = 0; q < EP_LOGFMT_GROUP_WORDS; ++q) w[q] = __ldcg(&src[q]);
+    float all[16];
+    ep_logfmt_decode16(w, &p, all);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) v[q] = all[8 * (c % 2) + q];
+}
+
 // ---- combine -----------------------------------------------------------------------------------
 
 // The send part on the expert's rank d: one BF16 partial per message of the dispatch (read from
@@ -722,6 +833,7 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const uint32_t total = first_msg[R];
     const __nv_bfloat16 *y = (const __nv_bfloat16 *)a.combine_y;
+    const bool logfmt = (a.flags & EP_FLAG_LOGFMT) != 0;
     // Units of UNITS x 32 chunks of one message over every warp of the grid: the warp reads the
     // meta record once (lane j: entry j), then reduces its chunks.
     const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
@@ -755,12 +867,17 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 #ifdef EP_LL_NVSHMEM
         // Staged in csend[s][i], then put to s's crecv[rank] slot i.
         int4 *dst = (int4 *)(half_of(a, a.rank, a.half) + ep_ll_csend(ly, s, i));
+        uint32_t *dst_meta = (uint32_t *)(half_of(a, a.rank, a.half) + ep_ll_csend_meta(ly, s, i));
 #else
         int4 *dst = (int4 *)(half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i));
+        uint32_t *dst_meta = (uint32_t *)(half_of(a, s, a.half) + ep_ll_crecv_meta(ly, a.rank, i));
 #endif
+        int4 outs[UNITS];
+#pragma unroll
         for (uint32_t k = 0; k < UNITS; ++k) {
             const uint32_t c = c0 + k * 32 + lane;
-            if (c >= C) break;
+            outs[k] = make_int4(0, 0, 0, 0);
+            if (c >= C) continue;
             int4 v[MAXK];
 #pragma unroll
             for (uint32_t j = 0; j < MAXK; ++j)
@@ -780,15 +897,37 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                     }
                 }
             }
-            int4 out;
-            __nv_bfloat162 *o2 = (__nv_bfloat162 *)&out;
+            __nv_bfloat162 *o2 = (__nv_bfloat162 *)&outs[k];
 #pragma unroll
             for (int x = 0; x < 4; ++x) o2[x] = __floats2bfloat162_rn(acc[2 * x], acc[2 * x + 1]);
-            dst[c] = out;
         }
+        if (!logfmt) {
+#pragma unroll
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t c = c0 + k * 32 + lane;
+                if (c < C) dst[c] = outs[k];
+            }
 #ifdef EP_LL_NVSHMEM
-        put_warp(a, s, half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i) + 16ull * c0, dst + c0,
-                 16ull * min(32u * UNITS, C - c0));
+            put_warp(a, s, half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i) + 16ull * c0, dst + c0,
+                     16ull * min(32u * UNITS, C - c0));
+#endif
+            continue;
+        }
+        const uint32_t cast = logfmt_store_unit(outs, c0, C, lane, (uint8_t *)dst, dst_meta);
+        (void)cast;
+#ifdef EP_LL_NVSHMEM
+        // Each chunk of the unit (its bytes only), then the unit's division metas.
+        uint8_t *remote = half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i);
+        for (uint32_t j = 0; j < UNITS / 2; ++j) {
+            const uint32_t ch0 = c0 * 8 + j * EP_LOGFMT_CHUNK; // first channel of the chunk
+            if (ch0 >= H) break;
+            const uint64_t channels = min(EP_LOGFMT_CHUNK, H - ch0);
+            const uint64_t at = 2ull * ch0;
+            put_warp(a, s, remote + at, (uint8_t *)dst + at, ep_logfmt_chunk_bytes(channels, (cast >> j) & 1u));
+        }
+        const uint32_t dv0 = c0 / 16, dv1 = min((c0 + 32 * UNITS) / 16, H / 128);
+        put_warp(a, s, half_of(a, s, a.half) + ep_ll_crecv_meta(ly, a.rank, i) + 4ull * dv0, dst_meta + dv0,
+                 4ull * (dv1 - dv0));
 #endif
     }
     stamp(a, 2);
@@ -828,6 +967,7 @@ __device__ void combine_recv(const Args &a, uint64_t call_k) {
     const uint8_t *mine = half_of(a, a.rank, a.half);
     const int32_t *slots = (const int32_t *)a.slots;
     const uint32_t n16 = H * 2 / 16;
+    const bool logfmt = (a.flags & EP_FLAG_LOGFMT) != 0;
     // Units of UNITS x 32 chunks of one token over every warp of the grid.
     const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
     const uint32_t per_tok = (n16 + 32 * UNITS - 1) / (32 * UNITS);
@@ -841,13 +981,24 @@ __device__ void combine_recv(const Args &a, uint64_t call_k) {
         for (uint32_t k = 0; k < UNITS; ++k) {
             const uint32_t c = c0 + k * 32 + lane;
             if (c >= n16) break;
+            float acc[8];
+#pragma unroll
+            for (int x = 0; x < 8; ++x) acc[x] = 0.0f;
+            if (logfmt) {
+                // LogFMT partials, decoded to f32 and summed in ascending rank order.
+                for (uint32_t d = 0; d < R; ++d) {
+                    if (sl[d] < 0) continue;
+                    float pv[8];
+                    logfmt_load8(mine + ep_ll_crecv(ly, d, (uint32_t)sl[d]),
+                                 (const uint32_t *)(mine + ep_ll_crecv_meta(ly, d, (uint32_t)sl[d])), c, H, pv);
+#pragma unroll
+                    for (int x = 0; x < 8; ++x) acc[x] = __fadd_rn(acc[x], pv[x]);
+                }
+            } else {
             int4 v[MAXR];
 #pragma unroll
             for (uint32_t d = 0; d < MAXR; ++d)
                 if (sl[d] >= 0) v[d] = ld_cg16(mine + ep_ll_crecv(ly, d, (uint32_t)sl[d]) + 16ull * c);
-            float acc[8];
-#pragma unroll
-            for (int x = 0; x < 8; ++x) acc[x] = 0.0f;
 #pragma unroll
             for (uint32_t d = 0; d < MAXR; ++d) {
                 if (sl[d] >= 0) {
@@ -859,6 +1010,7 @@ __device__ void combine_recv(const Args &a, uint64_t call_k) {
                         acc[2 * x + 1] = __fadd_rn(acc[2 * x + 1], f.y);
                     }
                 }
+            }
             }
             int4 o;
             __nv_bfloat162 *o2 = (__nv_bfloat162 *)&o;

@@ -165,10 +165,18 @@ EP_HD uint64_t ep_ll_cy(ep_ll_layout l, uint64_t e, uint64_t row) {
     return 2u * l.num_ranks * l.num_max_tokens * ep_ll_row(l) +
            (e * l.num_ranks * l.num_max_tokens + row) * 2u * l.hidden;
 }
+EP_HD uint64_t ep_ll_logfmt_meta(ep_ll_layout l) { return ep_align16(4u * (l.hidden / 128u)); }
+EP_HD uint64_t ep_ll_csend_meta(ep_ll_layout l, uint64_t s, uint64_t i) {
+    return ep_ll_cy(l, l.num_local_experts, 0) + (s * l.num_max_tokens + i) * ep_ll_logfmt_meta(l);
+}
+EP_HD uint64_t ep_ll_crecv_meta(ep_ll_layout l, uint64_t d, uint64_t i) {
+    return ep_ll_csend_meta(l, l.num_ranks, 0) + (d * l.num_max_tokens + i) * ep_ll_logfmt_meta(l);
+}
 EP_HD uint64_t ep_ll_half_bytes(ep_ll_layout l) {
     uint64_t n = l.num_max_tokens, r = l.num_ranks, row = ep_ll_row(l), blk = ep_ll_block(l);
     uint64_t dispatch = n * row + r * blk + r * (blk + n * row);
-    uint64_t combine = 2u * r * n * row + l.num_local_experts * r * n * 2u * l.hidden;
+    uint64_t combine = 2u * r * n * row + l.num_local_experts * r * n * 2u * l.hidden +
+                       2u * r * n * ep_ll_logfmt_meta(l);
     return ep_align128(dispatch > combine ? dispatch : combine);
 }
 EP_HD uint64_t ep_ll_half_base(ep_ll_layout l, uint64_t h) { return h * ep_ll_half_bytes(l); }

@@ -68,6 +68,9 @@ mod ffi {
         pub(super) fn ep_shim_ll_csend(r: u64, l: u64, h: u64, n: u64, s: u64, i: u64) -> u64;
         pub(super) fn ep_shim_ll_crecv(r: u64, l: u64, h: u64, n: u64, d: u64, i: u64) -> u64;
         pub(super) fn ep_shim_ll_cy(r: u64, l: u64, h: u64, n: u64, e: u64, row: u64) -> u64;
+        pub(super) fn ep_shim_ll_logfmt_meta(r: u64, l: u64, h: u64, n: u64) -> u64;
+        pub(super) fn ep_shim_ll_csend_meta(r: u64, l: u64, h: u64, n: u64, s: u64, i: u64) -> u64;
+        pub(super) fn ep_shim_ll_crecv_meta(r: u64, l: u64, h: u64, n: u64, d: u64, i: u64) -> u64;
         pub(super) fn ep_shim_ll_half_bytes(r: u64, l: u64, h: u64, n: u64) -> u64;
         pub(super) fn ep_shim_ll_total_bytes(r: u64, l: u64, h: u64, n: u64) -> u64;
         pub(super) fn ep_shim_ll_meta_entry(l: u16, pos: u16, w: u32) -> u64;
@@ -235,6 +238,12 @@ ll_rule!(/// `ep_ll_crecv`.
     ll_crecv => ep_shim_ll_crecv(d, i));
 ll_rule!(/// `ep_ll_cy`.
     ll_cy => ep_shim_ll_cy(e, row));
+ll_rule!(/// `ep_ll_logfmt_meta`.
+    ll_logfmt_meta => ep_shim_ll_logfmt_meta());
+ll_rule!(/// `ep_ll_csend_meta`.
+    ll_csend_meta => ep_shim_ll_csend_meta(s, i));
+ll_rule!(/// `ep_ll_crecv_meta`.
+    ll_crecv_meta => ep_shim_ll_crecv_meta(d, i));
 ll_rule!(/// `ep_ll_half_bytes`.
     ll_half_bytes => ep_shim_ll_half_bytes());
 ll_rule!(/// `ep_ll_total_bytes`.

@@ -34,8 +34,8 @@ use ep_core::workload::{Routing, WorkloadSpec};
 use ep_kernels::Error;
 use ep_kernels::gpu::mem::DevBuf;
 use ep_kernels::gpu::{
-    DType, DevTensor, Device, HostElem, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch,
-    LlGroup, LlPoison, LlRankInputs, LlVariant,
+    DType, DevTensor, Device, HostElem, LlCombineArgs, LlCombineInput, LlConfig, LlDispatchArgs,
+    LlGpuDispatch, LlGroup, LlPoison, LlRankInputs, LlVariant,
 };
 use ep_kernels::nvshmem::device_link::{LinkedLl, link_ll_module};
 use ep_kernels::nvshmem::{Bootstrap, BringUp, NvshmemSession, SoloRendezvous, TcpRendezvous};
@@ -452,6 +452,33 @@ fn check_combined(
     local: &[usize],
     combined: &[DevTensor],
 ) {
+    check_combined_as(
+        case,
+        masked,
+        inputs,
+        plan,
+        ys,
+        local,
+        combined,
+        PartialPrecision::Bf16,
+    );
+}
+
+/// [`check_combined`] against the plan's combine with partials in `precision`.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the round's pieces, as check_combined"
+)]
+fn check_combined_as(
+    case: &Case,
+    masked: &[bool],
+    inputs: &[RankInputs],
+    plan: &[Option<LlDispatchOutput>],
+    ys: &ExpertOutputs,
+    local: &[usize],
+    combined: &[DevTensor],
+    precision: PartialPrecision,
+) {
     let plan_handles: Vec<Option<LlHandle>> = plan
         .iter()
         .map(|p| p.as_ref().map(|p| p.handle.clone()))
@@ -461,7 +488,7 @@ fn check_combined(
         &plan_handles,
         &ys.per_expert,
         &case.params(masked),
-        PartialPrecision::Bf16,
+        precision,
     )
     .expect("plan combine");
     for (i, &s) in local.iter().enumerate() {
@@ -1158,4 +1185,142 @@ fn variant_b_module_links_at_run_time_and_caches() {
     let cached = link_ll_module(&session).expect("load from the cache");
     check(&cached);
     assert!(cached.from_cache(), "{cached:?}");
+}
+
+/// Expert outputs of magnitude below `scale` (DeepEP's LogFMT test inputs are `randn * 0.1`-like:
+/// most 512-channel chunks of a partial then stay below 1 and are cast).
+fn small_expert_outputs(case: &Case, scale: f32) -> ExpertOutputs {
+    let (l_count, rows, h) = (
+        case.experts / case.ranks,
+        case.ranks * case.max_tokens,
+        case.hidden,
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0x1f);
+    let flat: Vec<Tensor2<bf16>> = (0..case.ranks)
+        .map(|_| {
+            Tensor2::from_fn(l_count * rows, h, |_, _| {
+                let u: f32 = rng.random_range(-1.0..1.0);
+                let v: f32 = rng.random_range(0.0..1.0);
+                bf16::from_f32(u * v * scale)
+            })
+        })
+        .collect();
+    let per_expert = flat
+        .iter()
+        .map(|y| Some(Tensor3::new(l_count, rows, h, y.data().to_vec()).expect("shape")))
+        .collect();
+    ExpertOutputs {
+        key: (case.ranks, l_count * rows, h, vec![false; case.ranks]),
+        flat,
+        per_expert,
+    }
+}
+
+/// LogFMT-10 combine (`use_logfmt`): bit for bit with the plan's LogFMT reduction (the codec of
+/// ep_logfmt.cuh is ep-core's), within DeepEP's bound of the BF16 combine (`calc_diff < 9e-4`),
+/// and really lossy (cast chunks change values); hook halves and the zero-copy input too; then a
+/// plain BF16 combine on the same group still equals the BF16 plan.
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn logfmt_combine_equals_the_plan_within_deepeps_bound() {
+    let dev = device();
+    let mut cases = Vec::new();
+    for (i, &(h, k, scale)) in [(2048, 8, 0.1f32), (7168, 8, 0.3), (256, 4, 2.0)]
+        .iter()
+        .enumerate()
+    {
+        let mut c = Case::new(2, 48, h, k, 16);
+        c.seed = 90 + i as u64;
+        c.hook = i == 1;
+        c.zero_copy = i == 2;
+        cases.push((c, scale));
+    }
+    for (c, scale) in &cases {
+        let mut g = group(&dev, c);
+        let masked = vec![false; c.ranks];
+        let inputs = inputs_of(c);
+        let plan = plan_dispatch(&inputs, &c.params(&masked)).expect("plan dispatch");
+        let dins = upload(&dev, &inputs);
+        let ys = small_expert_outputs(c, *scale);
+        let all: Vec<usize> = (0..c.ranks).collect();
+        for logfmt in [true, false] {
+            let outs = g.dispatch(&rank_inputs(&dins), &c.args()).unwrap();
+            if c.hook {
+                g.recv_hook().unwrap();
+            }
+            let y_dev: Vec<DevTensor> = (0..c.ranks)
+                .map(|d| {
+                    if c.zero_copy {
+                        let z = g.next_combine_buffer(d).unwrap();
+                        z.write(&ys.flat[d]).unwrap();
+                        z
+                    } else {
+                        DevTensor::upload(dev.context(), &ys.flat[d]).unwrap()
+                    }
+                })
+                .collect();
+            let ins: Vec<_> = y_dev
+                .iter()
+                .map(|y| {
+                    if c.zero_copy {
+                        LlCombineInput::ZeroCopy
+                    } else {
+                        LlCombineInput::Tensor(y)
+                    }
+                })
+                .collect();
+            let hs: Vec<_> = outs.iter().map(|o| &o.handle).collect();
+            g.poison_for_test(LlPoison::Combine, 0x5a).unwrap();
+            let args = LlCombineArgs {
+                return_recv_hook: c.hook,
+                use_logfmt: logfmt,
+            };
+            let combined = g.combine_with(&hs, &ins, &args).unwrap();
+            if c.hook {
+                g.recv_hook().unwrap();
+            }
+            g.sync().unwrap();
+            let precision = if logfmt {
+                PartialPrecision::LogFmt10
+            } else {
+                PartialPrecision::Bf16
+            };
+            check_combined_as(c, &masked, &inputs, &plan, &ys, &all, &combined, precision);
+            if !logfmt {
+                continue;
+            }
+            // Against the BF16 reduction: DeepEP's bound, and lossy for real.
+            let handles: Vec<Option<LlHandle>> = plan
+                .iter()
+                .map(|p| p.as_ref().map(|p| p.handle.clone()))
+                .collect();
+            let bf16_ref = combine_reduced_on_expert_rank(
+                &inputs,
+                &handles,
+                &ys.per_expert,
+                &c.params(&masked),
+                PartialPrecision::Bf16,
+            )
+            .expect("plan combine");
+            let mut differ = 0usize;
+            for (s, w) in bf16_ref.iter().enumerate() {
+                let w = w.as_ref().expect("unmasked");
+                let got: Tensor2<bf16> = combined[s].download().unwrap();
+                differ += got
+                    .data()
+                    .iter()
+                    .zip(w.data())
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                let diff = common::calc_diff(
+                    got.data().iter().map(|v| f64::from(v.to_f32())),
+                    w.data().iter().map(|v| f64::from(v.to_f32())),
+                );
+                assert!(diff < 9e-4, "rank {s}: calc_diff {diff} ({c:?})");
+            }
+            if *scale < 1.0 {
+                assert!(differ > 0, "no LogFMT chunk was cast ({c:?})");
+            }
+        }
+    }
 }

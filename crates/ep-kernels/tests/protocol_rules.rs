@@ -94,6 +94,9 @@ proptest! {
         prop_assert_eq!(c::ll_csend(dims, su, iu), lay.csend(s, i));
         prop_assert_eq!(c::ll_crecv(dims, su, iu), lay.crecv(s, i));
         prop_assert_eq!(c::ll_cy(dims, (s % le) as u64, iu), lay.cy(s % le, i));
+        prop_assert_eq!(c::ll_logfmt_meta(dims), lay.logfmt_meta());
+        prop_assert_eq!(c::ll_csend_meta(dims, su, iu), lay.csend_meta(s, i));
+        prop_assert_eq!(c::ll_crecv_meta(dims, su, iu), lay.crecv_meta(s, i));
         prop_assert_eq!(c::ll_half_bytes(dims), lay.half_bytes());
         prop_assert_eq!(c::ll_total_bytes(dims), lay.total_bytes());
         prop_assert_eq!(c::ll_meta_entry(ll, pos, w.to_bits()).to_le_bytes(), l::ll_meta_entry(ll, pos, w));

@@ -395,6 +395,22 @@ impl LlLayout {
         2 * self.r() * self.n() * self.row()
             + (l as u64 * self.r() * self.n() + row as u64) * 2 * self.hidden as u64
     }
+    /// LogFMT division metas of one combine partial: `a16(4·H/128)` (one u32 per 128
+    /// channels, `numerics::logfmt`).
+    #[must_use]
+    pub fn logfmt_meta(self) -> u64 {
+        align16(4 * (self.hidden as u64 / 128))
+    }
+    /// `csend_meta[s][i]`: the LogFMT division metas of partial `csend[s][i]` (after `cy`).
+    #[must_use]
+    pub fn csend_meta(self, s: usize, i: usize) -> u64 {
+        self.cy(self.num_local_experts, 0) + (s as u64 * self.n() + i as u64) * self.logfmt_meta()
+    }
+    /// `crecv_meta[d][i]`: those of `crecv[d][i]`.
+    #[must_use]
+    pub fn crecv_meta(self, d: usize, i: usize) -> u64 {
+        self.csend_meta(self.num_ranks, 0) + (d as u64 * self.n() + i as u64) * self.logfmt_meta()
+    }
     /// Bytes of one half.
     #[must_use]
     pub fn half_bytes(self) -> u64 {
@@ -402,7 +418,8 @@ impl LlLayout {
             + self.r() * self.block()
             + self.r() * (self.block() + self.n() * self.row());
         let combine = 2 * self.r() * self.n() * self.row()
-            + self.num_local_experts as u64 * self.r() * self.n() * 2 * self.hidden as u64;
+            + self.num_local_experts as u64 * self.r() * self.n() * 2 * self.hidden as u64
+            + 2 * self.r() * self.n() * self.logfmt_meta();
         align128(dispatch.max(combine))
     }
     /// Offset of half `h` in the data allocation.

@@ -105,6 +105,17 @@ pub struct LlDispatchArgs {
     pub return_recv_hook: bool,
 }
 
+/// Options of a low-latency combine (spec §2.5).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LlCombineArgs {
+    /// Launch only the send half; [`LlGroup::recv_hook`] runs the receive half.
+    pub return_recv_hook: bool,
+    /// Partials travel LogFMT-10 encoded (DeepEP's `use_logfmt`, spec §2.6; lossy:
+    /// `plan::low_latency::PartialPrecision::LogFmt10` is the reference). Unlike DeepEP it
+    /// combines with the zero-copy input too (the encoded partials do not overwrite it).
+    pub use_logfmt: bool,
+}
+
 /// What a combine needs from its dispatch.
 #[derive(Clone, Debug)]
 pub struct LlGpuHandle {
@@ -1261,6 +1272,21 @@ impl LlGroup {
         inputs: &[LlCombineInput<'_>],
         return_recv_hook: bool,
     ) -> Result<Vec<DevTensor>> {
+        let args = LlCombineArgs {
+            return_recv_hook,
+            ..LlCombineArgs::default()
+        };
+        self.combine_with(handles, inputs, &args)
+    }
+
+    /// [`LlGroup::combine`] with every option ([`LlCombineArgs`]).
+    pub fn combine_with(
+        &mut self,
+        handles: &[&LlGpuHandle],
+        inputs: &[LlCombineInput<'_>],
+        args: &LlCombineArgs,
+    ) -> Result<Vec<DevTensor>> {
+        let return_recv_hook = args.return_recv_hook;
         let r = self.ranks.len();
         for found in [handles.len(), inputs.len()] {
             if found != r {
@@ -1336,6 +1362,9 @@ impl LlGroup {
             let mut a = self.base_args(s, half);
             a.num_tokens = hd.num_tokens as u64;
             a.num_topk = 1;
+            if args.use_logfmt {
+                a.flags |= abi::EP_FLAG_LOGFMT;
+            }
             a.disp_half = dhalf;
             a.counter = self.ranks[s].counters.ptr() + 8;
             a.slots = db.slots.ptr();

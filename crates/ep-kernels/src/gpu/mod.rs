@@ -28,8 +28,8 @@ pub mod tensor;
 
 pub use device::Device;
 pub use low_latency::{
-    LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGpuHandle, LlGraph, LlGroup,
-    LlPoison, LlRankInputs, LlStats, LlVariant,
+    LlCombineArgs, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGpuHandle, LlGraph,
+    LlGroup, LlPoison, LlRankInputs, LlStats, LlVariant,
 };
 pub use normal::{
     CallStreams, CombineSource, GpuCombineArgs, GpuCombined, GpuDispatch, GpuDispatchArgs,
