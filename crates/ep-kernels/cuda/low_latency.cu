@@ -808,6 +808,7 @@ __device__ __forceinline__ void logfmt_load8(const uint8_t *slot, const uint32_t
 
 // The send part on the expert's rank d: one BF16 partial per message of the dispatch (read from
 // its meta records, in the dispatch's half), into the source's crecv[d]; then the signals.
+template <bool LOGFMT>
 __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __shared__ uint32_t count[MAXR];
@@ -833,7 +834,6 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const uint32_t total = first_msg[R];
     const __nv_bfloat16 *y = (const __nv_bfloat16 *)a.combine_y;
-    const bool logfmt = (a.flags & EP_FLAG_LOGFMT) != 0;
     // Units of UNITS x 32 chunks of one message over every warp of the grid: the warp reads the
     // meta record once (lane j: entry j), then reduces its chunks.
     const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
@@ -872,12 +872,16 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         int4 *dst = (int4 *)(half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i));
         uint32_t *dst_meta = (uint32_t *)(half_of(a, s, a.half) + ep_ll_crecv_meta(ly, a.rank, i));
 #endif
-        int4 outs[UNITS];
+        // The BF16 path stores each chunk as it is reduced; LogFMT keeps the unit for the encoder.
+        int4 outs[LOGFMT ? UNITS : 1];
 #pragma unroll
         for (uint32_t k = 0; k < UNITS; ++k) {
             const uint32_t c = c0 + k * 32 + lane;
-            outs[k] = make_int4(0, 0, 0, 0);
-            if (c >= C) continue;
+            if (LOGFMT) outs[LOGFMT ? k : 0] = make_int4(0, 0, 0, 0);
+            if (c >= C) {
+                if (LOGFMT) continue;
+                break;
+            }
             int4 v[MAXK];
 #pragma unroll
             for (uint32_t j = 0; j < MAXK; ++j)
@@ -897,16 +901,16 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                     }
                 }
             }
-            __nv_bfloat162 *o2 = (__nv_bfloat162 *)&outs[k];
+            int4 out;
+            __nv_bfloat162 *o2 = (__nv_bfloat162 *)&out;
 #pragma unroll
             for (int x = 0; x < 4; ++x) o2[x] = __floats2bfloat162_rn(acc[2 * x], acc[2 * x + 1]);
+            if (LOGFMT)
+                outs[LOGFMT ? k : 0] = out;
+            else
+                dst[c] = out;
         }
-        if (!logfmt) {
-#pragma unroll
-            for (uint32_t k = 0; k < UNITS; ++k) {
-                const uint32_t c = c0 + k * 32 + lane;
-                if (c < C) dst[c] = outs[k];
-            }
+        if (!LOGFMT) {
 #ifdef EP_LL_NVSHMEM
             put_warp(a, s, half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i) + 16ull * c0, dst + c0,
                      16ull * min(32u * UNITS, C - c0));
@@ -956,6 +960,7 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 
 // The receive part on the token's rank s: wait for every unmasked expert rank, then
 // combined[t] = bf16(sum over d ascending of f32(partial_d)).
+template <bool LOGFMT>
 __device__ void combine_recv(const Args &a, uint64_t call_k) {
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __shared__ uint32_t count[MAXR];
@@ -967,7 +972,6 @@ __device__ void combine_recv(const Args &a, uint64_t call_k) {
     const uint8_t *mine = half_of(a, a.rank, a.half);
     const int32_t *slots = (const int32_t *)a.slots;
     const uint32_t n16 = H * 2 / 16;
-    const bool logfmt = (a.flags & EP_FLAG_LOGFMT) != 0;
     // Units of UNITS x 32 chunks of one token over every warp of the grid.
     const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
     const uint32_t per_tok = (n16 + 32 * UNITS - 1) / (32 * UNITS);
@@ -984,7 +988,7 @@ __device__ void combine_recv(const Args &a, uint64_t call_k) {
             float acc[8];
 #pragma unroll
             for (int x = 0; x < 8; ++x) acc[x] = 0.0f;
-            if (logfmt) {
+            if (LOGFMT) {
                 // LogFMT partials, decoded to f32 and summed in ascending rank order.
                 for (uint32_t d = 0; d < R; ++d) {
                     if (sl[d] < 0) continue;
@@ -1022,12 +1026,24 @@ __device__ void combine_recv(const Args &a, uint64_t call_k) {
     stamp(a, 6);
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_combine(const Args a) {
-    extern __shared__ __align__(16) uint8_t smem[];
+// One kernel per combine flavour (LogFMT's encoder would cost the BF16 path registers).
+template <bool LOGFMT>
+__device__ __forceinline__ void combine_kernel(const Args &a, uint8_t *smem) {
     const uint64_t call_k = op_epoch(a);
     load_mask(a);
     if (masked(a, a.rank)) return;
-    const bool last = (a.flags & EP_FLAG_LL_SEND) && combine_send(a, call_k, smem);
-    if (a.flags & EP_FLAG_LL_RECV) combine_recv(a, call_k);
+    const bool last = (a.flags & EP_FLAG_LL_SEND) && combine_send<LOGFMT>(a, call_k, smem);
+    if (a.flags & EP_FLAG_LL_RECV) combine_recv<LOGFMT>(a, call_k);
     quiet_if_last(last);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_combine(const Args a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    combine_kernel<false>(a, smem);
+}
+
+// use_logfmt (EP_FLAG_LOGFMT).
+extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_combine_logfmt(const Args a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    combine_kernel<true>(a, smem);
 }

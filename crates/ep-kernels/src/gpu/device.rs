@@ -29,6 +29,8 @@ pub(crate) struct NormalKernels {
 pub(crate) struct LlKernels {
     pub(crate) dispatch: CudaFunction,
     pub(crate) combine: CudaFunction,
+    /// The combine with LogFMT-10 partials (`use_logfmt`).
+    pub(crate) combine_logfmt: CudaFunction,
 }
 
 /// One GPU, ready to launch the backend's kernels.
@@ -75,8 +77,10 @@ impl Device {
         let ll = LlKernels {
             dispatch: get_in(&ll_module, "ep_ll_dispatch")?,
             combine: get_in(&ll_module, "ep_ll_combine")?,
+            combine_logfmt: get_in(&ll_module, "ep_ll_combine_logfmt")?,
         };
-        let max_dynamic_smem = opt_in_dynamic_smem(&ctx, &[&ll.dispatch, &ll.combine])?;
+        let max_dynamic_smem =
+            opt_in_dynamic_smem(&ctx, &[&ll.dispatch, &ll.combine, &ll.combine_logfmt])?;
         let num_sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?

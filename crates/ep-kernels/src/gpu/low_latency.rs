@@ -172,6 +172,7 @@ pub enum LlPoison {
 #[derive(Clone, Debug)]
 enum Pending {
     Dispatch(Vec<Option<LlArgs>>),
+    /// The receive parts' arguments (their flags say the flavour: EP_FLAG_LOGFMT).
     Combine(Vec<Option<LlArgs>>),
 }
 
@@ -379,6 +380,7 @@ impl LlGroup {
         let kernels = LlKernels {
             dispatch: linked.dispatch().clone(),
             combine: linked.combine().clone(),
+            combine_logfmt: linked.combine_logfmt().clone(),
         };
         let peers = Peers::Nvshmem(Box::new(NvshmemPeers {
             session: session.clone(),
@@ -452,6 +454,14 @@ impl LlGroup {
                     }
                 )
             }
+        }
+    }
+
+    /// The combine kernel of the flavour `args` asks for (EP_FLAG_LOGFMT).
+    fn combine_fn(&self, args: Option<&LlArgs>) -> &CudaFunction {
+        match args {
+            Some(a) if a.flags & abi::EP_FLAG_LOGFMT != 0 => &self.fns().combine_logfmt,
+            _ => &self.fns().combine,
         }
     }
 
@@ -1246,7 +1256,7 @@ impl LlGroup {
         };
         let (f, list) = match &p {
             Pending::Dispatch(l) => (&self.fns().dispatch, l),
-            Pending::Combine(l) => (&self.fns().combine, l),
+            Pending::Combine(l) => (self.combine_fn(l.iter().flatten().next()), l),
         };
         for (s, a) in list.iter().enumerate() {
             if let Some(a) = a {
@@ -1392,7 +1402,7 @@ impl LlGroup {
             if !return_recv_hook {
                 send.flags |= abi::EP_FLAG_LL_RECV;
             }
-            self.launch(s, &self.fns().combine, &send)?;
+            self.launch(s, self.combine_fn(Some(&send)), &send)?;
         }
         if return_recv_hook {
             self.pending = Some(Pending::Combine(recv_args.into_iter().map(Some).collect()));

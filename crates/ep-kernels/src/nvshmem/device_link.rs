@@ -47,6 +47,8 @@ pub struct LinkedLl {
     pub(crate) dispatch: CudaFunction,
     /// `ep_ll_combine`.
     pub(crate) combine: CudaFunction,
+    /// `ep_ll_combine_logfmt`.
+    pub(crate) combine_logfmt: CudaFunction,
     /// Dynamic shared memory both functions may launch with (as [`crate::gpu::Device`]'s LL
     /// functions).
     pub(crate) max_dynamic_smem: usize,
@@ -82,6 +84,11 @@ impl LinkedLl {
     /// `ep_ll_combine`.
     pub fn combine(&self) -> &CudaFunction {
         &self.combine
+    }
+
+    /// `ep_ll_combine_logfmt`.
+    pub fn combine_logfmt(&self) -> &CudaFunction {
+        &self.combine_logfmt
     }
 
     /// Dynamic shared memory (bytes) both functions were allowed to launch with.
@@ -194,6 +201,7 @@ pub fn link_ll_module(session: &NvshmemSession) -> Result<LinkedLl> {
     };
     let dispatch = load_function_eager(&module, "ep_ll_dispatch")?;
     let combine = load_function_eager(&module, "ep_ll_combine")?;
+    let combine_logfmt = load_function_eager(&module, "ep_ll_combine_logfmt")?;
 
     let mut cu_module: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: `dispatch` is a live function of `module`; `cu_module` is an out-parameter.
@@ -218,6 +226,7 @@ pub fn link_ll_module(session: &NvshmemSession) -> Result<LinkedLl> {
         module,
         dispatch,
         combine,
+        combine_logfmt,
         max_dynamic_smem: 0,
         cubin_path,
         from_cache,
@@ -225,7 +234,10 @@ pub fn link_ll_module(session: &NvshmemSession) -> Result<LinkedLl> {
         ctx: Arc::clone(ctx),
         session: Arc::downgrade(&session.inner),
     };
-    linked.max_dynamic_smem = opt_in_dynamic_smem(ctx, &[&linked.dispatch, &linked.combine])?;
+    linked.max_dynamic_smem = opt_in_dynamic_smem(
+        ctx,
+        &[&linked.dispatch, &linked.combine, &linked.combine_logfmt],
+    )?;
     Ok(linked)
 }
 
