@@ -874,7 +874,6 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 #endif
         // The BF16 path stores each chunk as it is reduced; LogFMT keeps the unit for the encoder.
         int4 outs[LOGFMT ? UNITS : 1];
-#pragma unroll
         for (uint32_t k = 0; k < UNITS; ++k) {
             const uint32_t c = c0 + k * 32 + lane;
             if (LOGFMT) outs[LOGFMT ? k : 0] = make_int4(0, 0, 0, 0);
