@@ -137,6 +137,7 @@ pub(crate) const CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_FLAG_LL_RECV", 128, "Low-latency kernel: run the receive part."),
     ("EP_FLAG_SAME_GPU", 256, "Every peer is on this GPU: GPU-scope fences suffice."),
     ("EP_FLAG_LOGFMT", 512, "Low-latency combine: partials travel LogFMT-10 encoded (use_logfmt)."),
+    ("EP_FLAG_SHRINK", 1024, "Low-latency shrink mode: a source that never signals is masked (mask[src] = 1), not an error."),
     ("EP_ERR_TIMEOUT", 1, "A wait ran past timeout_ns."),
     ("EP_ERR_CAPACITY", 2, "Received rows exceed the arena (or num_worst_tokens)."),
     ("EP_ERR_EXPERT", 3, "An expert id outside [-1, E) (detail: token * K + slot, last_seen: the id)."),

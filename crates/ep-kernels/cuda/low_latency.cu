@@ -150,7 +150,11 @@ __device__ __forceinline__ void signal_seen() {
 #endif
 }
 
+// Returned by wait_ge when a wait ran out in shrink mode (no error recorded).
+#define EP_LL_GAVE_UP 0xffffffffffffffffull
+
 // Waits until `*word >= want` (acquire), bounded like ep_wait_eq; returns the value, 0 on failure.
+// In shrink mode (EP_FLAG_SHRINK) a wait that runs out returns EP_LL_GAVE_UP instead of failing.
 __device__ uint64_t wait_ge(const Args &a, const uint64_t *word, uint64_t want, uint64_t kernel,
                             uint64_t word_offset, uint64_t *waited_ns) {
     ep_err_block *err = (ep_err_block *)a.err;
@@ -171,6 +175,7 @@ __device__ uint64_t wait_ge(const Args &a, const uint64_t *word, uint64_t want, 
         if ((polls & 1023u) == 0u) {
             if (ep_aborted(err)) return 0;
             if (ep_now_ns() - start > a.timeout_ns) {
+                if (a.flags & EP_FLAG_SHRINK) return EP_LL_GAVE_UP;
                 ep_fail(err, EP_ERR_TIMEOUT, a.rank, kernel, a.rank, word_offset, want, v, 0);
                 return 0;
             }
@@ -195,7 +200,12 @@ __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, ui
             uint64_t waited = 0;
             uint64_t v = wait_ge(a, signal_of(a, a.rank, off), ep_ll_threshold(call_k), kernel, off, &waited);
             ep_err_block *err = (ep_err_block *)a.err;
-            if (v == 0) {
+            if (v == EP_LL_GAVE_UP) {
+                // Shrink mode: `src` never arrived. Masked from here on, in this block (its
+                // messages count as none, §3.8) and for the group's next calls (mask[src]).
+                atomicOr(&mask_bits, 1u << src);
+                atomicExch((int32_t *)a.mask + src, 1);
+            } else if (v == 0) {
                 ok = 0;
             } else if (ep_ll_epoch(v) != call_k) {
                 ep_fail(err, EP_ERR_EPOCH, a.rank, kernel, a.rank, off, ep_ll_threshold(call_k), v, src);

@@ -1324,3 +1324,36 @@ fn logfmt_combine_equals_the_plan_within_deepeps_bound() {
         }
     }
 }
+
+/// Shrink mode: a rank that never arrives is masked by the ranks waiting for it (no error); the
+/// others' outputs equal the plan with that rank masked; the next sync adopts the mask, and later
+/// rounds run without it and without waiting; `clean_mask` + `reset` bring it back.
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn shrink_mode_masks_a_rank_that_never_arrives() {
+    let dev = device();
+    let mut c = Case::new(3, 32, 512, 4, 24);
+    c.seed = 77;
+    let mut g = group(&dev, &c);
+    g.set_shrink(true);
+    g.set_timeout(Duration::from_millis(300));
+    g.set_absent_rank_for_test(Some(1));
+    let masked = [false, true, false];
+    let inputs = inputs_of(&c);
+    let plan = plan_dispatch(&inputs, &c.params(&masked)).expect("plan dispatch");
+    let dins = upload(&dev, &inputs);
+    g.poison_for_test(LlPoison::Dispatch, 0xa5).unwrap();
+    let outs = g.dispatch(&rank_inputs(&dins), &c.args()).unwrap();
+    g.sync().expect("shrink mode: no error for the absent rank");
+    assert_eq!(g.query_mask(), masked.to_vec());
+    let live: Vec<usize> = vec![0, 2];
+    let live_outs: Vec<LlGpuDispatch> = live.iter().map(|&r| outs[r].clone()).collect();
+    check_dispatches(&c, &masked, &plan, &live, &live_outs);
+    // The next rounds: rank 1 is masked up front (no waiting for it).
+    g.set_absent_rank_for_test(None);
+    g.set_timeout(Duration::from_secs(5));
+    round(&mut g, &dev, &c, &masked);
+    g.clean_mask().unwrap();
+    g.reset().unwrap();
+    round(&mut g, &dev, &c, &[false; 3]);
+}

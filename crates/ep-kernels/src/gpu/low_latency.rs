@@ -268,6 +268,8 @@ pub struct LlGroup {
     pending: Option<Pending>,
     mask: Vec<bool>,
     absent: Option<usize>,
+    /// Shrink mode ([`LlGroup::set_shrink`]).
+    shrink: bool,
     gate: Option<Gate>,
     smem_limit: usize,
     /// Per rank: where the kernels stamp their phase times, when measuring.
@@ -609,6 +611,7 @@ impl LlGroup {
             pending: None,
             mask: vec![false; r],
             absent: None,
+            shrink: false,
             gate: None,
             smem_limit,
             phase_times: None,
@@ -784,7 +787,41 @@ impl LlGroup {
             });
         }
         self.sync_streams()?;
-        self.check_ready()
+        self.check_ready()?;
+        if self.shrink {
+            self.adopt_device_masks()?;
+        }
+        Ok(())
+    }
+
+    /// Shrink mode (DeepEP's `enable_shrink`, spec §2.7, docs/protocol.md §3.8): a source whose
+    /// signal never comes within the timeout is masked by the rank that waited for it (its
+    /// messages count as none, exactly as a masked rank's) instead of failing the call; the next
+    /// [`LlGroup::sync`] adopts every rank's device mask for the group ([`LlGroup::query_mask`]),
+    /// and later calls skip the rank. Off by default: a missing rank is then a typed
+    /// [`Error::DeviceWaitTimeout`].
+    pub fn set_shrink(&mut self, on: bool) {
+        self.shrink = on;
+    }
+
+    /// The ranks the kernels masked on their own (shrink mode), merged into the group's mask.
+    fn adopt_device_masks(&mut self) -> Result<()> {
+        let r = self.num_ranks();
+        let mut changed = false;
+        for k in &self.ranks {
+            let mut bytes = vec![0u8; 4 * r];
+            k.mask.read(0, &mut bytes)?;
+            for (m, w) in self.mask.iter_mut().zip(bytes.chunks_exact(4)) {
+                if !*m && w != [0, 0, 0, 0] {
+                    *m = true;
+                    changed = true;
+                }
+            }
+        }
+        if changed {
+            self.write_mask()?;
+        }
+        Ok(())
     }
 
     /// Collective reset after a failure (docs/protocol.md §7.2): waits for every rank, zeroes
@@ -955,8 +992,13 @@ impl LlGroup {
             call: if self.capture.is_some() { 0 } else { self.call },
             epoch: self.ranks[rank].epoch.ptr(),
             half,
-            // Co-resident ranks: every peer is on this GPU.
-            flags: abi::EP_FLAG_SAME_GPU,
+            // Co-resident ranks: every peer is on this GPU (GPU-scope fences suffice); ranks
+            // in other processes may be on other GPUs (system scope).
+            flags: if self.ranks.len() == cfg.num_ranks {
+                abi::EP_FLAG_SAME_GPU
+            } else {
+                0
+            } | if self.shrink { abi::EP_FLAG_SHRINK } else { 0 },
             mask: self.ranks[rank].mask.ptr(),
             recv_stats: self.ranks[rank].recv_stats.ptr(),
             wait_stats: self.ranks[rank].wait_stats.ptr(),
