@@ -196,28 +196,33 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         use_ue8m0: cast.use_ue8m0,
         ..LlDispatchArgs::default()
     };
-    // Expert outputs: deterministic, non-trivial BF16 values (only received rows matter).
-    let l = e / r;
-    let rows = r * cfg.num_max_dispatch_tokens_per_rank;
-    let y_host: Vec<Tensor2<bf16>> = (0..r)
-        .map(|d| {
-            Tensor2::from_fn(l * rows, hidden, |i, c| {
-                bf16::from_f32(((i * 31 + c * 7 + d * 13) % 97) as f32 / 16.0 - 3.0)
-            })
-        })
-        .collect();
-    let y_dev: Vec<DevTensor> = y_host
-        .iter()
-        .map(|y| DevTensor::upload(ctx, y).map_err(gpu_err("uploading expert outputs")))
-        .collect::<Result<_, _>>()?;
-    let y_in: Vec<LlCombineInput<'_>> = y_dev.iter().map(LlCombineInput::Tensor).collect();
-
-    // Verification against the plan.
+    // The plan's outputs, with the simulator bench's expert (the identity over the received
+    // rows) as the expert outputs: the canonical digest then compares with `--backend sim`'s.
     let params = cast.apply(LlParams::new(cfg.num_max_dispatch_tokens_per_rank, e));
-    let plan = plan_dispatch(&w.inputs, &params).map_err(|e| BenchError::Reference {
-        what: "plan::low_latency::dispatch",
-        source: Box::new(e),
-    })?;
+    let Reference {
+        plan,
+        expert_out,
+        want,
+        digest: plan_digest,
+    } = reference(&w.inputs, &params)?;
+    let (l, rows) = (e / r, r * cfg.num_max_dispatch_tokens_per_rank);
+    let y_dev: Vec<DevTensor> = expert_out
+        .iter()
+        .map(|y| match y {
+            Some(y) => Tensor2::new(l * rows, hidden, y.data().to_vec())
+                .map_err(|e| BenchError::Reference {
+                    what: "expert outputs",
+                    source: Box::new(e),
+                })
+                .and_then(|t| {
+                    DevTensor::upload(ctx, &t).map_err(gpu_err("uploading expert outputs"))
+                }),
+            None => DevTensor::zeros(ctx, DType::Bf16, l * rows, hidden)
+                .map_err(gpu_err("expert outputs")),
+        })
+        .collect::<Result<_, _>>()?;
+    drop(expert_out);
+    let y_in: Vec<LlCombineInput<'_>> = y_dev.iter().map(LlCombineInput::Tensor).collect();
     // Outputs and arenas poisoned first, so that anything the kernels fail to write shows.
     g.poison_for_test(LlPoison::Dispatch, 0xa5)
         .map_err(gpu_err("poisoning the outputs"))?;
@@ -231,27 +236,13 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let hs: Vec<_> = handles.iter().collect();
     let combined = g.combine(&hs, &y_in, false).map_err(gpu_err("combine"))?;
     g.sync().map_err(gpu_err("first call"))?;
-    // The same values as the plan's [L][R*N][H] arrays.
-    let expert_out: Vec<Option<Tensor3<bf16>>> = y_host
-        .iter()
-        .map(|y| Tensor3::new(l, rows, hidden, y.data().to_vec()).ok())
-        .collect();
-    let plan_handles: Vec<_> = plan
-        .iter()
-        .map(|p| p.as_ref().map(|p| p.handle.clone()))
-        .collect();
-    let want = combine_reduced_on_expert_rank(
-        &w.inputs,
-        &plan_handles,
-        &expert_out,
-        &params,
-        PartialPrecision::Bf16,
-    )
-    .map_err(|e| BenchError::Reference {
-        what: "plan::low_latency::combine_reduced_on_expert_rank",
-        source: Box::new(e),
-    })?;
-    let (bad, gpu_digest) = verify(&out, &combined, &cfg, &plan, &want)?;
+    let v = Verify {
+        cfg: &cfg,
+        plan: &plan,
+        want: &want,
+        digest: &plan_digest,
+    };
+    let (bad, gpu_digest) = verify(&out, &combined, &v)?;
     if !bad.is_empty() {
         for b in &bad {
             eprintln!("MISMATCH {b}");
@@ -259,7 +250,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         return Ok(1);
     }
     println!(
-        "verified: counts and layout ranges exact, every received row canonically, combined_x bit for bit against the plan; output digest {} (blake3, canonical format v2), equal to the plan's",
+        "verified: counts and layout ranges exact, every received row canonically, combined_x bit for bit against the plan; output digest {} (blake3, canonical format v2), equal to the plan's and so to `--backend sim`'s for the same flags (the identity expert of the simulator bench)",
         gpu_digest
     );
 
@@ -369,11 +360,6 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
 
     // CUDA graphs of the same calls (after the un-graphed figures).
     let graph_samples = if args.graph {
-        let v = Verify {
-            cfg: &cfg,
-            plan: &plan,
-            want: &want,
-        };
         let t = time_graphs(&mut g, &inputs, &dargs, &y_in, &v, total, warm)?;
         if let Some(bad) = t.bad {
             for b in &bad {
@@ -568,11 +554,57 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
 /// The plan a call's outputs are verified against.
 struct Verify<'a> {
     cfg: &'a LlConfig,
+    /// The plan's canonical digest.
+    digest: &'a ep_core::digest::Digest,
     plan: &'a [Option<LlDispatchOutput>],
     want: &'a [Option<Tensor2<bf16>>],
 }
 
 /// Counts, layout ranges and `combined_x` bit for bit against the plan: the mismatches.
+/// The plan's outputs for `inputs`: dispatch, the simulator bench's expert outputs (the
+/// identity over the received rows), the combine reduced on the expert's rank (BF16 partials),
+/// and their canonical digest — the one `--backend sim` prints for the same flags.
+struct Reference {
+    plan: Vec<Option<LlDispatchOutput>>,
+    expert_out: Vec<Option<Tensor3<bf16>>>,
+    want: Vec<Option<Tensor2<bf16>>>,
+    digest: ep_core::digest::Digest,
+}
+
+fn reference(inputs: &[ep_core::RankInputs], params: &LlParams) -> Result<Reference, BenchError> {
+    let reference = |what: &'static str| {
+        move |e: ep_core::Error| BenchError::Reference {
+            what,
+            source: Box::new(e),
+        }
+    };
+    let plan = plan_dispatch(inputs, params).map_err(reference("plan::low_latency::dispatch"))?;
+    let expert_out = super::low_latency::identity_expert_outputs(&plan)?;
+    let handles: Vec<_> = plan
+        .iter()
+        .map(|p| p.as_ref().map(|p| p.handle.clone()))
+        .collect();
+    let want = combine_reduced_on_expert_rank(
+        inputs,
+        &handles,
+        &expert_out,
+        params,
+        PartialPrecision::Bf16,
+    )
+    .map_err(reference(
+        "plan::low_latency::combine_reduced_on_expert_rank",
+    ))?;
+    let digest = ep_core::digest::low_latency(&plan, &want)
+        .map_err(reference("digest"))?
+        .total;
+    Ok(Reference {
+        plan,
+        expert_out,
+        want,
+        digest,
+    })
+}
+
 /// NVSHMEM for variant (b): ep-core's environment plan for an `r`-rank low-latency buffer of
 /// this shape (DeepEP's variables; values the user set are kept) set in this process, printed,
 /// then NVSHMEM started with one PE (this process) on GPU 0, its init report printed.
@@ -628,10 +660,9 @@ fn start_nvshmem(
 fn verify(
     out: &[LlGpuDispatch],
     combined: &[DevTensor],
-    cfg: &LlConfig,
-    plan: &[Option<LlDispatchOutput>],
-    want: &[Option<Tensor2<bf16>>],
+    v: &Verify<'_>,
 ) -> Result<(Vec<String>, ep_core::digest::Digest), BenchError> {
+    let (cfg, plan, want) = (v.cfg, v.plan, v.want);
     let mut bad = Vec::new();
     // Every received row, its scales and src_info, canonically (rows per (expert, source) as
     // multisets, as the oracle states them), besides counts and layout ranges exactly.
@@ -684,7 +715,7 @@ fn verify(
         })
     };
     let gpu_digest = digest_of(&gpu_disp, &gpu_comb)?;
-    if gpu_digest.total != digest_of(plan, want)?.total {
+    if gpu_digest.total != *v.digest {
         bad.push("the canonical digest differs from the plan's".into());
     }
     Ok((bad, gpu_digest.total))
@@ -727,7 +758,7 @@ fn time_graphs(
     both.replay(g).map_err(gpu_err("graph replay"))?;
     g.sync().map_err(gpu_err("graph replay"))?;
     let (o, c) = both.outputs();
-    let (bad, _) = verify(o, c, v.cfg, v.plan, v.want)?;
+    let (bad, _) = verify(o, c, v)?;
     if !bad.is_empty() {
         return Ok(GraphSamples {
             dispatch: Vec::new(),
@@ -755,7 +786,7 @@ fn time_graphs(
         .map_err(gpu_err("capturing combine"))?;
     comb.replay(g).map_err(gpu_err("graph replay"))?;
     g.sync().map_err(gpu_err("graph replay"))?;
-    let (bad, _) = verify(disp.outputs(), comb.outputs(), v.cfg, v.plan, v.want)?;
+    let (bad, _) = verify(disp.outputs(), comb.outputs(), v)?;
     if !bad.is_empty() {
         return Ok(GraphSamples {
             dispatch: Vec::new(),
@@ -809,4 +840,66 @@ fn check_counts(
         bad.push(format!("rank {d}: layout_range differs from the plan"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    /// The reference the GPU bench requires its outputs' digest to equal is the digest the
+    /// simulator bench prints for the same flags (same workload, same identity expert), so an
+    /// `ep bench --backend gpu --mode low-latency` that verifies gives `--backend sim`'s digest.
+    #[test]
+    fn the_gpu_reference_digest_is_the_simulators() {
+        for extra in [
+            &[][..],
+            &["--no-fp8"][..],
+            &["--round-scale", "--ue8m0"][..],
+        ] {
+            let mut argv = vec![
+                "bench",
+                "--mode",
+                "low-latency",
+                "--ranks",
+                "2",
+                "--tokens",
+                "24",
+                "--hidden",
+                "512",
+                "--topk",
+                "4",
+                "--experts",
+                "8",
+                "--iters",
+                "1",
+                "--warmup",
+                "0",
+                "--quiet",
+            ];
+            argv.extend_from_slice(extra);
+            let args = Cli::try_parse_from(&argv).expect("flags").bench;
+            let sim = super::super::run(&args).expect("sim bench");
+            assert_eq!(sim.exit_code(), 0, "{extra:?}");
+            let defaults = Defaults {
+                hidden: 7168,
+                low_latency_fp8: true,
+            };
+            let w = workload::load(&args.workload, &defaults).expect("workload");
+            let n = w.inputs.iter().map(|i| i.num_tokens()).max().unwrap_or(0);
+            let params = w.ll_cast().apply(LlParams::new(n.max(1), w.num_experts));
+            let r = reference(&w.inputs, &params).expect("reference");
+            assert_eq!(
+                r.digest.to_string(),
+                sim.report.digest.total,
+                "{extra:?}: the GPU bench's reference digest differs from the simulator's"
+            );
+        }
+    }
 }

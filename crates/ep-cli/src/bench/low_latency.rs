@@ -455,6 +455,17 @@ impl ExpertOutputs {
     }
 }
 
+/// The simulator bench's expert outputs for the dispatch `outs` (the identity expert,
+/// [`ExpertOutputs::identity`]): `[L, R·N, H]` BF16 per receiver, `None` for masked ones. The GPU
+/// bench combines the same values, so that its digest compares with this backend's.
+pub(super) fn identity_expert_outputs(
+    outs: &[Option<LlDispatchOutput>],
+) -> Result<Vec<Option<Tensor3<bf16>>>, BenchError> {
+    let mut y = ExpertOutputs::default();
+    y.identity(outs)?;
+    Ok(y.y)
+}
+
 /// [`ExpertOutputs::identity`] for one receiver.
 fn identity_one(
     out: Option<&LlDispatchOutput>,
