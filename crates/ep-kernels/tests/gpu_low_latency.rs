@@ -1085,15 +1085,17 @@ fn variant_b_links_at_run_time_reports_its_transport_and_equals_the_plan() {
     }
 }
 
-/// Variant (b) with one rank per process: two processes (on one GPU they share it; without MPS
+/// One rank per process, both variants: two processes (on one GPU they share it; without MPS
 /// their kernels take turns, so waits are generous and shapes small), NVSHMEM with two PEs
-/// (unique id over the loopback rendezvous), each process driving its PE's rank: BF16, FP8 with
-/// UE8M0, hook halves and zero-copy, checked against the whole world's plan on its own rank.
+/// (unique id over the loopback rendezvous), each process driving its PE's rank through variant
+/// (b) (`with_nvshmem`) and variant (a) (`with_nvshmem_pointers`: peers by nvshmem_ptr): BF16,
+/// FP8 with UE8M0, hook halves and zero-copy, checked against the whole world's plan on its own
+/// rank.
 #[test]
 #[ignore = "needs a GPU and NVSHMEM: run with scripts/gpu-run.sh"]
-fn variant_b_one_rank_per_process_equals_the_plan() {
+fn variant_b_and_a_one_rank_per_process_equal_the_plan() {
     common::procs::spawn_or_run(
-        "variant_b_one_rank_per_process_equals_the_plan",
+        "variant_b_and_a_one_rank_per_process_equal_the_plan",
         2,
         |rank| {
             let ordinal = common::procs::my_ordinal();
@@ -1119,9 +1121,21 @@ fn variant_b_one_rank_per_process_equals_the_plan() {
             c.zero_copy = true;
             c.routing = Routing::Zipf { exponent: 1.2 };
             cases.push(c);
-            for c in &cases {
+            // Both variants: (b) through the device API, (a) by nvshmem_ptr pointers.
+            for (c, v) in cases
+                .iter()
+                .flat_map(|c| [(c, LlVariant::Nvshmem), (c, LlVariant::Pointers)])
+            {
                 // Collective: both processes create (and drop) their groups in the same order.
-                let mut g = LlGroup::with_nvshmem(dev.clone(), c.config(), session.clone())?;
+                let mut g = match v {
+                    LlVariant::Nvshmem => {
+                        LlGroup::with_nvshmem(dev.clone(), c.config(), session.clone())?
+                    }
+                    LlVariant::Pointers => {
+                        LlGroup::with_nvshmem_pointers(dev.clone(), c.config(), session.clone())?
+                    }
+                };
+                assert_eq!(g.variant(), v);
                 g.set_timeout(Duration::from_secs(20));
                 assert_eq!(g.local_ranks(), vec![rank as usize]);
                 eprintln!("{}", g.transport_report());

@@ -234,7 +234,21 @@ pub enum LlVariant {
 #[derive(Debug)]
 enum Peers {
     Pointers,
+    /// Variant (a) with one rank per process: arrays in the session's symmetric heap, peers by
+    /// `nvshmem_ptr`.
+    PointersOverNvshmem(Arc<NvshmemSession>),
     Nvshmem(Box<NvshmemPeers>),
+}
+
+impl Peers {
+    /// The NVSHMEM session the arrays live in, if any.
+    fn session(&self) -> Option<&Arc<NvshmemSession>> {
+        match self {
+            Peers::Pointers => None,
+            Peers::PointersOverNvshmem(s) => Some(s),
+            Peers::Nvshmem(n) => Some(&n.session),
+        }
+    }
 }
 
 /// Variant (b)'s state: the session (one PE holding every co-resident rank's regions), the
@@ -400,10 +414,62 @@ impl LlGroup {
         })
     }
 
+    /// Variant (a) with one rank per process (`session` has one PE per rank; this process
+    /// drives rank `my_pe`): the arrays in the symmetric heap, every peer addressed by pointer
+    /// (`nvshmem_ptr`: NVLink P2P, or this GPU), variant (a)'s kernels. A peer that is not
+    /// load/store reachable is [`Error::Unsupported`] (variant (b), [`LlGroup::with_nvshmem`],
+    /// reaches it through NVSHMEM's transports). Creation, `clean` and `reset` are collective.
+    pub fn with_nvshmem_pointers(
+        dev: Arc<Device>,
+        cfg: LlConfig,
+        session: Arc<NvshmemSession>,
+    ) -> Result<Self> {
+        let (me, r) = (session.my_pe() as usize, cfg.num_ranks);
+        if session.n_pes() as usize != r || r < 2 {
+            return Err(Error::Unsupported(format!(
+                "an NVSHMEM session of {} PEs for {r} ranks: variant (a) over NVSHMEM takes one PE per rank (co-resident ranks: LlGroup::new)",
+                session.n_pes()
+            )));
+        }
+        if session.report().device != dev.ordinal() {
+            return Err(Error::Unsupported(format!(
+                "NVSHMEM runs on GPU {}, the group on GPU {}: open the Device NVSHMEM was initialised on",
+                session.report().device,
+                dev.ordinal()
+            )));
+        }
+        let mut syms: Vec<Arc<crate::nvshmem::SymmetricBuffer>> = Vec::new();
+        let peers = Peers::PointersOverNvshmem(session.clone());
+        let mut g = Self::build(dev, cfg, peers, &[me], &mut |ctx, bytes| {
+            let sym = Arc::new(session.alloc(bytes, REGION_ALIGN as usize)?);
+            syms.push(sym.clone());
+            let ptr = sym.device_ptr();
+            // SAFETY: as in `with_nvshmem`: this GPU's memory of `bytes` bytes, kept allocated
+            // by `sym`, which the view holds.
+            Ok(unsafe { DevBuf::foreign(ctx, ptr, bytes, sym) })
+        })?;
+        // build allocates the signals, then the data.
+        let [signals, data] = &syms[..] else {
+            return Err(Error::Unsupported(
+                "variant (a) over NVSHMEM: expected two symmetric arrays per rank".into(),
+            ));
+        };
+        for d in 0..r {
+            let (Some(s), Some(p)) = (signals.peer_ptr(d as u32), data.peer_ptr(d as u32)) else {
+                return Err(Error::Unsupported(format!(
+                    "rank {d} (PE {d}) is not load/store reachable from rank {me} (no NVLink P2P): variant (a) addresses peers by pointer; use LlGroup::with_nvshmem (variant (b))"
+                )));
+            };
+            g.peer_signals[d] = s;
+            g.peer_data[d] = p;
+        }
+        Ok(g)
+    }
+
     /// The kernel variant.
     pub fn variant(&self) -> LlVariant {
         match self.peers {
-            Peers::Pointers => LlVariant::Pointers,
+            Peers::Pointers | Peers::PointersOverNvshmem(_) => LlVariant::Pointers,
             Peers::Nvshmem(_) => LlVariant::Nvshmem,
         }
     }
@@ -415,6 +481,14 @@ impl LlGroup {
             Peers::Pointers => format!(
                 "variant (a): {} co-resident ranks reach each other by pointer (this GPU's memory)",
                 self.num_ranks()
+            ),
+            Peers::PointersOverNvshmem(s) => format!(
+                "variant (a): rank {} of {} in this process, peers by pointer into NVSHMEM's symmetric heap (nvshmem_ptr; p2p peers {:?}); NVSHMEM {} ({})",
+                self.ranks[0].rank,
+                self.num_ranks(),
+                s.report().p2p_peers,
+                s.report().version,
+                s.report().library.display()
             ),
             Peers::Nvshmem(n) => {
                 let rep = n.session.report();
@@ -469,7 +543,7 @@ impl LlGroup {
 
     fn fns(&self) -> &LlKernels {
         match &self.peers {
-            Peers::Pointers => &self.dev.ll,
+            Peers::Pointers | Peers::PointersOverNvshmem(_) => &self.dev.ll,
             Peers::Nvshmem(n) => &n.kernels,
         }
     }
@@ -525,7 +599,7 @@ impl LlGroup {
         }
         let smem = Smem::new(&cfg, n as u64, MAX_TOPK as u64);
         let smem_limit = match &peers {
-            Peers::Pointers => dev.max_dynamic_smem(),
+            Peers::Pointers | Peers::PointersOverNvshmem(_) => dev.max_dynamic_smem(),
             // The linked functions opt in to what their own static shared memory leaves.
             Peers::Nvshmem(n) => dev.max_dynamic_smem().min(n.linked.max_dynamic_smem()),
         };
@@ -591,10 +665,10 @@ impl LlGroup {
             )
         };
         // One process per rank: no peer may signal before every process has zeroed its words.
-        if let Peers::Nvshmem(n) = &peers
+        if let Some(s) = peers.session()
             && ranks.len() < r
         {
-            n.session.barrier_all();
+            s.barrier_all();
         }
         Ok(Self {
             dev,
@@ -643,11 +717,11 @@ impl LlGroup {
 
     /// A barrier of the group's processes (one PE per rank), after this process's streams.
     fn barrier_processes(&self) -> Result<()> {
-        if let Peers::Nvshmem(n) = &self.peers
+        if let Some(s) = self.peers.session()
             && self.ranks.len() < self.num_ranks()
         {
             self.sync_streams()?;
-            n.session.barrier_all();
+            s.barrier_all();
         }
         Ok(())
     }
