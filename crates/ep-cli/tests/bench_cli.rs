@@ -143,6 +143,15 @@ fn typed_errors_and_exit_codes() {
         2,
     );
     assert!(e.contains("one SM count"), "{e}");
+    // Low-latency mode one rank per process: --procs must be the rank count.
+    let e = bench_fails(
+        &cat(
+            SMALL,
+            &["--backend", "gpu", "--mode", "low-latency", "--procs", "3"],
+        ),
+        2,
+    );
+    assert!(e.contains("--ranks 3"), "{e}");
     // CUDA graphs are a GPU low-latency option.
     for extra in [
         &["--graph"][..],

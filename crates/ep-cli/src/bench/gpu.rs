@@ -518,7 +518,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                 ));
             }
             match procs::role() {
-                procs::Role::Launcher => return procs::launch(n),
+                procs::Role::Launcher => return procs::launch(n, Vec::new()),
                 procs::Role::Rank { rank, world } => {
                     if world != n {
                         return Err(BenchError::Usage(format!(

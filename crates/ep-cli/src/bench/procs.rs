@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use ep_kernels::exchange::{Exchange, TcpExchange};
 use ep_kernels::gpu::Device;
+use ep_kernels::nvshmem::env::EnvEntry;
 use ep_kernels::nvshmem::launch::{RankLaunch, launch_ranks, rank_from_env, vars};
 
 use super::error::BenchError;
@@ -38,9 +39,10 @@ pub(super) fn role() -> Role {
     Role::Launcher
 }
 
-/// Starts `n` rank processes running this command and prints their outputs in rank order; the
+/// Starts `n` rank processes running this command (with the environment `plan`: NVSHMEM's, for
+/// low-latency mode; user values kept) and prints their outputs in rank order; the
 /// exit code is the first non-zero one (3 for a rank killed by a signal or the bound).
-pub(super) fn launch(n: usize) -> Result<i32, BenchError> {
+pub(super) fn launch(n: usize, plan: Vec<EnvEntry>) -> Result<i32, BenchError> {
     if n == 0 || n > ep_kernels::gpu::normal::MAX_RANKS {
         return Err(BenchError::Usage(format!(
             "--procs {n}: use 1 to {} (one rank per process)",
@@ -56,7 +58,7 @@ pub(super) fn launch(n: usize) -> Result<i32, BenchError> {
         program,
         args: std::env::args().skip(1).collect(),
         world: n as u32,
-        plan: Vec::new(),
+        plan,
         extra_env: Vec::new(),
         timeout: RUN_BOUND,
     };

@@ -1527,9 +1527,12 @@ impl LlGroup {
     }
 
     /// Runs `f`, which enqueues work on every rank's stream, with every rank released at once
-    /// behind a gate, and returns each rank's device time (seconds, CUDA events).
+    /// behind a gate, and returns each rank's device time (seconds, CUDA events). With one rank
+    /// per process it is collective: the processes meet at a barrier first.
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
         self.not_capturing("timed")?;
+        // Ranks in other processes: start together (a barrier of the processes; collective).
+        self.barrier_processes()?;
         if self.gate.is_none() {
             self.gate = Some(Gate::new(&self.dev)?);
         }
