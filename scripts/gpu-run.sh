@@ -68,6 +68,14 @@ if [ "${GPU_RUN_MPS:-0}" = 1 ] && [ -x "$procs" ]; then
       bundle/ep bench --backend gpu --procs 2 --ranks 2 --num-sms 24 --gpu-iters 20 \
         --json "$out/bench-gpu-procs2-mps.json" 2>&1 | tee "$out/bench-gpu-procs2-mps.txt" | grep -vE "phases"
       echo "ep bench --procs 2 (MPS) exited ${PIPESTATUS[0]}"
+      # Low-latency mode one rank per process, both kernel variants (NVSHMEM, one PE per rank).
+      for v in nvshmem pointers; do
+        echo "=== ep bench --backend gpu --mode low-latency --variant $v --procs 2 (MPS)"
+        bundle/ep bench --backend gpu --mode low-latency --variant $v --procs 2 --ranks 2 --tokens 128 \
+          --hidden 7168 --topk 8 --experts 288 --num-sms 64 --gpu-iters 1000 \
+          --json "$out/bench-gpu-ll-procs2-$v-mps.json" 2>&1 | tee "$out/bench-gpu-ll-procs2-$v-mps.txt"
+        echo "ep bench --mode low-latency --variant $v --procs 2 (MPS) exited ${PIPESTATUS[0]}"
+      done
     fi
     echo quit | nvidia-cuda-mps-control; trap - EXIT
   else
