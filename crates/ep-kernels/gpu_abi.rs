@@ -150,3 +150,60 @@ pub(crate) const CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_KERNEL_COMBINE", 2, "ep_normal_combine."),
     ("EP_PHASE_SLOTS", 8, "Stamps per block: start, offsets known, rows stored, done released, done acquired, end."),
 ];
+
+/// The device trace of debug builds (`ep_kernels::gpu::trace`, judged by
+/// `ep_sim::device_trace`): per rank, one `ep_trace_header` followed by `num_blocks x capacity`
+/// records of 4 u64 words, block `b`'s records at `[b * capacity, (b + 1) * capacity)`.
+///
+/// Record words (little-endian u64):
+/// - `word0` = `kind | aux << 8 | region << 16 | block << 32` (aux: the fence's scope, the
+///   counter arrival's EP_TRACE_FLAG_LAST);
+/// - `word1` = `rank | len << 32` (the rank whose memory the event touches; a put's destination;
+///   a counter arrival's counter id, len 0);
+/// - `word2` = byte offset in the region (a put's destination offset; a counter arrival's
+///   ticket, the value its atomic add returned);
+/// - `word3` = the value (release, acquire, signal), a put's source offset in this rank's
+///   ll.data, else 0.
+///
+/// A put with signal is two consecutive records of one reservation: EP_TRACE_PUT_SIGNAL (the
+/// put) then EP_TRACE_SIGNAL (`word1` = destination rank, `word2` = the signal word's offset,
+/// `word3` = the value set).
+pub(crate) const TRACE_CONSTANTS: &[(&str, u64, &str)] = &[
+    ("EP_TRACE_MAGIC", 0x3145_4341_5254_5045, "ep_trace_header.magic: \"EPTRACE1\" little-endian."),
+    ("EP_TRACE_MAX_BLOCKS", 256, "Blocks a trace header has write indices for."),
+    ("EP_TRACE_RECORD_BYTES", 32, "Bytes of one ep_trace_record."),
+    ("EP_TRACE_STORE", 1, "Record kind: ordinary stores of len bytes at offset of rank's region."),
+    ("EP_TRACE_LOAD", 2, "Record kind: ordinary loads of len bytes at offset of rank's region."),
+    ("EP_TRACE_FENCE", 3, "Record kind: a fence of the block (aux: EP_TRACE_SCOPE_*)."),
+    ("EP_TRACE_RELEASE", 4, "Record kind: release store of value to the signal word at offset of rank."),
+    ("EP_TRACE_ACQUIRE", 5, "Record kind: an acquire (end of a wait) that saw value at the signal word offset of rank."),
+    ("EP_TRACE_COUNTER", 6, "Record kind: arrival at counter (word1) with ticket (word2); aux EP_TRACE_FLAG_LAST."),
+    ("EP_TRACE_PUT", 7, "Record kind: NVSHMEM put of len bytes from this rank's ll.data word3 to rank's ll.data offset."),
+    ("EP_TRACE_PUT_SIGNAL", 8, "Record kind: the put of a put-with-signal (an EP_TRACE_SIGNAL record follows)."),
+    ("EP_TRACE_SIGNAL", 9, "Record kind: the signal of the EP_TRACE_PUT_SIGNAL record before it."),
+    ("EP_TRACE_REGION_SIGNALS", 0, "Region: ll.signals."),
+    ("EP_TRACE_REGION_DATA", 1, "Region: ll.data."),
+    ("EP_TRACE_SCOPE_GPU", 0, "Fence scope: this GPU (__threadfence, fence.acq_rel.gpu)."),
+    ("EP_TRACE_SCOPE_SYSTEM", 1, "Fence scope: system (__threadfence_system, nvshmem_fence)."),
+    ("EP_TRACE_FLAG_LAST", 1, "Counter arrival aux bit: this block was the last arrival."),
+];
+
+/// The trace header (see TRACE_CONSTANTS), written by the host before a traced launch
+/// (magic, rank, capacity, num_blocks; next and overflow zero) and by the blocks during it.
+pub(crate) const TRACE_HEADER: Fields = &[
+    ("magic", 0, "EP_TRACE_MAGIC."),
+    ("rank", 0, "The rank whose kernel records here."),
+    ("capacity", 0, "Records per block."),
+    ("num_blocks", 0, "Blocks of the launch (at most EP_TRACE_MAX_BLOCKS)."),
+    ("overflow", 0, "Set non-zero by a block that found no room for a record (the record is lost)."),
+    ("reserved", 3, "Zero (records start 32-byte aligned)."),
+    ("next", 256, "Per block: records reserved so far (atomicAdd); more than capacity means some were lost."),
+];
+
+/// One trace record (see TRACE_CONSTANTS for the words).
+pub(crate) const TRACE_RECORD: Fields = &[
+    ("word0", 0, "kind | aux << 8 | region << 16 | block << 32."),
+    ("word1", 0, "rank | len << 32."),
+    ("word2", 0, "Offset (a counter arrival: its ticket)."),
+    ("word3", 0, "Value, or a put's source offset."),
+];

@@ -408,6 +408,33 @@ pub enum Error {
         #[source]
         source: nvshmem_sys::Error,
     },
+    /// A device trace's per-block record space ran out: records were dropped, so the trace cannot
+    /// be judged.
+    #[error(
+        "device trace of rank {rank}: {lost} event(s) lost (block {block} needed {needed} records, capacity {capacity} per block); raise the trace capacity to at least {needed} records per block"
+    )]
+    TraceOverflow {
+        /// Rank whose trace overflowed.
+        rank: usize,
+        /// Events lost, all blocks together.
+        lost: u64,
+        /// The block that needed the most records.
+        block: usize,
+        /// Records that block reserved.
+        needed: u64,
+        /// Records per block the trace had.
+        capacity: u64,
+    },
+    /// A device trace's bytes are not a trace of this format (`gpu::trace`).
+    #[error(
+        "device trace of rank {rank} is malformed: {detail}; pass the header and every record as the kernel wrote them, after the launch completed"
+    )]
+    TraceMalformed {
+        /// Rank whose trace it should be.
+        rank: usize,
+        /// What is wrong.
+        detail: String,
+    },
 }
 
 impl Error {

@@ -125,6 +125,20 @@ impl AgentCtx for SimCtx {
             release: true,
         })
     }
+    fn store_release_after_fence(
+        &mut self,
+        rank: usize,
+        addr: SymAddr,
+        value: u64,
+        data: Option<(SymAddr, &[u8])>,
+    ) -> Result<()> {
+        self.unit(Req::StoreReleaseAfterFence {
+            rank,
+            addr,
+            value,
+            data: data.map(|(a, b)| (a, b.to_vec())),
+        })
+    }
     fn load(&mut self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()> {
         match self.ask(Req::Load {
             rank,

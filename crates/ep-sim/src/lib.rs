@@ -39,6 +39,8 @@
 //!   [`ep_core::transport::AgentCtx::wait_or_expire`]).
 //! - **Cost model** ([`cost`]): each phase's actual traffic ([`Sim::records`],
 //!   [`ThreadSim::records`]) over NVLink, RDMA NIC and PCIe, giving a predicted time per phase.
+//! - **GPU traces** ([`device_trace`]): the events a debug build's kernel blocks recorded,
+//!   replayed as agents here, so the same memory-model rules judge the GPU kernels.
 //! - **Ring offsets**: [`SimConfig::ring_offset`] gives protocol code a seeded start for each
 //!   ring counter, so wraparound is exercised (DESIGN.md).
 //!
@@ -102,6 +104,7 @@ mod clock;
 mod config;
 pub mod cost;
 mod ctx;
+pub mod device_trace;
 mod exec;
 pub mod fault;
 mod memory;

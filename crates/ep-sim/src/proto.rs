@@ -17,6 +17,13 @@ pub(crate) enum Req {
         bytes: Vec<u8>,
         release: bool,
     },
+    /// `store_release_after_fence`: a GPU thread's release (optionally with put data).
+    StoreReleaseAfterFence {
+        rank: usize,
+        addr: SymAddr,
+        value: u64,
+        data: Option<(SymAddr, Vec<u8>)>,
+    },
     Load {
         rank: usize,
         addr: SymAddr,
@@ -71,6 +78,7 @@ impl Req {
             Req::Quiet => "quiet",
             Req::Store { release: false, .. } => "store",
             Req::Store { .. } => "store_release",
+            Req::StoreReleaseAfterFence { .. } => "store_release_after_fence",
             Req::Load { .. } => "load",
             Req::LoadAcquire { .. } => "load_acquire",
             Req::Wait(_) => "wait",

@@ -699,23 +699,8 @@ impl World {
                 } else {
                     self.check_bounds(tr, addr.0, bytes.len() as u64, "store")?;
                 }
-                let op = self.id();
-                let a = &self.agents[i];
-                let stamp = Stamp {
-                    key: a.key,
-                    epoch: a.vc.get(a.key),
-                    op,
-                    call: self.call,
-                };
-                let region = Region::new(addr, bytes.len() as u64);
-                let who = format!("{} op {op}", a.r);
-                let hops = a.hops.hop(LinkClass::of(self.fabric.reach(rank, tr)));
-                self.rec.store(&self.fabric, rank, tr, bytes.len() as u64);
-                if bytes.len() == 8 && addr.0.is_multiple_of(8) {
-                    self.set_word_hops(tr, addr.0, hops);
-                }
-                self.check_write(tr, region, &who, None, None);
-                self.heaps[tr].write(addr.0, &bytes, None, stamp);
+                let epoch = self.agents[i].vc.get(self.agents[i].key);
+                self.agent_write(i, tr, addr, &bytes, epoch);
                 if release {
                     self.release_point(i);
                 }
@@ -725,6 +710,35 @@ impl World {
                 } else {
                     self.sync_range_clear(tr, addr.0, bytes.len() as u64);
                 }
+                Ok(Served::Respond(Resp::Unit))
+            }
+            Req::StoreReleaseAfterFence {
+                rank: tr,
+                addr,
+                value,
+                data,
+            } => {
+                self.check_load_store(rank, tr)?;
+                self.check_word(tr, addr.0, "store_release_after_fence")?;
+                if let Some((at, bytes)) = &data {
+                    self.check_bounds(tr, at.0, bytes.len() as u64, "store_release_after_fence")?;
+                }
+                // The own epoch this release publishes: that of the agent's last release point
+                // (its last fence); stores since carry a later epoch and stay unpublished.
+                let a = &self.agents[i];
+                let (key, fenced, now) = (a.key, a.released.get(a.key), a.vc.get(a.key));
+                if let Some((at, bytes)) = data {
+                    // Put-with-signal data: published by this release and by nothing before it
+                    // of this agent that a reader could have acquired since its last fence
+                    // (limit: a reader that acquired an earlier release of this agent after
+                    // that fence sees it too).
+                    self.agent_write(i, tr, at, &bytes, fenced);
+                    self.sync_range_clear(tr, at.0, bytes.len() as u64);
+                }
+                self.agent_write(i, tr, addr, &value.to_le_bytes(), now);
+                let mut clock = self.agents[i].vc.clone();
+                clock.set(key, fenced);
+                self.sync.insert((tr, addr.0), Arc::new(clock));
                 Ok(Served::Respond(Resp::Unit))
             }
             Req::Load {
@@ -754,6 +768,29 @@ impl World {
             }
             Req::Barrier => Ok(self.serve_block_barrier(i, rank, p.prog)),
         }
+    }
+
+    /// An ordinary write by agent `i` of `bytes` at `tr`'s `addr`, stamped with the agent's
+    /// `epoch`: traffic record, wait-chain hops, write checks, heap and shadow.
+    fn agent_write(&mut self, i: usize, tr: usize, addr: SymAddr, bytes: &[u8], epoch: u64) {
+        let op = self.id();
+        let a = &self.agents[i];
+        let rank = a.r.rank;
+        let stamp = Stamp {
+            key: a.key,
+            epoch,
+            op,
+            call: self.call,
+        };
+        let region = Region::new(addr, bytes.len() as u64);
+        let who = format!("{} op {op}", a.r);
+        let hops = a.hops.hop(LinkClass::of(self.fabric.reach(rank, tr)));
+        self.rec.store(&self.fabric, rank, tr, bytes.len() as u64);
+        if bytes.len() == 8 && addr.0.is_multiple_of(8) {
+            self.set_word_hops(tr, addr.0, hops);
+        }
+        self.check_write(tr, region, &who, None, None);
+        self.heaps[tr].write(addr.0, bytes, None, stamp);
     }
 
     fn check_load_store(&self, from: usize, to: usize) -> Result<(), Error> {

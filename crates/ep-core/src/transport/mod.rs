@@ -6,14 +6,17 @@
 //!   promises (the memory model);
 //! - [`host`]: [`Transport`], the host face, and [`Phase`], what it executes;
 //! - [`fault`]: the typed errors faults end in, and what the layer above does with them;
-//! - [`violation`]: [`Violation`], a checker's typed finding of a broken rule.
+//! - [`violation`]: [`Violation`], a checker's typed finding of a broken rule;
+//! - [`device_trace`]: the events a GPU block records in debug builds, for the checker.
 
+pub mod device_trace;
 pub mod fault;
 pub mod host;
 pub mod types;
 pub mod violation;
 pub mod vocab;
 
+pub use device_trace::{AgentEvents, DeviceEvent, FenceScope, TraceRegion};
 pub use fault::{fault_rank, is_fault};
 pub use host::{AgentBody, AgentSpec, Phase, PhaseKind, PhaseReport, RingDecl, Transport};
 pub use types::{

@@ -122,6 +122,29 @@ pub trait AgentCtx {
     /// this value also sees this agent's earlier stores and everything it had acquired.
     fn store_release(&mut self, rank: usize, addr: SymAddr, value: u64) -> Result<()>;
 
+    /// Release store of the 64-bit word at `rank`'s `addr` as **one thread of a GPU block**
+    /// performs it (`st.release.sys`, an acq_rel arrival, an NVSHMEM signal SET), the block
+    /// being this agent: it publishes what this agent had acquired and its stores ordered before
+    /// its last [`AgentCtx::fence`], but not its stores since (other threads of the block made
+    /// them, and GPU stores are weak). With `data`, the `data.1` bytes are first stored at
+    /// `rank`'s `data.0` and published by this release (NVSHMEM `putmem_signal`'s own data).
+    ///
+    /// The GPU trace checker's form of a release (`ep_sim::device_trace`); protocol code uses
+    /// [`AgentCtx::store_release`]. The default is that stronger release (for backends that do
+    /// not check the memory model).
+    fn store_release_after_fence(
+        &mut self,
+        rank: usize,
+        addr: SymAddr,
+        value: u64,
+        data: Option<(SymAddr, &[u8])>,
+    ) -> Result<()> {
+        if let Some((at, bytes)) = data {
+            self.store(rank, at, bytes)?;
+        }
+        self.store_release(rank, addr, value)
+    }
+
     /// Ordinary load of `out.len()` bytes from `rank`'s `addr`. Sees only bytes made visible by a
     /// release/acquire or signal chain; anything else is a race (reported by the simulator).
     fn load(&mut self, rank: usize, addr: SymAddr, out: &mut [u8]) -> Result<()>;

@@ -12,7 +12,8 @@
 //!   in CUDA graphs and ordered against the caller's streams;
 //! - [`low_latency`]: [`LlGroup`], low-latency dispatch and combine (variant (a), peers by pointer).
 //! - `host`: downloads of results as ep-core's host types (verification, digests);
-//! - [`abi`]: the kernel-argument structs generated with the kernels' header.
+//! - [`abi`]: the kernel-argument structs generated with the kernels' header;
+//! - [`trace`]: the device trace of debug builds (record format, decoding) for ep-sim's checker.
 
 pub mod abi;
 pub mod device;
@@ -25,6 +26,7 @@ pub mod mem;
 pub mod normal;
 mod peers;
 pub mod tensor;
+pub mod trace;
 
 pub use device::Device;
 pub use low_latency::{

@@ -1,0 +1,501 @@
+//! The GPU trace checker (`ep_sim::device_trace`) on hand-built traces shaped like the
+//! low-latency kernels of docs/protocol.md §3.10 (variant (a), stores by pointer) and §3.11
+//! (variant (b), NVSHMEM puts): the correct shapes pass under many seeds; a planted missing
+//! fence, a load before its acquire and a put signalled without a fence are each caught, with
+//! the rank, block and bytes named.
+
+use ep_core::transport::{AgentEvents, DeviceEvent, FenceScope, TraceRegion};
+use ep_sim::Violation;
+use ep_sim::device_trace::{Arenas, CheckConfig, TraceError, TracePlace, check, check_with};
+
+const R: usize = 2;
+/// Blocks per rank.
+const B: usize = 3;
+/// Tokens per rank (every token goes to every rank).
+const N: u64 = 5;
+const ROW: u64 = 64;
+const HDR: u64 = 16;
+const META: u64 = 32;
+/// Operation half and call.
+const H: u64 = 1;
+const K: u64 = 7;
+
+fn disp_sig(s: usize) -> u64 {
+    16 * (H * 2 * R as u64 + s as u64)
+}
+fn comb_sig(d: usize) -> u64 {
+    16 * (H * 2 * R as u64 + R as u64 + d as u64)
+}
+/// `drecv[s]` in the receiver's `ll.data`: header, `N` meta records, `N` rows.
+fn drecv(s: usize) -> u64 {
+    s as u64 * (HDR + N * (META + ROW))
+}
+fn meta(s: usize, i: u64) -> u64 {
+    drecv(s) + HDR + i * META
+}
+fn row(s: usize, i: u64) -> u64 {
+    drecv(s) + HDR + N * META + i * ROW
+}
+/// Variant (b)'s staging of token `t` in the sender's own `ll.data` (after every drecv).
+fn dsend(t: u64) -> u64 {
+    drecv(R) + t * ROW
+}
+/// Combine: `crecv[d]` slot `i` on the token's rank.
+fn crecv(d: usize, i: u64) -> u64 {
+    d as u64 * N * ROW + i * ROW
+}
+
+fn arenas() -> Arenas {
+    Arenas {
+        signals_bytes: 64 * R as u64,
+        data_bytes: drecv(R) + N * ROW,
+    }
+}
+
+fn store(rank: usize, offset: u64, len: u64) -> DeviceEvent {
+    DeviceEvent::Store {
+        rank,
+        region: TraceRegion::Data,
+        offset,
+        len,
+    }
+}
+fn load(rank: usize, offset: u64, len: u64) -> DeviceEvent {
+    DeviceEvent::Load {
+        rank,
+        region: TraceRegion::Data,
+        offset,
+        len,
+    }
+}
+const FENCE: DeviceEvent = DeviceEvent::Fence {
+    scope: FenceScope::System,
+};
+fn value(n: u64) -> u64 {
+    (K << 32) | n
+}
+
+/// The block of each rank that arrives `ticket`-th at the counter (the last one continues).
+fn arrival_order(rank: usize) -> [usize; B] {
+    if rank == 0 { [2, 0, 1] } else { [0, 1, 2] }
+}
+
+/// LL dispatch, variant (a) (§3.10): every block of rank `s` stores its tokens' rows and meta
+/// records straight into each destination's `drecv[s]`, fences and arrives at the counter; the
+/// last block stores the headers, fences and releases `disp_sig[h][s]` on every destination.
+/// The receive part: every block acquires every source's signal, loads the headers, then the
+/// meta records and rows of its share.
+fn dispatch_a() -> Vec<AgentEvents> {
+    let mut agents = Vec::new();
+    for rank in 0..R {
+        let order = arrival_order(rank);
+        for b in 0..B {
+            let mut ev = Vec::new();
+            for t in (b as u64..N).step_by(B) {
+                for d in 0..R {
+                    ev.push(store(d, row(rank, t), ROW));
+                    ev.push(store(d, meta(rank, t), META));
+                }
+            }
+            ev.push(FENCE);
+            let ticket = order.iter().position(|&x| x == b).unwrap() as u64;
+            let last = ticket + 1 == B as u64;
+            ev.push(DeviceEvent::CounterArrive {
+                counter: 0,
+                ticket,
+                last,
+            });
+            if last {
+                for d in 0..R {
+                    ev.push(store(d, drecv(rank), HDR));
+                }
+                ev.push(FENCE);
+                for d in 0..R {
+                    ev.push(DeviceEvent::Release {
+                        rank: d,
+                        offset: disp_sig(rank),
+                        value: value(N),
+                    });
+                }
+            }
+            // Receive part.
+            for s in 0..R {
+                ev.push(DeviceEvent::Acquire {
+                    rank,
+                    offset: disp_sig(s),
+                    value: value(N),
+                });
+            }
+            for s in 0..R {
+                ev.push(load(rank, drecv(s), HDR));
+                for i in (b as u64..N).step_by(B) {
+                    ev.push(load(rank, meta(s, i), META));
+                    ev.push(load(rank, row(s, i), ROW));
+                }
+            }
+            agents.push(AgentEvents {
+                rank,
+                agent: b,
+                events: ev,
+            });
+        }
+    }
+    agents
+}
+
+/// LL combine, variant (a): every block of expert rank `d` stores its partials into each
+/// token rank's `crecv[d]`, fences and arrives; the last block releases `comb_sig[h][d]` with no
+/// fence after its arrival (as `cuda/low_latency.cu` does: the release publishes what the
+/// arrival acquired). Every block of the token rank acquires every signal and loads the partials.
+fn combine_a() -> Vec<AgentEvents> {
+    let mut agents = Vec::new();
+    for rank in 0..R {
+        let order = arrival_order(1 - rank);
+        for b in 0..B {
+            let mut ev = Vec::new();
+            for i in (b as u64..N).step_by(B) {
+                for s in 0..R {
+                    ev.push(store(s, crecv(rank, i), ROW));
+                }
+            }
+            ev.push(FENCE);
+            let ticket = order.iter().position(|&x| x == b).unwrap() as u64;
+            let last = ticket + 1 == B as u64;
+            ev.push(DeviceEvent::CounterArrive {
+                counter: 1,
+                ticket,
+                last,
+            });
+            if last {
+                for s in 0..R {
+                    ev.push(DeviceEvent::Release {
+                        rank: s,
+                        offset: comb_sig(rank),
+                        value: value(N),
+                    });
+                }
+            }
+            for d in 0..R {
+                ev.push(DeviceEvent::Acquire {
+                    rank,
+                    offset: comb_sig(d),
+                    value: value(N),
+                });
+            }
+            for i in (b as u64..N).step_by(B) {
+                for d in 0..R {
+                    ev.push(load(rank, crecv(d, i), ROW));
+                }
+            }
+            agents.push(AgentEvents {
+                rank,
+                agent: b,
+                events: ev,
+            });
+        }
+    }
+    agents
+}
+
+/// LL dispatch, variant (b) (§3.11): rows staged in the sender's `dsend` and put to each
+/// destination, meta records put likewise; fence, arrival; the last block: fence, then one
+/// put-with-signal of the header per destination.
+fn dispatch_b() -> Vec<AgentEvents> {
+    let mut agents = Vec::new();
+    for rank in 0..R {
+        let order = arrival_order(rank);
+        for b in 0..B {
+            let mut ev = Vec::new();
+            for t in (b as u64..N).step_by(B) {
+                ev.push(store(rank, dsend(t), ROW));
+                for d in 0..R {
+                    ev.push(DeviceEvent::Put {
+                        dst_rank: d,
+                        dst_offset: row(rank, t),
+                        src_offset: dsend(t),
+                        len: ROW,
+                    });
+                }
+            }
+            ev.push(FENCE);
+            let ticket = order.iter().position(|&x| x == b).unwrap() as u64;
+            let last = ticket + 1 == B as u64;
+            ev.push(DeviceEvent::CounterArrive {
+                counter: 0,
+                ticket,
+                last,
+            });
+            if last {
+                // The header staged in the last block's dsend_meta (here: staging slot 0).
+                ev.push(store(rank, dsend(0), HDR));
+                ev.push(FENCE);
+                for d in 0..R {
+                    ev.push(DeviceEvent::PutSignal {
+                        dst_rank: d,
+                        dst_offset: drecv(rank),
+                        src_offset: dsend(0),
+                        len: HDR,
+                        signal_offset: disp_sig(rank),
+                        value: value(N),
+                    });
+                }
+            }
+            for s in 0..R {
+                ev.push(DeviceEvent::Acquire {
+                    rank,
+                    offset: disp_sig(s),
+                    value: value(N),
+                });
+            }
+            for s in 0..R {
+                ev.push(load(rank, drecv(s), HDR));
+                for i in (b as u64..N).step_by(B) {
+                    ev.push(load(rank, row(s, i), ROW));
+                }
+            }
+            agents.push(AgentEvents {
+                rank,
+                agent: b,
+                events: ev,
+            });
+        }
+    }
+    agents
+}
+
+fn seeds(seeds: u64) -> impl Iterator<Item = CheckConfig> {
+    (0..seeds).map(|seed| CheckConfig {
+        seed,
+        same_gpu: false,
+    })
+}
+
+/// Removes the first fence of `(rank, block)`'s events.
+fn drop_fence(agents: &mut [AgentEvents], rank: usize, block: usize, nth: usize) {
+    let a = agents
+        .iter_mut()
+        .find(|a| (a.rank, a.agent) == (rank, block))
+        .unwrap();
+    let at = a
+        .events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(e, DeviceEvent::Fence { .. }))
+        .nth(nth)
+        .unwrap()
+        .0;
+    a.events.remove(at);
+}
+
+fn expect_violation(e: TraceError) -> (Violation, TracePlace) {
+    match e {
+        TraceError::Violation {
+            violation,
+            place: Some(p),
+        } => (*violation, p),
+        other => panic!("expected a violation with a place, got {other}"),
+    }
+}
+
+#[test]
+fn correct_shapes_pass_under_many_seeds() {
+    for (name, t) in [
+        ("dispatch (a)", dispatch_a()),
+        ("combine (a)", combine_a()),
+        ("dispatch (b)", dispatch_b()),
+    ] {
+        for cfg in seeds(24) {
+            let r = check_with(R, arenas(), &t, &cfg)
+                .unwrap_or_else(|e| panic!("{name}, seed {}: {e}", cfg.seed));
+            assert_eq!(r.agents, R * B);
+            assert!(
+                r.loads > 0 && r.acquires == (R * B * R) as u64,
+                "{name}: {r:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn missing_fence_of_a_sender_block_is_caught_naming_its_store() {
+    // Block 2 of rank 0 arrives first; without its fence its rows are not published.
+    for cfg in seeds(12) {
+        let mut t = dispatch_a();
+        drop_fence(&mut t, 0, 2, 0);
+        let e = check_with(R, arenas(), &t, &cfg).unwrap_err();
+        let msg = e.to_string();
+        let (v, place) = expect_violation(e);
+        let Violation::DataRace { writer, .. } = &v else {
+            panic!("seed {}: expected a data race, got {v}", cfg.seed);
+        };
+        assert!(writer.starts_with("rank0/agent2(block2)"), "{msg}");
+        // The bytes are one of block 2's rows or meta records (token 2), on one of the ranks.
+        assert_eq!(place.region, TraceRegion::Data, "{msg}");
+        let owned = [row(0, 2), meta(0, 2)]
+            .iter()
+            .any(|&o| (o..o + ROW).contains(&place.offset));
+        assert!(owned, "{msg}");
+    }
+}
+
+#[test]
+fn missing_fence_of_the_last_block_before_its_release_is_store_not_published() {
+    // Rank 0's last block is block 1; its second fence orders the headers before the signal.
+    let mut t = dispatch_a();
+    drop_fence(&mut t, 0, 1, 1);
+    let e = check(R, arenas(), &t).unwrap_err();
+    let msg = e.to_string();
+    let (v, place) = expect_violation(e);
+    match &v {
+        Violation::StoreNotPublished { writer, .. } => {
+            assert_eq!((writer.rank, writer.role.as_str()), (0, "block1"), "{msg}");
+        }
+        other => panic!("expected StoreNotPublished, got {other}"),
+    }
+    assert_eq!(place.offset, drecv(0), "{msg}");
+    assert_eq!(place.region, TraceRegion::Data);
+}
+
+#[test]
+fn a_load_before_its_acquire_is_caught() {
+    for cfg in seeds(12) {
+        let mut t = dispatch_a();
+        // Rank 1 block 0 loads source 0's first row before waiting for its signal.
+        let a = t.iter_mut().find(|a| (a.rank, a.agent) == (1, 0)).unwrap();
+        let first_acquire = a
+            .events
+            .iter()
+            .position(|e| matches!(e, DeviceEvent::Acquire { .. }))
+            .unwrap();
+        a.events.insert(first_acquire, load(1, row(0, 0), ROW));
+        let e = check_with(R, arenas(), &t, &cfg).unwrap_err();
+        let msg = e.to_string();
+        let (v, place) = expect_violation(e);
+        assert!(
+            matches!(
+                v,
+                Violation::DataRace { .. } | Violation::ReadOfPoison { .. }
+            ),
+            "seed {}: {msg}",
+            cfg.seed
+        );
+        assert_eq!(v.rank(), 1);
+        assert_eq!(
+            (place.rank, place.region, place.offset),
+            (1, TraceRegion::Data, row(0, 0)),
+            "{msg}"
+        );
+        assert!(msg.contains("rank1/agent0(block0)"), "{msg}");
+    }
+}
+
+#[test]
+fn missing_fence_in_the_combine_direction_is_caught() {
+    // Expert rank 1 arrives 2, 0, 1 (arrival_order(0)); drop block 0's fence.
+    let mut t = combine_a();
+    drop_fence(&mut t, 1, 0, 0);
+    let (v, place) = expect_violation(check(R, arenas(), &t).unwrap_err());
+    let Violation::DataRace { writer, .. } = &v else {
+        panic!("expected a data race, got {v}");
+    };
+    assert!(writer.starts_with("rank1/agent0(block0)"), "{v}");
+    assert_eq!(place.offset, crecv(1, 0));
+}
+
+#[test]
+fn variant_b_puts_need_the_fence_before_the_arrival() {
+    // Rank 0 block 2 arrives first; without its fence the rows it put are not published.
+    let mut t = dispatch_b();
+    drop_fence(&mut t, 0, 2, 0);
+    let (v, place) = expect_violation(check(R, arenas(), &t).unwrap_err());
+    let Violation::DataRace { writer, .. } = &v else {
+        panic!("expected a data race, got {v}");
+    };
+    assert!(writer.starts_with("rank0/agent2(block2)"), "{v}");
+    assert_eq!(place.offset, row(0, 2), "{v}");
+}
+
+#[test]
+fn put_signal_publishes_its_own_data_without_a_fence() {
+    // The last block's second fence only orders the header staging before its put-with-signal,
+    // whose data the signal covers: without it the trace is still correct (NVSHMEM semantics).
+    let mut t = dispatch_b();
+    drop_fence(&mut t, 0, 1, 1);
+    check(R, arenas(), &t).unwrap();
+    // But a store of the block's after its last fence, read through the signal, is not.
+    let a = t.iter_mut().find(|a| (a.rank, a.agent) == (0, 1)).unwrap();
+    let at = a
+        .events
+        .iter()
+        .position(|e| matches!(e, DeviceEvent::PutSignal { .. }))
+        .unwrap();
+    a.events.insert(at, store(1, meta(0, 0), META));
+    let b = t.iter_mut().find(|a| (a.rank, a.agent) == (1, 0)).unwrap();
+    b.events.push(load(1, meta(0, 0), META));
+    let (v, place) = expect_violation(check(R, arenas(), &t).unwrap_err());
+    match &v {
+        Violation::StoreNotPublished { writer, .. } => assert_eq!(writer.role, "block1"),
+        other => panic!("expected StoreNotPublished, got {other}"),
+    }
+    assert_eq!((place.rank, place.offset), (1, meta(0, 0)), "{v}");
+}
+
+#[test]
+fn gpu_scope_fences_count_only_on_one_gpu() {
+    let mut t = dispatch_a();
+    for a in &mut t {
+        for e in &mut a.events {
+            if let DeviceEvent::Fence { scope } = e {
+                *scope = FenceScope::Gpu;
+            }
+        }
+    }
+    let same = CheckConfig {
+        seed: 3,
+        same_gpu: true,
+    };
+    let r = check_with(R, arenas(), &t, &same).unwrap();
+    assert_eq!(r.gpu_fences_ignored, 0);
+    assert!(check(R, arenas(), &t).unwrap_err().violation().is_some());
+}
+
+#[test]
+fn inconsistent_traces_are_refused_before_replay() {
+    let mut t = dispatch_a();
+    // An acquire of a value nobody released.
+    let a = t.iter_mut().find(|a| (a.rank, a.agent) == (1, 2)).unwrap();
+    a.events.push(DeviceEvent::Acquire {
+        rank: 1,
+        offset: disp_sig(0),
+        value: value(N + 1),
+    });
+    assert!(matches!(
+        check(R, arenas(), &t),
+        Err(TraceError::Inconsistent {
+            rank: 1,
+            agent: 2,
+            ..
+        })
+    ));
+    // Two arrivals with one ticket.
+    let mut t = dispatch_a();
+    for a in &mut t {
+        for e in &mut a.events {
+            if let DeviceEvent::CounterArrive { ticket, .. } = e
+                && a.rank == 0
+                && *ticket == 1
+            {
+                *ticket = 0;
+            }
+        }
+    }
+    let e = check(R, arenas(), &t).unwrap_err();
+    assert!(matches!(e, TraceError::Inconsistent { rank: 0, .. }), "{e}");
+    // Bytes outside the arena.
+    let mut t = dispatch_a();
+    t[0].events.push(load(0, arenas().data_bytes - 8, 16));
+    assert!(matches!(
+        check(R, arenas(), &t),
+        Err(TraceError::Inconsistent { .. })
+    ));
+}
