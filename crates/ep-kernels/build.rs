@@ -30,10 +30,17 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// (Rust constant, source file) of every kernel module.
-const MODULES: &[(&str, &str)] = &[
-    ("BRINGUP", "cuda/bringup.cu"),
-    ("NORMAL", "cuda/normal.cu"),
-    ("LOW_LATENCY", "cuda/low_latency.cu"),
+/// (Rust constant, source file, extra nvcc flags) of every kernel module. LOW_LATENCY_TRACE:
+/// the low-latency kernels recording their protocol events (`EP_TRACE`, docs/protocol.md §3.13).
+const MODULES: &[(&str, &str, &[&str])] = &[
+    ("BRINGUP", "cuda/bringup.cu", &[]),
+    ("NORMAL", "cuda/normal.cu", &[]),
+    ("LOW_LATENCY", "cuda/low_latency.cu", &[]),
+    (
+        "LOW_LATENCY_TRACE",
+        "cuda/low_latency.cu",
+        &["-DEP_TRACE=1"],
+    ),
 ];
 
 /// The source of the low-latency kernels, compiled a second time for variant (b).
@@ -124,10 +131,10 @@ fn main() {
             // One nvcc per module at once: the second low-latency compile would otherwise add
             // its whole duration to the build.
             std::thread::scope(|s| {
-                for (name, src) in MODULES {
+                for (name, src, flags) in MODULES {
                     let cubin = out.join(format!("{}.cubin", name.to_lowercase()));
                     let (nvcc, src_path, includes) = (&nvcc, manifest.join(src), &includes);
-                    s.spawn(move || compile(nvcc, &src_path, &cubin, includes, &[]));
+                    s.spawn(move || compile(nvcc, &src_path, &cubin, includes, flags));
                 }
                 if let Some((inc, _)) = &headers {
                     let (nvcc, out, manifest, includes) = (&nvcc, &out, &manifest, &includes);
@@ -146,7 +153,7 @@ fn main() {
                     });
                 }
             });
-            for (name, src) in MODULES {
+            for (name, src, _) in MODULES {
                 let cubin = out.join(format!("{}.cubin", name.to_lowercase()));
                 rs.push_str(&format!(
                     "/// `{src}` for {ARCH}.\npub(crate) const {name}: Result<&[u8], &str> = Ok(include_bytes!({:?}));\n",
@@ -171,7 +178,7 @@ fn main() {
         Err(why) => {
             println!("cargo:warning=ep-kernels: building without CUDA kernels: {why}");
             rs.push_str("/// The nvcc that built the kernels.\npub(crate) const NVCC: Option<&str> = None;\n");
-            for (name, src) in MODULES {
+            for (name, src, _) in MODULES {
                 rs.push_str(&format!(
                     "/// `{src}`: not built.\npub(crate) const {name}: Result<&[u8], &str> = Err({why:?});\n"
                 ));

@@ -53,6 +53,45 @@ __device__ __forceinline__ void stamp(const Args &a, uint32_t i) {
         ((uint64_t *)a.phase_times)[blockIdx.x * EP_PHASE_SLOTS + i] = ep_now_ns();
 }
 
+// ---- protocol traces (EP_TRACE builds only; docs/protocol.md §3.13) --------------------------
+// Each event is recorded after it happened, by the thread that did it (or, for a block's
+// stores, by one thread after them), into this block's records of the rank's ep_trace_header;
+// the host decodes them (gpu/trace.rs) and ep-sim's memory-model checker judges them. Offsets are
+// relative to the rank's ll.signals / ll.data base.
+#ifdef EP_TRACE
+__device__ void trace_rec(const Args &a, uint64_t kind, uint64_t aux, uint64_t region, uint64_t rank, uint64_t len,
+                          uint64_t off, uint64_t value) {
+    ep_trace_header *h = (ep_trace_header *)a.trace;
+    if (h == nullptr) return;
+    const unsigned long long i = atomicAdd((unsigned long long *)&h->next[blockIdx.x], 1ull);
+    if (i >= h->capacity) {
+        *(volatile uint64_t *)&h->overflow = 1;
+        return;
+    }
+    ep_trace_record *r = (ep_trace_record *)(h + 1) + (uint64_t)blockIdx.x * h->capacity + i;
+    r->word0 = kind | aux << 8 | region << 16 | (uint64_t)blockIdx.x << 32;
+    r->word1 = rank | len << 32;
+    r->word2 = off;
+    r->word3 = value;
+}
+#define TRACE_STORE(rank, off, len) trace_rec(a, EP_TRACE_STORE, 0, EP_TRACE_REGION_DATA, (rank), (len), (off), 0)
+#define TRACE_LOAD(rank, off, len) trace_rec(a, EP_TRACE_LOAD, 0, EP_TRACE_REGION_DATA, (rank), (len), (off), 0)
+#define TRACE_FENCE(scope) trace_rec(a, EP_TRACE_FENCE, (scope), 0, 0, 0, 0, 0)
+#define TRACE_RELEASE(rank, off, v) trace_rec(a, EP_TRACE_RELEASE, 0, EP_TRACE_REGION_SIGNALS, (rank), 8, (off), (v))
+#define TRACE_ACQUIRE(rank, off, v) trace_rec(a, EP_TRACE_ACQUIRE, 0, EP_TRACE_REGION_SIGNALS, (rank), 8, (off), (v))
+#define TRACE_COUNTER(id, ticket, last) \
+    trace_rec(a, EP_TRACE_COUNTER, (last) ? EP_TRACE_FLAG_LAST : 0, 0, (id), 0, (ticket), 0)
+#define TRACED 1
+#else
+#define TRACE_STORE(rank, off, len) ((void)0)
+#define TRACE_LOAD(rank, off, len) ((void)0)
+#define TRACE_FENCE(scope) ((void)0)
+#define TRACE_RELEASE(rank, off, v) ((void)0)
+#define TRACE_ACQUIRE(rank, off, v) ((void)0)
+#define TRACE_COUNTER(id, ticket, last) ((void)0)
+#define TRACED 0
+#endif
+
 __device__ __forceinline__ ep_ll_layout layout_of(const Args &a) {
     ep_ll_layout l;
     l.num_ranks = a.num_ranks;
@@ -118,15 +157,25 @@ __device__ __forceinline__ void fence_for_peers(const Args &a) {
         __threadfence_system();
 }
 
+// The scope fence_for_peers orders at, as a trace records it.
+#define PEER_FENCE_SCOPE(a) (((a).flags & EP_FLAG_SAME_GPU) ? EP_TRACE_SCOPE_GPU : EP_TRACE_SCOPE_SYSTEM)
+
 // Whether this block is the last of the grid to finish its part of the send. The counter counts
 // the launch's finished blocks; the last one sets it back to 0 for the next launch on the stream.
-__device__ bool last_block(const Args &a, uint64_t *counter) {
+// `id` names the counter in traces (0 dispatch, 1 combine).
+__device__ bool last_block(const Args &a, uint64_t *counter, uint64_t id) {
     __shared__ int last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        fence_for_peers(a);
+        // Traced kernels only: a planted missing fence (the checker must catch it).
+        const bool skip = TRACED && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
+        if (!skip) {
+            fence_for_peers(a);
+            TRACE_FENCE(PEER_FENCE_SCOPE(a));
+        }
         uint64_t old = atomic_add_acq_rel(counter, 1);
         last = old == gridDim.x - 1;
+        TRACE_COUNTER(id, old, last);
         if (last) *(volatile uint64_t *)counter = 0;
     }
     __syncthreads();
@@ -215,6 +264,7 @@ __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, ui
                 ok = 0;
             } else {
                 count[src] = ep_ll_count(v);
+                TRACE_ACQUIRE(a.rank, off, v);
                 if (blockIdx.x == 0 && a.wait_stats != 0)
                     ((unsigned long long *)a.wait_stats)[src] += waited;
             }
@@ -469,6 +519,9 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                     const uint32_t c = c0 + k * 32 + lane;
                     if (c < C) dst[c] = v[k];
                 }
+                if (TRACED && lane == 0)
+                    TRACE_STORE(d, ep_ll_half_base(ly, a.half) + ep_ll_drecv_row(ly, a.rank, sm.slot[t * R + d]) + 16ull * c0,
+                                16ull * min(32u * UNITS, C - c0));
             }
 #endif
         }
@@ -507,6 +560,17 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                 }
 #endif
             }
+#if !defined(EP_LL_NVSHMEM) && defined(EP_TRACE)
+            if (lane == 0) {
+                const uint32_t b1 = min(b0 + 2 * UNITS, S);
+                for (uint32_t d = 0; d < R; ++d) {
+                    if (!((dm >> d) & 1u)) continue;
+                    const uint64_t row = ep_ll_half_base(ly, a.half) + ep_ll_drecv_row(ly, a.rank, sm.slot[t * R + d]);
+                    TRACE_STORE(d, row + 128ull * b0, 128ull * (b1 - b0));
+                    TRACE_STORE(d, row + soff + 4ull * b0, 4ull * (b1 - b0));
+                }
+            }
+#endif
 #ifdef EP_LL_NVSHMEM
             // The unit's e4m3 blocks and their scales, staged, then put to each destination.
             const uint8_t *stage = half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
@@ -538,6 +602,9 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                 *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
             }
             if (lane == 0) *(uint64_t *)meta = ep_ll_meta_head(t, __popc(bal));
+            if (TRACED && lane == 0)
+                TRACE_STORE(d, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, a.rank) + hdr + (uint64_t)sm.slot[t * R + d] * meta_bytes,
+                            8ull + 8ull * __popc(bal));
 #ifdef EP_LL_NVSHMEM
             put_warp(a, d, half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + hdr + (uint64_t)sm.slot[t * R + d] * meta_bytes,
                      meta, 8ull + 8ull * __popc(bal));
@@ -545,7 +612,7 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         }
     }
     stamp(a, 2);
-    if (!last_block(a, (uint64_t *)a.counter)) return false;
+    if (!last_block(a, (uint64_t *)a.counter, 0)) return false;
     // Headers c(l, s) for every unmasked destination, then the signals.
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
         const uint32_t d = i / L, l = i % L;
@@ -568,11 +635,15 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     }
 #else
     if (threadIdx.x == 0) {
+        for (uint32_t d = 0; d < R; ++d)
+            if (!masked(a, d)) TRACE_STORE(d, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, a.rank), 4ull * L);
         fence_for_peers(a);
+        TRACE_FENCE(PEER_FENCE_SCOPE(a));
         for (uint32_t d = 0; d < R; ++d) {
             if (masked(a, d)) continue;
             ep_st_release(signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
                           ep_ll_encode(call_k, ncnt[d]));
+            TRACE_RELEASE(d, ep_ll_dispatch_signal(R, a.half, a.rank), ep_ll_encode(call_k, ncnt[d]));
         }
     }
 #endif
@@ -603,6 +674,9 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
         for (uint32_t s = 0; s < R; ++s) first_msg[s + 1] = first_msg[s] + count[s];
     }
     __syncthreads();
+    if (TRACED && threadIdx.x == 0)
+        for (uint32_t s = 0; s < R; ++s)
+            if (!masked(a, s)) TRACE_LOAD(a.rank, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, s), 4ull * L);
     // Counts → running begin per expert (ascending source), and the handle outputs.
     for (uint32_t l = threadIdx.x; l < L; l += NT) {
         uint32_t run = 0;
@@ -646,6 +720,11 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
         }
         const uint64_t head = __ldcg((const unsigned long long *)meta);
         const uint32_t t = ep_ll_head_token(head), n = min(ep_ll_head_count(head), (uint32_t)MAXK);
+        if (TRACED && lane == 0) {
+            const uint64_t base = ep_ll_half_base(ly, a.half);
+            TRACE_LOAD(a.rank, base + ep_ll_drecv_row(ly, s, i) + 16ull * c0, 16ull * min(32u * UNITS, C - c0));
+            TRACE_LOAD(a.rank, base + ep_ll_drecv(ly, s) + hdr + (uint64_t)i * meta_bytes, 8ull + 8ull * n);
+        }
         uint32_t my_l = 0, my_row = 0;
         if (lane < n) {
             const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
@@ -919,6 +998,9 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             else
                 dst[c] = out;
         }
+        if (TRACED && !LOGFMT && lane == 0)
+            TRACE_STORE(s, ep_ll_half_base(ly, a.half) + ep_ll_crecv(ly, a.rank, i) + 16ull * c0,
+                        16ull * min(32u * UNITS, C - c0));
         if (!LOGFMT) {
 #ifdef EP_LL_NVSHMEM
             put_warp(a, s, half_of(a, s, a.half) + ep_ll_crecv(ly, a.rank, i) + 16ull * c0, dst + c0,
@@ -944,7 +1026,7 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 #endif
     }
     stamp(a, 2);
-    if (!last_block(a, (uint64_t *)a.counter)) return false;
+    if (!last_block(a, (uint64_t *)a.counter, 1)) return false;
 #ifdef EP_LL_NVSHMEM
     // Thread s: fence (every partial put of this PE first), then the signal (the quiet comes at
     // the kernel's end).
@@ -960,6 +1042,7 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             if (masked(a, s)) continue;
             ep_st_release(signal_of(a, s, ep_ll_combine_signal(R, a.half, a.rank)),
                           ep_ll_encode(call_k, count[s]));
+            TRACE_RELEASE(s, ep_ll_combine_signal(R, a.half, a.rank), ep_ll_encode(call_k, count[s]));
         }
     }
 #endif
@@ -1012,6 +1095,13 @@ __device__ void combine_recv(const Args &a, uint64_t call_k) {
 #pragma unroll
             for (uint32_t d = 0; d < MAXR; ++d)
                 if (sl[d] >= 0) v[d] = ld_cg16(mine + ep_ll_crecv(ly, d, (uint32_t)sl[d]) + 16ull * c);
+#ifdef EP_TRACE
+            if (k == 0 && lane == 0)
+                for (uint32_t d = 0; d < R; ++d)
+                    if (sl[d] >= 0)
+                        TRACE_LOAD(a.rank, ep_ll_half_base(ly, a.half) + ep_ll_crecv(ly, d, (uint32_t)sl[d]) + 16ull * c0,
+                                   16ull * min(32u * UNITS, n16 - c0));
+#endif
 #pragma unroll
             for (uint32_t d = 0; d < MAXR; ++d) {
                 if (sl[d] >= 0) {

@@ -38,6 +38,12 @@ pub(crate) fn low_latency_cubin() -> Result<&'static [u8]> {
     cubin("low_latency", built::LOW_LATENCY)
 }
 
+/// The low-latency module compiled with `EP_TRACE` (its kernels record their protocol events),
+/// or why it was not built.
+pub(crate) fn low_latency_trace_cubin() -> Result<&'static [u8]> {
+    cubin("low_latency_trace", built::LOW_LATENCY_TRACE)
+}
+
 /// Variant (b) of the low-latency module: `cuda/low_latency.cu` compiled relocatable with
 /// `EP_LL_NVSHMEM` (every peer through NVSHMEM's device API), still to be linked against
 /// `libnvshmem_device.a` ([`crate::nvshmem::device_link`]); or why it was not built.

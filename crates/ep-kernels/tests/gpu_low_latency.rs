@@ -1371,3 +1371,102 @@ fn shrink_mode_masks_a_rank_that_never_arrives() {
     g.reset().unwrap();
     round(&mut g, &dev, &c, &[false; 3]);
 }
+
+/// The traced kernels' protocol events (docs/protocol.md §3.13), judged by ep-sim's
+/// memory-model checker: a dispatch and a combine (BF16 and FP8, plain and hook halves) pass,
+/// with outputs still equal to the plan; with the planted missing fence (the send blocks skip
+/// their fence before the completion counter) the checker reports the unpublished stores.
+/// Variant (a) only (variant (b) has no traced build yet).
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn traces_pass_the_checker_and_a_planted_missing_fence_is_caught() {
+    use ep_core::protocol::layout::ll_signal_bytes;
+    use ep_sim::device_trace::{Arenas, CheckConfig, check_with};
+    let dev = device();
+    let mut cases = Vec::new();
+    let mut c = Case::new(2, 24, 512, 4, 8);
+    c.seed = 301;
+    cases.push(c.clone());
+    c.fp8 = Some((false, false));
+    c.hook = true;
+    c.seed = 302;
+    cases.push(c);
+    for c in &cases {
+        let mut g = new_group_of(&dev, c.config(), LlVariant::Pointers).expect("group");
+        g.set_timeout(Duration::from_secs(5));
+        g.set_trace(Some(1 << 14)).unwrap();
+        let lay = c.config();
+        let half = ep_core::protocol::layout::LlLayout {
+            num_ranks: lay.num_ranks,
+            num_local_experts: lay.num_experts / lay.num_ranks,
+            hidden: lay.hidden,
+            num_max_tokens: lay.num_max_dispatch_tokens_per_rank,
+        }
+        .half_bytes();
+        let arenas = Arenas {
+            signals_bytes: ll_signal_bytes(c.ranks),
+            data_bytes: 2 * half,
+        };
+        let judge = |events: &[ep_core::transport::device_trace::AgentEvents], seed: u64| {
+            check_with(
+                c.ranks,
+                arenas,
+                events,
+                &CheckConfig {
+                    seed,
+                    same_gpu: true,
+                },
+            )
+        };
+        let masked = vec![false; c.ranks];
+        let inputs = inputs_of(c);
+        let plan = plan_dispatch(&inputs, &c.params(&masked)).expect("plan dispatch");
+        let dins = upload(&dev, &inputs);
+        let all: Vec<usize> = (0..c.ranks).collect();
+        // A traced dispatch and combine: the checker finds nothing, the outputs are the plan's.
+        let outs = g.dispatch(&rank_inputs(&dins), &c.args()).unwrap();
+        if c.hook {
+            g.recv_hook().unwrap();
+        }
+        g.sync().unwrap();
+        let events = g.trace().expect("decode the dispatch trace");
+        assert!(events.len() >= c.ranks, "{} agents recorded", events.len());
+        for seed in 0..4 {
+            judge(&events, seed).unwrap_or_else(|e| panic!("dispatch trace ({c:?}): {e}"));
+        }
+        check_dispatches(c, &masked, &plan, &all, &outs);
+        let ys = expert_outputs(&mut Pool::default(), c, &masked);
+        let y_dev: Vec<DevTensor> = ys
+            .flat
+            .iter()
+            .map(|y| DevTensor::upload(dev.context(), y).unwrap())
+            .collect();
+        let ins: Vec<_> = y_dev.iter().map(LlCombineInput::Tensor).collect();
+        let hs: Vec<_> = outs.iter().map(|o| &o.handle).collect();
+        let combined = g.combine(&hs, &ins, c.hook).unwrap();
+        if c.hook {
+            g.recv_hook().unwrap();
+        }
+        g.sync().unwrap();
+        let events = g.trace().expect("decode the combine trace");
+        for seed in 0..4 {
+            judge(&events, seed).unwrap_or_else(|e| panic!("combine trace ({c:?}): {e}"));
+        }
+        check_combined(c, &masked, &inputs, &plan, &ys, &all, &combined);
+        // The planted missing fence: the checker must catch it (for some schedule).
+        g.plant_missing_fence_for_test(true).unwrap();
+        g.dispatch(&rank_inputs(&dins), &c.args()).unwrap();
+        if c.hook {
+            g.recv_hook().unwrap();
+        }
+        g.sync().unwrap();
+        let events = g.trace().expect("decode the planted trace");
+        let caught = (0..12).filter_map(|seed| judge(&events, seed).err()).next();
+        let err =
+            caught.unwrap_or_else(|| panic!("the planted missing fence went unnoticed ({c:?})"));
+        eprintln!("planted missing fence caught: {err}");
+        g.plant_missing_fence_for_test(false).unwrap();
+        g.set_trace(None).unwrap();
+        round(&mut g, &dev, c, &masked);
+    }
+}

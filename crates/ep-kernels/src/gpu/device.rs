@@ -39,6 +39,8 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     pub(crate) normal: NormalKernels,
     pub(crate) ll: LlKernels,
+    /// The same kernels recording their protocol events (`EP_TRACE`).
+    pub(crate) ll_trace: LlKernels,
     num_sms: usize,
     max_dynamic_smem: usize,
     pub(crate) err: HostMapped<ErrBlock>,
@@ -64,6 +66,11 @@ impl Device {
         let ll_module = ctx
             .load_module(Ptx::from_binary(ll_bytes.to_vec()))
             .map_err(Error::cuda("cuModuleLoadData(low_latency)"))?;
+        let ll_trace_module = ctx
+            .load_module(Ptx::from_binary(
+                kernels::low_latency_trace_cubin()?.to_vec(),
+            ))
+            .map_err(Error::cuda("cuModuleLoadData(low_latency_trace)"))?;
         let get_in = load_function_eager;
         let get = |name: &'static str| get_in(&module, name);
         let normal = NormalKernels {
@@ -74,13 +81,26 @@ impl Device {
             ceiling_gather: get("ep_copy_ceiling_gather")?,
             spin: get("ep_spin")?,
         };
-        let ll = LlKernels {
-            dispatch: get_in(&ll_module, "ep_ll_dispatch")?,
-            combine: get_in(&ll_module, "ep_ll_combine")?,
-            combine_logfmt: get_in(&ll_module, "ep_ll_combine_logfmt")?,
+        let ll_of = |m: &Arc<cudarc::driver::CudaModule>| -> Result<LlKernels> {
+            Ok(LlKernels {
+                dispatch: get_in(m, "ep_ll_dispatch")?,
+                combine: get_in(m, "ep_ll_combine")?,
+                combine_logfmt: get_in(m, "ep_ll_combine_logfmt")?,
+            })
         };
-        let max_dynamic_smem =
-            opt_in_dynamic_smem(&ctx, &[&ll.dispatch, &ll.combine, &ll.combine_logfmt])?;
+        let ll = ll_of(&ll_module)?;
+        let ll_trace = ll_of(&ll_trace_module)?;
+        let max_dynamic_smem = opt_in_dynamic_smem(
+            &ctx,
+            &[
+                &ll.dispatch,
+                &ll.combine,
+                &ll.combine_logfmt,
+                &ll_trace.dispatch,
+                &ll_trace.combine,
+                &ll_trace.combine_logfmt,
+            ],
+        )?;
         let num_sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
@@ -90,6 +110,7 @@ impl Device {
             ctx,
             normal,
             ll,
+            ll_trace,
             num_sms,
             max_dynamic_smem,
             err,

@@ -284,6 +284,8 @@ pub struct LlGroup {
     absent: Option<usize>,
     /// Shrink mode ([`LlGroup::set_shrink`]).
     shrink: bool,
+    /// Protocol traces ([`LlGroup::set_trace`]).
+    tracing: Option<Tracing>,
     gate: Option<Gate>,
     smem_limit: usize,
     /// Per rank: where the kernels stamp their phase times, when measuring.
@@ -292,6 +294,14 @@ pub struct LlGroup {
     id: u64,
     /// The capture recording, if any ([`LlGroup::capture`]).
     capture: Option<graph::LlCapture>,
+}
+
+/// The traced kernels' recording (docs/protocol.md §3.13): one trace buffer per local rank.
+#[derive(Debug)]
+struct Tracing {
+    capacity: u64,
+    bufs: Vec<DevBuf>,
+    plant_missing_fence: bool,
 }
 
 /// Where each shared-memory array of a kernel starts, and the bytes needed.
@@ -542,6 +552,9 @@ impl LlGroup {
     }
 
     fn fns(&self) -> &LlKernels {
+        if self.tracing.is_some() {
+            return &self.dev.ll_trace;
+        }
         match &self.peers {
             Peers::Pointers | Peers::PointersOverNvshmem(_) => &self.dev.ll,
             Peers::Nvshmem(n) => &n.kernels,
@@ -686,6 +699,7 @@ impl LlGroup {
             mask: vec![false; r],
             absent: None,
             shrink: false,
+            tracing: None,
             gate: None,
             smem_limit,
             phase_times: None,
@@ -864,6 +878,86 @@ impl LlGroup {
         self.check_ready()?;
         if self.shrink {
             self.adopt_device_masks()?;
+        }
+        Ok(())
+    }
+
+    /// Protocol traces (docs/protocol.md §3.13): with `Some(capacity)` every following
+    /// operation runs the traced kernels (`EP_TRACE`), each block of each local rank recording up
+    /// to `capacity` protocol events (stores, loads, fences, releases, acquires, counter
+    /// arrivals); [`LlGroup::trace`] returns the last operation's, for ep-sim's memory-model
+    /// checker (`ep_sim::device_trace`). `None` turns it off. For debugging and tests: each traced
+    /// operation waits for the previous one. Variant (a) only (variant (b)'s traced build does
+    /// not exist yet: [`Error::Unsupported`]).
+    pub fn set_trace(&mut self, capacity: Option<u64>) -> Result<()> {
+        self.not_capturing("set_trace")?;
+        self.sync_streams()?;
+        let Some(capacity) = capacity else {
+            self.tracing = None;
+            return Ok(());
+        };
+        if matches!(self.peers, Peers::Nvshmem(_)) {
+            return Err(Error::Unsupported(
+                "protocol traces record variant (a)'s kernels; variant (b) has no traced build yet"
+                    .into(),
+            ));
+        }
+        let bytes = super::trace::trace_bytes(self.cfg.num_sms, capacity.max(1));
+        let bufs = self
+            .ranks
+            .iter()
+            .map(|_| DevBuf::zeroed(self.dev.context(), bytes))
+            .collect::<Result<_>>()?;
+        self.tracing = Some(Tracing {
+            capacity: capacity.max(1),
+            bufs,
+            plant_missing_fence: false,
+        });
+        Ok(())
+    }
+
+    /// Test switch of traced kernels (docs/protocol.md §6): the send parts' blocks skip their
+    /// fence before the completion counter — a planted missing fence, which the trace checker
+    /// must report. [`Error::Unsupported`] unless tracing is on.
+    #[doc(hidden)]
+    pub fn plant_missing_fence_for_test(&mut self, on: bool) -> Result<()> {
+        match &mut self.tracing {
+            Some(t) => {
+                t.plant_missing_fence = on;
+                Ok(())
+            }
+            None => Err(Error::Unsupported(
+                "the planted missing fence exists only in the traced kernels: set_trace first"
+                    .into(),
+            )),
+        }
+    }
+
+    /// The protocol events the last traced operation recorded, every local rank's blocks (after
+    /// waiting for it). [`Error::TraceOverflow`] when a block had more than the capacity.
+    pub fn trace(&mut self) -> Result<Vec<ep_core::transport::device_trace::AgentEvents>> {
+        self.not_capturing("trace")?;
+        self.sync_streams()?;
+        let Some(t) = &self.tracing else {
+            return Err(Error::Unsupported("no trace: set_trace first".into()));
+        };
+        let mut all = Vec::new();
+        for (k, b) in self.ranks.iter().zip(&t.bufs) {
+            let mut bytes = vec![0u8; b.len()];
+            b.read(0, &mut bytes)?;
+            all.extend(super::trace::decode(k.rank, &bytes)?);
+        }
+        Ok(all)
+    }
+
+    /// Empty trace headers for the next operation (the streams are idle).
+    fn reset_traces(&mut self) -> Result<()> {
+        self.sync_streams()?;
+        if let Some(t) = &self.tracing {
+            for (k, b) in self.ranks.iter().zip(&t.bufs) {
+                let empty = super::trace::encode(k.rank, self.cfg.num_sms, t.capacity, &[]);
+                b.write(0, &empty[..super::trace::trace_bytes(0, 0)])?;
+            }
         }
         Ok(())
     }
@@ -1085,6 +1179,12 @@ impl LlGroup {
         if let Peers::Nvshmem(n) = &self.peers {
             a.peer_pe[..n.pes.len()].copy_from_slice(&n.pes);
         }
+        if let Some(t) = &self.tracing {
+            a.trace = t.bufs[rank].ptr();
+            if t.plant_missing_fence {
+                a.flags |= abi::EP_FLAG_TEST_SKIP_FENCE;
+            }
+        }
         a
     }
 
@@ -1233,6 +1333,10 @@ impl LlGroup {
         self.check_ready()?;
         if self.pending.is_some() {
             return Err(hook_pending());
+        }
+        if self.tracing.is_some() {
+            self.not_capturing("a traced operation")?;
+            self.reset_traces()?;
         }
         self.call += 1;
         let op = self.op;
