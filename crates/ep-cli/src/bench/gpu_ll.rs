@@ -218,6 +218,13 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     .map_err(gpu_err("creating the group"))?;
     let transport = g.transport_report();
     println!("transport: {transport}");
+    if transport.contains("IBGDA: requested, NVSHMEM fell back") {
+        // The doctor's verdict on why, surfaced at run time (file-based checks; `ep doctor`
+        // adds the live probes).
+        for line in ibgda_diagnosis(std::path::Path::new("/")) {
+            println!("ep doctor: {line}");
+        }
+    }
     let ctx = dev.context();
     let mut set = DevSet {
         x: Vec::new(),
@@ -698,6 +705,37 @@ fn start_nvshmem(
     Ok(Arc::new(s))
 }
 
+/// `ep doctor`'s IBGDA verdicts for the machine under `root` (its file-based checks), one line
+/// per IBGDA mode with the checks that block it and their fixes.
+fn ibgda_diagnosis(root: &std::path::Path) -> Vec<String> {
+    use ep_setup::{Capability, GatherOptions, diagnose, gather};
+    let report = diagnose(&gather(root, &GatherOptions::default()));
+    let mut lines = Vec::new();
+    for cap in [Capability::IbgdaGpuInitiated, Capability::IbgdaCpuAssisted] {
+        let v = report.verdict(cap);
+        lines.push(format!(
+            "{}: {}",
+            cap.title(),
+            if v.usable { "usable" } else { "unusable" }
+        ));
+        for id in &v.because {
+            if let Some(c) = report.check(id) {
+                lines.push(format!(
+                    "  {} ({}): {}{}",
+                    c.id,
+                    c.status.label(),
+                    c.detail,
+                    c.fix
+                        .as_ref()
+                        .map(|f| format!("; fix: {f}"))
+                        .unwrap_or_default()
+                ));
+            }
+        }
+    }
+    lines
+}
+
 /// NVSHMEM in a rank process of `--procs`: PE `rank` of `world`, the unique id over the
 /// launcher's rendezvous, on this rank's GPU (the launcher set the environment plan).
 fn join_nvshmem(rank: usize, world: usize) -> Result<Arc<NvshmemSession>, BenchError> {
@@ -946,6 +984,24 @@ fn check_counts(
 mod tests {
     use super::*;
     use clap::Parser;
+
+    /// When IBGDA does not come up, the bench prints the doctor's reasons: on a machine
+    /// without an RDMA NIC (ep-setup's fixture of the GPU machine) both modes are unusable and
+    /// the NIC check says why, with its fix.
+    #[test]
+    fn the_ibgda_diagnosis_names_the_missing_nic() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../ep-setup/tests/fixtures/doctor/gpu-machine");
+        let lines = ibgda_diagnosis(&root);
+        assert!(
+            lines.iter().filter(|l| l.ends_with(": unusable")).count() == 2,
+            "{lines:#?}"
+        );
+        assert!(
+            lines.iter().any(|l| l.contains("nic") && l.contains("fix")),
+            "{lines:#?}"
+        );
+    }
 
     #[derive(Parser)]
     struct Cli {
