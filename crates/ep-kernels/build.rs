@@ -136,18 +136,29 @@ fn main() {
                     let (nvcc, src_path, includes) = (&nvcc, manifest.join(src), &includes);
                     s.spawn(move || compile(nvcc, &src_path, &cubin, includes, flags));
                 }
-                if let Some((inc, _)) = &headers {
+                // Variant (b), and variant (b) recording its protocol events (EP_TRACE).
+                for (file, flags) in [
+                    (
+                        "low_latency_nvshmem.cubin",
+                        &["-rdc=true", "-DEP_LL_NVSHMEM=1"][..],
+                    ),
+                    (
+                        "low_latency_nvshmem_trace.cubin",
+                        &["-rdc=true", "-DEP_LL_NVSHMEM=1", "-DEP_TRACE=1"][..],
+                    ),
+                ] {
+                    let Some((inc, _)) = &headers else { break };
                     let (nvcc, out, manifest, includes) = (&nvcc, &out, &manifest, &includes);
                     s.spawn(move || {
                         let mut includes = includes.to_vec();
                         includes.push(inc.clone());
-                        let rdc = out.join("low_latency_nvshmem.cubin");
+                        let rdc = out.join(file);
                         compile(
                             nvcc,
                             &manifest.join(LOW_LATENCY_NVSHMEM_SRC),
                             &rdc,
                             &includes,
-                            &["-rdc=true", "-DEP_LL_NVSHMEM=1"],
+                            flags,
                         );
                         link_check(nvcc, inc, &rdc, out);
                     });
@@ -163,14 +174,19 @@ fn main() {
             match &nvshmem {
                 Ok(_) => rs.push_str(&format!(
                     "/// `{LOW_LATENCY_NVSHMEM_SRC}` for {ARCH}, relocatable, with `EP_LL_NVSHMEM`.\n\
-                     pub(crate) const LOW_LATENCY_NVSHMEM: Result<&[u8], &str> = Ok(include_bytes!({:?}));\n",
-                    out.join("low_latency_nvshmem.cubin").display().to_string()
+                     pub(crate) const LOW_LATENCY_NVSHMEM: Result<&[u8], &str> = Ok(include_bytes!({:?}));\n\
+                     /// The same with `EP_TRACE` (recording its protocol events).\n\
+                     pub(crate) const LOW_LATENCY_NVSHMEM_TRACE: Result<&[u8], &str> = Ok(include_bytes!({:?}));\n",
+                    out.join("low_latency_nvshmem.cubin").display().to_string(),
+                    out.join("low_latency_nvshmem_trace.cubin").display().to_string()
                 )),
                 Err(why) => {
                     println!("cargo:warning=ep-kernels: building without the NVSHMEM low-latency kernels: {why}");
                     rs.push_str(&format!(
                         "/// `{LOW_LATENCY_NVSHMEM_SRC}` with `EP_LL_NVSHMEM`: not built.\n\
-                         pub(crate) const LOW_LATENCY_NVSHMEM: Result<&[u8], &str> = Err({why:?});\n"
+                         pub(crate) const LOW_LATENCY_NVSHMEM: Result<&[u8], &str> = Err({why:?});\n\
+                         /// The same with `EP_TRACE`: not built.\n\
+                         pub(crate) const LOW_LATENCY_NVSHMEM_TRACE: Result<&[u8], &str> = Err({why:?});\n"
                     ));
                 }
             }
@@ -185,7 +201,9 @@ fn main() {
             }
             rs.push_str(&format!(
                 "/// `{LOW_LATENCY_NVSHMEM_SRC}` with `EP_LL_NVSHMEM`: not built.\n\
-                 pub(crate) const LOW_LATENCY_NVSHMEM: Result<&[u8], &str> = Err({why:?});\n"
+                 pub(crate) const LOW_LATENCY_NVSHMEM: Result<&[u8], &str> = Err({why:?});\n\
+                 /// The same with `EP_TRACE`: not built.\n\
+                 pub(crate) const LOW_LATENCY_NVSHMEM_TRACE: Result<&[u8], &str> = Err({why:?});\n"
             ));
         }
     }
@@ -243,7 +261,10 @@ fn link_check(nvcc: &Path, include: &Path, rdc: &Path, out: &Path) {
         .arg(rdc)
         .arg(&device_a)
         .arg("-o")
-        .arg(out.join("ll_nvshmem_linkcheck.cubin"))
+        .arg(out.join(format!(
+            "{}_linkcheck.cubin",
+            rdc.file_stem().and_then(|s| s.to_str()).unwrap_or("ll_nvshmem")
+        )))
         .output()
         .unwrap_or_else(|e| panic!("running {}: {e}", nvlink.display()));
     if !output.status.success() {

@@ -81,6 +81,27 @@ __device__ void trace_rec(const Args &a, uint64_t kind, uint64_t aux, uint64_t r
 #define TRACE_ACQUIRE(rank, off, v) trace_rec(a, EP_TRACE_ACQUIRE, 0, EP_TRACE_REGION_SIGNALS, (rank), 8, (off), (v))
 #define TRACE_COUNTER(id, ticket, last) \
     trace_rec(a, EP_TRACE_COUNTER, (last) ? EP_TRACE_FLAG_LAST : 0, 0, (id), 0, (ticket), 0)
+// A put with signal: two records of one reservation (the put, then its signal).
+__device__ void trace_put_signal(const Args &a, uint64_t rank, uint64_t dst_off, uint64_t src_off, uint64_t len,
+                                 uint64_t sig_off, uint64_t value) {
+    ep_trace_header *h = (ep_trace_header *)a.trace;
+    if (h == nullptr) return;
+    const unsigned long long i = atomicAdd((unsigned long long *)&h->next[blockIdx.x], 2ull);
+    if (i + 2 > h->capacity) {
+        *(volatile uint64_t *)&h->overflow = 1;
+        return;
+    }
+    ep_trace_record *r = (ep_trace_record *)(h + 1) + (uint64_t)blockIdx.x * h->capacity + i;
+    const uint64_t blk = (uint64_t)blockIdx.x << 32;
+    r[0].word0 = EP_TRACE_PUT_SIGNAL | EP_TRACE_REGION_DATA << 16 | blk;
+    r[0].word1 = rank | len << 32;
+    r[0].word2 = dst_off;
+    r[0].word3 = src_off;
+    r[1].word0 = EP_TRACE_SIGNAL | EP_TRACE_REGION_SIGNALS << 16 | blk;
+    r[1].word1 = rank | 8ull << 32;
+    r[1].word2 = sig_off;
+    r[1].word3 = value;
+}
 #define TRACED 1
 #else
 #define TRACE_STORE(rank, off, len) ((void)0)
@@ -132,10 +153,23 @@ __device__ __forceinline__ uint64_t *signal_of(const Args &a, uint64_t r, uint64
 #ifdef EP_LL_NVSHMEM
 __device__ __forceinline__ int pe_of(const Args &a, uint64_t r) { return (int)a.peer_pe[r]; }
 
+// Offset of `p` in rank `r`'s ll.data (as this rank addresses it), for traces.
+__device__ __forceinline__ uint64_t data_offset(const Args &a, uint64_t r, const void *p) {
+    return (uint64_t)((const uint8_t *)p - (const uint8_t *)a.peer_data[r]);
+}
+
 // Variant (b): the warp puts `bytes` of this rank's staged `src` to `dst` (a symmetric address of
-// rank `d`'s region) after every lane's staging stores.
+// rank `d`'s region) after every lane's staging stores. Traced: the block's staging stores of
+// `src`, then the put.
 __device__ __forceinline__ void put_warp(const Args &a, uint64_t d, void *dst, const void *src, uint64_t bytes) {
     __syncwarp();
+#ifdef EP_TRACE
+    if (threadIdx.x % 32 == 0) {
+        TRACE_STORE(a.rank, data_offset(a, a.rank, src), bytes);
+        trace_rec(a, EP_TRACE_PUT, 0, EP_TRACE_REGION_DATA, d, bytes, data_offset(a, d, dst),
+                  data_offset(a, a.rank, src));
+    }
+#endif
     nvshmemx_putmem_nbi_warp(dst, src, bytes, pe_of(a, d));
 }
 #endif
@@ -627,7 +661,16 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     // (§3.7) comes at the kernel's end, off the signals' path.
     if (warp < R && !masked(a, warp)) {
         const uint32_t d = warp;
-        if (lane == 0) nvshmem_fence();
+        if (lane == 0) {
+            nvshmem_fence();
+            TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
+#ifdef EP_TRACE
+            TRACE_STORE(a.rank, data_offset(a, a.rank, meta_block_out(a, ly, d)), 4ull * L);
+            trace_put_signal(a, d, data_offset(a, d, half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank)),
+                             data_offset(a, a.rank, meta_block_out(a, ly, d)), 4ull * L,
+                             ep_ll_dispatch_signal(R, a.half, a.rank), ep_ll_encode(call_k, ncnt[d]));
+#endif
+        }
         __syncwarp();
         nvshmemx_putmem_signal_nbi_warp(half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank), meta_block_out(a, ly, d),
                                         4ull * L, signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
@@ -1033,8 +1076,10 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     if (threadIdx.x < R && !masked(a, threadIdx.x)) {
         const uint32_t s = threadIdx.x;
         nvshmem_fence();
+        TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
         nvshmemx_signal_op(signal_of(a, s, ep_ll_combine_signal(R, a.half, a.rank)), ep_ll_encode(call_k, count[s]),
                            NVSHMEM_SIGNAL_SET, pe_of(a, s));
+        TRACE_RELEASE(s, ep_ll_combine_signal(R, a.half, a.rank), ep_ll_encode(call_k, count[s]));
     }
 #else
     if (threadIdx.x == 0) {

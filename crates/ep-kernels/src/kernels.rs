@@ -51,6 +51,15 @@ pub(crate) fn low_latency_nvshmem_cubin() -> Result<&'static [u8]> {
     cubin("low_latency_nvshmem", built::LOW_LATENCY_NVSHMEM)
 }
 
+/// Variant (b) compiled with `EP_TRACE` (its kernels record their protocol events), still to
+/// be linked; or why it was not built.
+pub(crate) fn low_latency_nvshmem_trace_cubin() -> Result<&'static [u8]> {
+    cubin(
+        "low_latency_nvshmem_trace",
+        built::LOW_LATENCY_NVSHMEM_TRACE,
+    )
+}
+
 /// The version of the NVSHMEM headers the NVSHMEM variant of the low-latency kernels was
 /// compiled with (`None` when build.rs found none). Only the `libnvshmem_device.a`, and so the
 /// host library, of exactly this version can be linked with it.

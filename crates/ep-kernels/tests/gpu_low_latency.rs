@@ -1375,8 +1375,8 @@ fn shrink_mode_masks_a_rank_that_never_arrives() {
 /// The traced kernels' protocol events (docs/protocol.md §3.13), judged by ep-sim's
 /// memory-model checker: a dispatch and a combine (BF16 and FP8, plain and hook halves) pass,
 /// with outputs still equal to the plan; with the planted missing fence (the send blocks skip
-/// their fence before the completion counter) the checker reports the unpublished stores.
-/// Variant (a) only (variant (b) has no traced build yet).
+/// their fence before the completion counter) the checker reports the unpublished stores. On the
+/// variant EP_LL_VARIANT names (variant (b): its traced build, linked at run time).
 #[test]
 #[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
 fn traces_pass_the_checker_and_a_planted_missing_fence_is_caught() {
@@ -1392,7 +1392,7 @@ fn traces_pass_the_checker_and_a_planted_missing_fence_is_caught() {
     c.seed = 302;
     cases.push(c);
     for c in &cases {
-        let mut g = new_group_of(&dev, c.config(), LlVariant::Pointers).expect("group");
+        let mut g = new_group(&dev, c.config()).expect("group");
         g.set_timeout(Duration::from_secs(5));
         g.set_trace(Some(1 << 14)).unwrap();
         let lay = c.config();

@@ -259,6 +259,8 @@ struct NvshmemPeers {
     linked: LinkedLl,
     kernels: LlKernels,
     pes: Vec<u64>,
+    /// The traced build, linked when tracing is first turned on ([`LlGroup::set_trace`]).
+    traced: Option<(LinkedLl, LlKernels)>,
 }
 
 /// `R` co-resident ranks on one GPU running low-latency mode (module docs).
@@ -413,6 +415,7 @@ impl LlGroup {
             linked,
             kernels,
             pes,
+            traced: None,
         }));
         // Collective in rank order: every PE allocates the same arrays in the same order.
         Self::build(dev, cfg, peers, &local, &mut |ctx, bytes| {
@@ -553,7 +556,10 @@ impl LlGroup {
 
     fn fns(&self) -> &LlKernels {
         if self.tracing.is_some() {
-            return &self.dev.ll_trace;
+            return match &self.peers {
+                Peers::Nvshmem(n) => n.traced.as_ref().map_or(&n.kernels, |t| &t.1),
+                _ => &self.dev.ll_trace,
+            };
         }
         match &self.peers {
             Peers::Pointers | Peers::PointersOverNvshmem(_) => &self.dev.ll,
@@ -887,8 +893,8 @@ impl LlGroup {
     /// to `capacity` protocol events (stores, loads, fences, releases, acquires, counter
     /// arrivals); [`LlGroup::trace`] returns the last operation's, for ep-sim's memory-model
     /// checker (`ep_sim::device_trace`). `None` turns it off. For debugging and tests: each traced
-    /// operation waits for the previous one. Variant (a) only (variant (b)'s traced build does
-    /// not exist yet: [`Error::Unsupported`]).
+    /// operation waits for the previous one. Both variants (variant (b)'s traced build is linked
+    /// at run time when tracing is first turned on).
     pub fn set_trace(&mut self, capacity: Option<u64>) -> Result<()> {
         self.not_capturing("set_trace")?;
         self.sync_streams()?;
@@ -896,11 +902,17 @@ impl LlGroup {
             self.tracing = None;
             return Ok(());
         };
-        if matches!(self.peers, Peers::Nvshmem(_)) {
-            return Err(Error::Unsupported(
-                "protocol traces record variant (a)'s kernels; variant (b) has no traced build yet"
-                    .into(),
-            ));
+        if let Peers::Nvshmem(n) = &mut self.peers
+            && n.traced.is_none()
+        {
+            // Variant (b)'s traced build, linked against the loaded NVSHMEM like the other.
+            let linked = crate::nvshmem::device_link::link_ll_trace_module(&n.session)?;
+            let kernels = LlKernels {
+                dispatch: linked.dispatch().clone(),
+                combine: linked.combine().clone(),
+                combine_logfmt: linked.combine_logfmt().clone(),
+            };
+            n.traced = Some((linked, kernels));
         }
         let bytes = super::trace::trace_bytes(self.cfg.num_sms, capacity.max(1));
         let bufs = self

@@ -155,7 +155,16 @@ impl Drop for LinkedLl {
 /// Taking the session (not the raw library) is what makes `nvshmemx_cumodule_init` sound:
 /// NVSHMEM must be initialised, in the context the module is loaded into.
 pub fn link_ll_module(session: &NvshmemSession) -> Result<LinkedLl> {
-    let rdc = kernels::low_latency_nvshmem_cubin()?;
+    link_module(session, kernels::low_latency_nvshmem_cubin()?)
+}
+
+/// [`link_ll_module`] for the kernels compiled with `EP_TRACE` (recording their protocol
+/// events, docs/protocol.md §3.13); cached under their own hash.
+pub fn link_ll_trace_module(session: &NvshmemSession) -> Result<LinkedLl> {
+    link_module(session, kernels::low_latency_nvshmem_trace_cubin()?)
+}
+
+fn link_module(session: &NvshmemSession, rdc: &[u8]) -> Result<LinkedLl> {
     let compiled = kernels::nvshmem_headers_version().ok_or(Error::KernelsNotBuilt {
         module: "low_latency_nvshmem",
         reason: "build.rs recorded no NVSHMEM headers version",
