@@ -112,6 +112,11 @@ if [ -x bundle/ep ]; then
     --topk 8 --experts 288 --num-sms 64 --gpu-iters 1000 --graph --json "$out/bench-gpu-ll-r2-nvshmem.json" 2>&1 \
     | tee "$out/bench-gpu-ll-r2-nvshmem.txt"
   echo "ep bench --backend gpu --mode low-latency --variant nvshmem exited ${PIPESTATUS[0]}"
+  echo "=== ep bench --backend gpu --mode low-latency --logfmt"
+  bundle/ep bench --backend gpu --mode low-latency --logfmt --ranks 2 --tokens 128 --hidden 7168 --topk 8 \
+    --experts 288 --num-sms 64 --gpu-iters 1000 --json "$out/bench-gpu-ll-r2-logfmt.json" 2>&1 \
+    | tee "$out/bench-gpu-ll-r2-logfmt.txt"
+  echo "ep bench --backend gpu --mode low-latency --logfmt exited ${PIPESTATUS[0]}"
 fi
 echo "$pass passed, $fail failed${skipped:+; skipped: $skipped}"
 [ $fail -eq 0 ]

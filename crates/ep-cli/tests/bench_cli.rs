@@ -177,6 +177,14 @@ fn typed_errors_and_exit_codes() {
         let e = bench_fails(&cat(SMALL, extra), 2);
         assert!(e.contains("--variant"), "{extra:?}: {e}");
     }
+    // And LogFMT.
+    for extra in [
+        &["--logfmt"][..],
+        &["--mode", "low-latency", "--logfmt"][..],
+    ] {
+        let e = bench_fails(&cat(SMALL, extra), 2);
+        assert!(e.contains("--logfmt"), "{extra:?}: {e}");
+    }
     // Usage errors: exit 2.
     let e = bench_fails(
         &cat(SMALL, &["--hidden", "256", "--ranks-per-node", "3"]),

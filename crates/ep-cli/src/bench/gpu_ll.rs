@@ -45,8 +45,8 @@ use ep_core::routing::Activations;
 use ep_core::tensor::{Tensor2, Tensor3};
 use ep_kernels::gpu::mem::DevBuf;
 use ep_kernels::gpu::{
-    DType, DevTensor, Device, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup,
-    LlPoison, LlRankInputs,
+    DType, DevTensor, Device, LlCombineArgs, LlCombineInput, LlConfig, LlDispatchArgs,
+    LlGpuDispatch, LlGroup, LlPoison, LlRankInputs,
 };
 use ep_kernels::nvshmem::{
     Bootstrap, BringUp, NvshmemSession, SoloRendezvous, TcpRendezvous, env as nv_env,
@@ -81,6 +81,8 @@ impl DevSet {
 
 #[derive(Clone, Default, serde::Serialize)]
 struct LlReport {
+    /// The combine's partials are LogFMT-10 (`--logfmt`).
+    logfmt: bool,
     /// `a` or `b`.
     variant: &'static str,
     /// How the ranks reach each other (`LlGroup::transport_report`).
@@ -245,6 +247,14 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             .push(DevTensor::upload(ctx, &inp.topk_weights).map_err(gpu_err("uploading weights"))?);
     }
     let cast = w.ll_cast();
+    let cargs = LlCombineArgs {
+        return_recv_hook: false,
+        use_logfmt: args.logfmt,
+    };
+    let cargs_hook = LlCombineArgs {
+        return_recv_hook: true,
+        ..cargs
+    };
     let dargs = LlDispatchArgs {
         use_fp8: cast.use_fp8,
         round_scale: cast.round_scale,
@@ -259,7 +269,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         expert_out,
         want,
         digest: plan_digest,
-    } = reference(&w.inputs, &params)?;
+    } = reference(&w.inputs, &params, args.logfmt)?;
     let (l, rows) = (e / r, r * cfg.num_max_dispatch_tokens_per_rank);
     let y_dev: Vec<DevTensor> = local
         .iter()
@@ -289,7 +299,9 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         .map_err(gpu_err("poisoning the outputs"))?;
     let handles: Vec<_> = out.iter().map(|o| o.handle.clone()).collect();
     let hs: Vec<_> = handles.iter().collect();
-    let combined = g.combine(&hs, &y_in, false).map_err(gpu_err("combine"))?;
+    let combined = g
+        .combine_with(&hs, &y_in, &cargs)
+        .map_err(gpu_err("combine"))?;
     g.sync().map_err(gpu_err("first call"))?;
     let v = Verify {
         cfg: &cfg,
@@ -305,7 +317,12 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         }
         return Ok(1);
     }
-    if local.len() == r {
+    if local.len() == r && args.logfmt {
+        println!(
+            "verified: counts and layout ranges exact, every received row canonically, combined_x (LogFMT-10 partials) bit for bit against the plan's LogFMT reduction; output digest {} (blake3, canonical format v2), equal to the plan's (the simulator has no LogFMT)",
+            gpu_digest.total
+        );
+    } else if local.len() == r {
         println!(
             "verified: counts and layout ranges exact, every received row canonically, combined_x bit for bit against the plan; output digest {} (blake3, canonical format v2), equal to the plan's and so to `--backend sim`'s for the same flags (the identity expert of the simulator bench)",
             gpu_digest.total
@@ -329,6 +346,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         ..dargs
     };
     let mut rep = LlReport {
+        logfmt: args.logfmt,
         variant: args.variant.letter(),
         transport,
         ranks: r,
@@ -353,7 +371,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         let o = g.dispatch(&inputs, &dargs).map_err(gpu_err("dispatch"))?;
         let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
         let hs: Vec<_> = h.iter().collect();
-        g.timed(|g| g.combine(&hs, &y_in, false))
+        g.timed(|g| g.combine_with(&hs, &y_in, &cargs))
             .map(|(_, t)| t)
             .map_err(gpu_err("timed combine"))
     })?;
@@ -363,7 +381,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                 let o = g.dispatch(&inputs, &dargs)?;
                 let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
                 let hs: Vec<_> = h.iter().collect();
-                g.combine(&hs, &y_in, false)
+                g.combine_with(&hs, &y_in, &cargs)
             })
             .map_err(gpu_err("timed dispatch + combine"))?
             .1;
@@ -383,7 +401,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
         let hs: Vec<_> = h.iter().collect();
         let (_, t3) = g
-            .timed(|g| g.combine(&hs, &y_in, true))
+            .timed(|g| g.combine_with(&hs, &y_in, &cargs_hook))
             .map_err(gpu_err("timed combine send"))?;
         let (_, t4) = g
             .timed(|g| g.recv_hook())
@@ -425,7 +443,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
 
     // CUDA graphs of the same calls (after the un-graphed figures).
     let graph_samples = if args.graph {
-        let t = time_graphs(&mut g, &inputs, &dargs, &y_in, &v, total, warm)?;
+        let t = time_graphs(&mut g, &inputs, (&dargs, &cargs), &y_in, &v, total, warm)?;
         if let Some(bad) = t.bad {
             for b in &bad {
                 eprintln!("MISMATCH (graph replay) {b}");
@@ -450,7 +468,8 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
     let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
     let hs: Vec<_> = h.iter().collect();
-    g.combine(&hs, &y_in, false).map_err(gpu_err("combine"))?;
+    g.combine_with(&hs, &y_in, &cargs)
+        .map_err(gpu_err("combine"))?;
     let cphases = super::gpu::phase_split(
         &g.phase_times().map_err(gpu_err("phase stamps"))?,
         &comb_slots,
@@ -639,7 +658,11 @@ struct Reference {
     digest: ep_core::digest::RunDigest,
 }
 
-fn reference(inputs: &[ep_core::RankInputs], params: &LlParams) -> Result<Reference, BenchError> {
+fn reference(
+    inputs: &[ep_core::RankInputs],
+    params: &LlParams,
+    logfmt: bool,
+) -> Result<Reference, BenchError> {
     let reference = |what: &'static str| {
         move |e: ep_core::Error| BenchError::Reference {
             what,
@@ -657,7 +680,11 @@ fn reference(inputs: &[ep_core::RankInputs], params: &LlParams) -> Result<Refere
         &handles,
         &expert_out,
         params,
-        PartialPrecision::Bf16,
+        if logfmt {
+            PartialPrecision::LogFmt10
+        } else {
+            PartialPrecision::Bf16
+        },
     )
     .map_err(reference(
         "plan::low_latency::combine_reduced_on_expert_rank",
@@ -873,7 +900,7 @@ struct GraphSamples {
 fn time_graphs(
     g: &mut LlGroup,
     inputs: &[LlRankInputs<'_>],
-    dargs: &LlDispatchArgs,
+    (dargs, cargs): (&LlDispatchArgs, &LlCombineArgs),
     y_in: &[LlCombineInput<'_>],
     v: &Verify<'_>,
     total: usize,
@@ -883,7 +910,7 @@ fn time_graphs(
         .capture(|g| {
             let o = g.dispatch(inputs, dargs)?;
             let hs: Vec<_> = o.iter().map(|o| &o.handle).collect();
-            let c = g.combine(&hs, y_in, false)?;
+            let c = g.combine_with(&hs, y_in, cargs)?;
             Ok((o, c))
         })
         .map_err(gpu_err("capturing dispatch + combine"))?;
@@ -919,7 +946,7 @@ fn time_graphs(
     let comb = g
         .capture(|g| {
             let hs: Vec<_> = disp.outputs().iter().map(|o| &o.handle).collect();
-            g.combine(&hs, y_in, false)
+            g.combine_with(&hs, y_in, cargs)
         })
         .map_err(gpu_err("capturing combine"))?;
     comb.replay(g).map_err(gpu_err("graph replay"))?;
@@ -1050,7 +1077,7 @@ mod tests {
             let w = workload::load(&args.workload, &defaults).expect("workload");
             let n = w.inputs.iter().map(|i| i.num_tokens()).max().unwrap_or(0);
             let params = w.ll_cast().apply(LlParams::new(n.max(1), w.num_experts));
-            let r = reference(&w.inputs, &params).expect("reference");
+            let r = reference(&w.inputs, &params, false).expect("reference");
             assert_eq!(
                 r.digest.total.to_string(),
                 sim.report.digest.total,

@@ -124,6 +124,11 @@ pub struct BenchArgs {
     /// the NVSHMEM environment plan applied before its init).
     #[arg(long, value_enum, default_value_t = LlVariantArg::Pointers)]
     pub variant: LlVariantArg,
+    /// GPU, low-latency mode: combine with LogFMT-10 partials (DeepEP's `use_logfmt`; verified
+    /// bit for bit against the plan's LogFMT reduction, so the digest is not the simulator's,
+    /// which has no LogFMT).
+    #[arg(long)]
+    pub logfmt: bool,
 }
 
 /// How a run ended when it ran to the end.
@@ -323,7 +328,8 @@ pub fn run_any(args: &BenchArgs) -> Result<i32, BenchError> {
     run(args).map(|o| o.exit_code())
 }
 
-/// `--graph` and `--variant` are GPU low-latency options: refused (usage error) anywhere else.
+/// `--graph`, `--variant` and `--logfmt` are GPU low-latency options: refused (usage error)
+/// anywhere else.
 fn check_graph_flag(args: &BenchArgs) -> Result<(), BenchError> {
     let gpu_ll = args.backend == Backend::Gpu && args.workload.mode == Mode::LowLatency;
     if args.graph && !gpu_ll {
@@ -334,6 +340,11 @@ fn check_graph_flag(args: &BenchArgs) -> Result<(), BenchError> {
     if args.variant != LlVariantArg::Pointers && !gpu_ll {
         return Err(BenchError::Usage(
             "--variant picks the GPU low-latency kernels: use it with --backend gpu --mode low-latency".into(),
+        ));
+    }
+    if args.logfmt && !gpu_ll {
+        return Err(BenchError::Usage(
+            "--logfmt is the GPU low-latency combine's LogFMT-10 (the simulator has none): use it with --backend gpu --mode low-latency".into(),
         ));
     }
     Ok(())
