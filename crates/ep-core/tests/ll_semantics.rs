@@ -434,15 +434,9 @@ proptest! {
 
 // ---- spec §10 conformance cases --------------------------------------------------------------
 
-/// DeepEP's `calc_diff` (spec §6.1).
+/// DeepEP's `calc_diff` (spec §6.1) over slices.
 fn calc_diff(x: &[f64], y: &[f64]) -> f64 {
-    let (mut xy, mut sq) = (0.0, 0.0);
-    for (&a, &b) in x.iter().zip(y) {
-        let (a, b) = (a + 1.0, b + 1.0);
-        xy += a * b;
-        sq += a * a + b * b;
-    }
-    1.0 - 2.0 * xy / sq
+    ep_core::numerics::calc_diff(x.iter().copied(), y.iter().copied())
 }
 
 /// The §6.4 inputs: `x = rank − 128` except the last 128 columns, which hold the token index;

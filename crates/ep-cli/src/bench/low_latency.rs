@@ -17,6 +17,7 @@ use std::time::Instant;
 
 use ep_core::Buffer;
 use ep_core::config::BufferConfig;
+use ep_core::numerics::calc_diff;
 use ep_core::oracle;
 use ep_core::plan::low_latency::{
     self as ll, LlCanonical, LlDispatchOutput, LlHandle, LlParams, LlRecvX, PartialPrecision,
@@ -537,22 +538,6 @@ fn identity_one(
     Ok(())
 }
 
-/// DeepEP's `calc_diff` (spec §6.1): `1 - 2 Σxy / Σ(x² + y²)` over `x + 1`, `y + 1` in f64.
-fn calc_diff(x: impl Iterator<Item = f64>, y: impl Iterator<Item = f64>) -> f64 {
-    let (mut xy, mut sq) = (0.0f64, 0.0f64);
-    for (a, b) in x.zip(y) {
-        let (a, b) = (a + 1.0, b + 1.0);
-        xy += a * b;
-        sq += a * a + b * b;
-    }
-    finish_diff(xy, sq)
-}
-
-/// `calc_diff` from its two sums.
-fn finish_diff(xy: f64, sq: f64) -> f64 {
-    if sq == 0.0 { 0.0 } else { 1.0 - 2.0 * xy / sq }
-}
-
 /// Rank `s`'s two tolerance checks of its combined output `got` in one pass (the same sums,
 /// term by term in the same order, as two separate [`calc_diff`]s):
 /// - `calc_diff(got, deepep)`: to DeepEP's reduction order;
@@ -568,13 +553,10 @@ fn combine_diffs(
 ) -> (f64, f64) {
     let f64s = |t: &Tensor2<bf16>| t.data().iter().map(|v| v.to_f64()).collect::<Vec<_>>();
     let Activations::Bf16(x) = &inp.x else {
-        return (
-            calc_diff(f64s(got).into_iter(), f64s(deepep).into_iter()),
-            f64::NAN,
-        );
+        return (calc_diff(f64s(got), f64s(deepep)), f64::NAN);
     };
     if got.shape() != deepep.shape() || got.shape() != x.shape() {
-        let d1 = calc_diff(f64s(got).into_iter(), f64s(deepep).into_iter());
+        let d1 = calc_diff(f64s(got), f64s(deepep));
         return (d1, f64::NAN);
     }
     let l = (e / r.max(1)).max(1);
@@ -598,4 +580,9 @@ fn combine_diffs(
         }
     }
     (finish_diff(xy1, sq1), finish_diff(xy2, sq2))
+}
+
+/// DeepEP's `calc_diff` from its two sums (both figures accumulate in one pass above).
+fn finish_diff(xy: f64, sq: f64) -> f64 {
+    if sq == 0.0 { 0.0 } else { 1.0 - 2.0 * xy / sq }
 }

@@ -849,17 +849,6 @@ mod tests {
         (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
     }
 
-    /// DeepEP's `calc_diff` (spec §6.1).
-    fn calc_diff(x: &[f64], y: &[f64]) -> f64 {
-        let (mut xy, mut sq) = (0.0, 0.0);
-        for (&a, &b) in x.iter().zip(y) {
-            let (a, b) = (a + 1.0, b + 1.0);
-            xy += a * b;
-            sq += a * a + b * b;
-        }
-        1.0 - 2.0 * xy / sq
-    }
-
     /// DeepEP's LogFMT test inputs `randn · 0.5 · rand` and its performance inputs `randn · 0.1`
     /// (spec §6.4) at H = 7168: the decoded payload against the BF16 payload within the FP8
     /// combine bound `calc_diff < 9e-4` (the spec gives no LogFMT-specific bound). With the
@@ -896,7 +885,7 @@ mod tests {
                 want.extend(x.iter().map(|v| f64::from(v.to_f32())));
                 got.extend(decode_row(&msg, h).unwrap().into_iter().map(f64::from));
             }
-            let diff = calc_diff(&got, &want);
+            let diff = crate::numerics::calc_diff(got.iter().copied(), want.iter().copied());
             eprintln!(
                 "{name}: calc_diff {diff:e}, {cast_chunks}/{} chunks cast, {bytes} bytes",
                 rows * 14

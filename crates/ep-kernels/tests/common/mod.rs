@@ -488,16 +488,7 @@ pub(crate) fn run_cached(g: &mut NormalGroup, case: &Case, rounds: usize) {
     run_case(g, case);
 }
 
-/// DeepEP's `calc_diff` (spec §6.1): `1 - 2 Σxy / Σ(x² + y²)` over `x + 1`, `y + 1` in f64.
-pub(crate) fn calc_diff(x: impl Iterator<Item = f64>, y: impl Iterator<Item = f64>) -> f64 {
-    let (mut xy, mut sq) = (0.0f64, 0.0f64);
-    for (a, b) in x.zip(y) {
-        let (a, b) = (a + 1.0, b + 1.0);
-        xy += a * b;
-        sq += a * a + b * b;
-    }
-    if sq == 0.0 { 0.0 } else { 1.0 - 2.0 * xy / sq }
-}
+pub(crate) use ep_core::numerics::calc_diff;
 
 /// DeepEP's round trip (its `test_intranode.py`): dispatch BF16 `x`, combine the received rows
 /// unchanged (in place, no weights, no bias); each token comes back as `x` times the number of
