@@ -174,9 +174,12 @@ __device__ __forceinline__ void put_warp(const Args &a, uint64_t d, void *dst, c
 }
 #endif
 
+// The send part's completion counter: GPU scope, since the counter is this rank's own and only
+// its own blocks (on one GPU) touch it; what reaches peers on other GPUs is ordered by the
+// fence_for_peers before it and in the last block (system scope there).
 __device__ __forceinline__ uint64_t atomic_add_acq_rel(uint64_t *p, uint64_t v) {
     uint64_t old;
-    asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
     return old;
 }
 

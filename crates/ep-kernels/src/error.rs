@@ -328,6 +328,16 @@ pub enum Error {
         /// The bound.
         timeout: Duration,
     },
+    /// A measurement kernel's bounded wait ran out (the low-latency floor's flag round trip).
+    #[error("{what} waited {timeout:?} and gave up: {why}")]
+    MeasurementTimeout {
+        /// What was measured.
+        what: &'static str,
+        /// The bound.
+        timeout: Duration,
+        /// The likely cause.
+        why: &'static str,
+    },
     /// A call after a device timeout.
     #[error(
         "the GPU group is poisoned by an earlier failure ({cause}): call reset() on every rank"

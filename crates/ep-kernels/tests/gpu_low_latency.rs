@@ -1470,3 +1470,28 @@ fn traces_pass_the_checker_and_a_planted_missing_fence_is_caught() {
         round(&mut g, &dev, c, &masked);
     }
 }
+
+/// The bench's floor parts: the flag round trip ends (bounded) with a plausible figure at both
+/// scopes, and the empty graphs replay on several streams.
+#[test]
+#[ignore = "needs a GPU: run with scripts/gpu-run.sh"]
+fn floor_parts_measure_a_round_trip_and_replay_empty_graphs() {
+    use ep_kernels::gpu::floor::{EmptyGraphs, flag_round_trip};
+    let dev = device();
+    for gpu_scope in [false, true] {
+        let rtt = flag_round_trip(&dev, 200, gpu_scope, Duration::from_secs(2)).unwrap();
+        assert!(
+            rtt > Duration::from_nanos(50) && rtt < Duration::from_micros(100),
+            "a round trip of {rtt:?} (GPU scope: {gpu_scope}) is not a flag round trip"
+        );
+    }
+    let ctx = dev.context();
+    let streams = vec![ctx.new_stream().unwrap(), ctx.new_stream().unwrap()];
+    let graphs = EmptyGraphs::capture(&dev, &streams).unwrap();
+    for _ in 0..10 {
+        graphs.replay().unwrap();
+    }
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+}

@@ -15,9 +15,11 @@
 //! calls after warm-up, un-graphed (each call is its kernel launches). Figures: dispatch (send
 //! and receive parts in one launch), combine likewise, dispatch + combine, and the hook halves
 //! (send part alone, receive part alone, each timed on its own). The floor measured in the same
-//! run: a dispatch of zero tokens (the launch and one signal from every rank to every rank) plus
-//! the phase's bytes through the copy engine on every rank at once (dispatch: the messages sent
-//! and the rows placed; combine: the expert rows read); the gate's empty call is printed too.
+//! run, as BASELINES.md defines it: an empty one-kernel graph replayed on every rank's stream
+//! (timed like the calls), one flag round trip between two resident kernels, and the phase's
+//! bytes (DeepEP's count) through the copy engine on every rank at once; each phase's ratio to
+//! it, eager and (`--graph`) replayed. Printed beside it: the gate's empty call and a dispatch of
+//! zero tokens (what the protocol itself costs with nothing to move).
 //!
 //! `--graph`: dispatch, combine and dispatch + combine are then each captured as CUDA graphs
 //! (`LlGroup::capture`), one replay of each is verified against the plan like the eager call
@@ -43,6 +45,7 @@ use ep_core::config::{
 };
 use ep_core::routing::Activations;
 use ep_core::tensor::{Tensor2, Tensor3};
+use ep_kernels::gpu::floor::{EmptyGraphs, flag_round_trip};
 use ep_kernels::gpu::mem::DevBuf;
 use ep_kernels::gpu::{
     DType, DevTensor, Device, LlCombineArgs, LlCombineInput, LlConfig, LlDispatchArgs,
@@ -105,12 +108,22 @@ struct LlReport {
     combine_send: Figure,
     combine_recv: Figure,
     empty_launch_us: f64,
-    /// A dispatch of zero tokens: the launch and one signal round.
+    /// A one-kernel empty CUDA graph replayed on every rank's stream, timed like the calls.
+    graph_launch_us: f64,
+    /// One flag round trip between two resident kernels (release store, acquire loads; system
+    /// scope, the protocol's signals').
+    flag_round_trip_us: f64,
+    /// The same at GPU scope (diagnostic).
+    flag_round_trip_gpu_scope_us: f64,
+    /// A dispatch of zero tokens: what the protocol costs with nothing to move (diagnostic,
+    /// not part of the floor).
     zero_token_dispatch_us: f64,
-    /// The dispatch's / combine's bytes through the copy engine (every rank at once).
+    /// The dispatch's / combine's bytes (DeepEP's count, the GB/s column's) through the copy
+    /// engine, every rank at once.
     copy_dispatch_bytes_us: f64,
     copy_combine_bytes_us: f64,
-    /// Zero-token dispatch + the phase's copy: the same-run floor.
+    /// The same-run floor of each phase (BASELINES.md): graph launch + flag round trip + the
+    /// phase's bytes at the copy ceiling.
     floor_dispatch_us: f64,
     floor_combine_us: f64,
     /// One call, median over blocks: routing (send start to known), send rows, (gap), wait for
@@ -118,6 +131,8 @@ struct LlReport {
     dispatch_phases_us: Vec<f64>,
     /// Combine: send rows, gap, wait, reduce; whole span.
     combine_phases_us: Vec<f64>,
+    /// The zero-token dispatch's phases, as `dispatch_phases_us`.
+    zero_token_phases_us: Vec<f64>,
     bytes_per_token_ep_rs: f64,
     bytes_per_token_deepep: f64,
     /// `--graph`: the same calls replayed from CUDA graphs.
@@ -441,6 +456,21 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             .map_err(gpu_err("timed zero-token dispatch"))
     })?;
 
+    // The floor's latency parts (BASELINES.md): an empty graph launch on every rank's stream,
+    // timed like the calls, and one flag round trip between two resident kernels.
+    let streams: Vec<_> = (0..local.len()).map(|i| g.stream(i).clone()).collect();
+    let empty_graphs =
+        EmptyGraphs::capture(&dev, &streams).map_err(gpu_err("capturing empty graphs"))?;
+    let t_graph_launch = samples(total, warm, |_| {
+        g.timed(|_| empty_graphs.replay())
+            .map(|(_, t)| t)
+            .map_err(gpu_err("timed empty graph"))
+    })?;
+    let rtt = flag_round_trip(&dev, 1000, false, std::time::Duration::from_secs(2))
+        .map_err(gpu_err("flag round trip"))?;
+    let rtt_gpu = flag_round_trip(&dev, 1000, true, std::time::Duration::from_secs(2))
+        .map_err(gpu_err("flag round trip (GPU scope)"))?;
+
     // CUDA graphs of the same calls (after the un-graphed figures).
     let graph_samples = if args.graph {
         let t = time_graphs(&mut g, &inputs, (&dargs, &cargs), &y_in, &v, total, warm)?;
@@ -474,7 +504,13 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         &g.phase_times().map_err(gpu_err("phase stamps"))?,
         &comb_slots,
     );
+    g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
+    g.dispatch(&empty_inputs, &dargs)
+        .map_err(gpu_err("zero-token dispatch"))?;
+    let zphases =
+        super::gpu::phase_split(&g.phase_times().map_err(gpu_err("phase stamps"))?, &slots);
     g.measure_phases(false).map_err(gpu_err("phase stamps"))?;
+    rep.zero_token_phases_us = zphases;
     rep.dispatch_phases_us = dphases;
     rep.combine_phases_us = cphases;
 
@@ -502,11 +538,11 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let per_tok = |c: usize| c as f64 / toks.max(1) as f64 * row;
     rep.bytes_per_token_ep_rs = per_tok(msgs);
     rep.bytes_per_token_deepep = per_tok(entries);
-    // The phases' bytes through the copy engine, every rank at once on its stream (per rank:
-    // dispatch writes its messages and places every received entry's row; combine reads every
-    // received entry's expert row). Together with the zero-token call: the same-run floor.
+    // The phases' bytes (DeepEP's count: one row per received (token, expert) entry, FP8 row +
+    // scales for dispatch, BF16 for combine) through the copy engine, every rank at once on its
+    // stream. With the graph launch and the flag round trip: the same-run floor.
     let per_rank = |c: usize| c as f64 / r as f64;
-    let disp_copy = (per_rank(msgs + entries) * row) as usize;
+    let disp_copy = (per_rank(entries) * row) as usize;
     let comb_copy = (per_rank(entries) * 2.0 * hidden as f64) as usize;
     let big = disp_copy.max(comb_copy).max(16);
     let bufs: Vec<(DevBuf, DevBuf)> = (0..local.len())
@@ -545,8 +581,12 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     rep.zero_token_dispatch_us = figure(&t_signal, 0.0).median_us;
     rep.copy_dispatch_bytes_us = figure(&t_copy_d, 0.0).median_us;
     rep.copy_combine_bytes_us = figure(&t_copy_c, 0.0).median_us;
-    rep.floor_dispatch_us = rep.zero_token_dispatch_us + rep.copy_dispatch_bytes_us;
-    rep.floor_combine_us = rep.zero_token_dispatch_us + rep.copy_combine_bytes_us;
+    rep.graph_launch_us = figure(&t_graph_launch, 0.0).median_us;
+    rep.flag_round_trip_us = rtt.as_secs_f64() * 1e6;
+    rep.flag_round_trip_gpu_scope_us = rtt_gpu.as_secs_f64() * 1e6;
+    let latency = rep.graph_launch_us + rep.flag_round_trip_us;
+    rep.floor_dispatch_us = latency + rep.copy_dispatch_bytes_us;
+    rep.floor_combine_us = latency + rep.copy_combine_bytes_us;
     println!(
         "bytes per token sent: ep-rs {:.0} (one message per destination rank), DeepEP {:.0} (one per expert)",
         rep.bytes_per_token_ep_rs, rep.bytes_per_token_deepep
@@ -594,14 +634,35 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         "empty call", rep.empty_launch_us
     );
     println!(
-        "floor (same run): zero-token dispatch {:.2} us (launch + one signal round); the phase's bytes through the copy engine: dispatch {:.2} us, combine {:.2} us; dispatch {:.2}x its floor {:.2} us, combine {:.2}x its floor {:.2} us",
-        rep.zero_token_dispatch_us,
+        "{:<22} {:>10.2}            (launch + one signal round; diagnostic, not in the floor)",
+        "zero-token dispatch", rep.zero_token_dispatch_us
+    );
+    println!(
+        "floor (same run, BASELINES.md): empty graph launch {:.2} us + flag round trip {:.2} us (GPU scope {:.2}) + the phase's bytes through the copy engine (dispatch {:.2} us, combine {:.2} us) = dispatch {:.2} us, combine {:.2} us",
+        rep.graph_launch_us,
+        rep.flag_round_trip_us,
+        rep.flag_round_trip_gpu_scope_us,
         rep.copy_dispatch_bytes_us,
         rep.copy_combine_bytes_us,
-        rep.dispatch.median_us / rep.floor_dispatch_us.max(1e-9),
         rep.floor_dispatch_us,
-        rep.combine.median_us / rep.floor_combine_us.max(1e-9),
         rep.floor_combine_us
+    );
+    let ratio = |us: f64, floor: f64| us / floor.max(1e-9);
+    let graph_ratios = rep
+        .graph
+        .as_ref()
+        .map(|gr| {
+            format!(
+                "; graph replays: dispatch {:.2}x, combine {:.2}x",
+                ratio(gr.dispatch.median_us, rep.floor_dispatch_us),
+                ratio(gr.combine.median_us, rep.floor_combine_us)
+            )
+        })
+        .unwrap_or_default();
+    println!(
+        "against the floor: dispatch {:.2}x, combine {:.2}x{graph_ratios}",
+        ratio(rep.dispatch.median_us, rep.floor_dispatch_us),
+        ratio(rep.combine.median_us, rep.floor_combine_us),
     );
     let ph = |v: &[f64]| {
         v.iter()
@@ -613,6 +674,10 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         "phases (us, median over blocks; dispatch: routing / send rows / gap / wait / receive rows / whole span; combine: send rows / gap / wait / reduce / whole span): dispatch {}; combine {}",
         ph(&rep.dispatch_phases_us),
         ph(&rep.combine_phases_us)
+    );
+    println!(
+        "zero-token dispatch phases (us, as above): {}",
+        ph(&rep.zero_token_phases_us)
     );
     if let Some(path) = &args.json {
         let doc = serde_json::json!({

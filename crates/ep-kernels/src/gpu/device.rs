@@ -22,6 +22,7 @@ pub(crate) struct NormalKernels {
     pub(crate) ceiling: CudaFunction,
     pub(crate) ceiling_gather: CudaFunction,
     pub(crate) spin: CudaFunction,
+    pub(crate) pingpong: CudaFunction,
 }
 
 /// The functions of `cuda/low_latency.cu`.
@@ -80,6 +81,7 @@ impl Device {
             ceiling: get("ep_copy_ceiling")?,
             ceiling_gather: get("ep_copy_ceiling_gather")?,
             spin: get("ep_spin")?,
+            pingpong: get("ep_flag_pingpong")?,
         };
         let ll_of = |m: &Arc<cudarc::driver::CudaModule>| -> Result<LlKernels> {
             Ok(LlKernels {

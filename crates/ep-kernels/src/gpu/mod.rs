@@ -6,6 +6,8 @@
 //! - [`mem`]: device buffers and host-mapped memory;
 //! - [`ipc`]: device buffers shared with other processes (CUDA IPC);
 //! - [`device`]: one GPU with its kernels and error record;
+//! - [`floor`]: the latency parts of the low-latency floor (an empty graph launch, a flag round
+//!   trip between resident kernels), measured in the bench's run;
 //! - `gate`: timing several ranks' streams from one release;
 //! - `graph`: the CUDA-graph capture and replay plumbing both groups share;
 //! - [`normal`]: layout, dispatch, cached dispatch, combine and the copy ceiling; calls captured
@@ -17,6 +19,7 @@
 
 pub mod abi;
 pub mod device;
+pub mod floor;
 mod gate;
 mod graph;
 mod host;
