@@ -219,14 +219,24 @@ __device__ bool last_block(const Args &a, uint64_t *counter, uint64_t id) {
     return last != 0;
 }
 
-// One read of this rank's signal word: (a) an acquire load; (b) NVSHMEM's signal_fetch (a
-// relaxed read; wait_ge fences once it has seen the value it waits for).
-__device__ __forceinline__ uint64_t load_signal(const uint64_t *word) {
+// One read of this rank's signal word: (a) an acquire load, at GPU scope when every peer is on
+// this GPU (EP_FLAG_SAME_GPU), system scope otherwise; (b) NVSHMEM's signal_fetch (a relaxed
+// read; wait_ge fences once it has seen the value it waits for).
+__device__ __forceinline__ uint64_t load_signal(const Args &a, const uint64_t *word) {
 #ifdef EP_LL_NVSHMEM
+    (void)a;
     return nvshmem_signal_fetch((uint64_t *)word);
 #else
-    return ep_ld_acquire(word);
+    return (a.flags & EP_FLAG_SAME_GPU) ? ep_ld_acquire_gpu(word) : ep_ld_acquire(word);
 #endif
+}
+
+// Variant (a): a signal's release store, at the scope load_signal acquires it.
+__device__ __forceinline__ void release_signal(const Args &a, uint64_t *word, uint64_t v) {
+    if (a.flags & EP_FLAG_SAME_GPU)
+        ep_st_release_gpu(word, v);
+    else
+        ep_st_release(word, v);
 }
 
 // After load_signal saw the awaited value: orders the reads of what the signal covers after it.
@@ -244,7 +254,7 @@ __device__ __forceinline__ void signal_seen() {
 __device__ uint64_t wait_ge(const Args &a, const uint64_t *word, uint64_t want, uint64_t kernel,
                             uint64_t word_offset, uint64_t *waited_ns) {
     ep_err_block *err = (ep_err_block *)a.err;
-    uint64_t v = load_signal(word);
+    uint64_t v = load_signal(a, word);
     *waited_ns = 0;
     if (v >= want) {
         signal_seen();
@@ -252,7 +262,7 @@ __device__ uint64_t wait_ge(const Args &a, const uint64_t *word, uint64_t want, 
     }
     uint64_t start = ep_now_ns();
     for (uint32_t polls = 1;; ++polls) {
-        v = load_signal(word);
+        v = load_signal(a, word);
         if (v >= want) {
             signal_seen();
             *waited_ns = ep_now_ns() - start;
@@ -687,7 +697,7 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         TRACE_FENCE(PEER_FENCE_SCOPE(a));
         for (uint32_t d = 0; d < R; ++d) {
             if (masked(a, d)) continue;
-            ep_st_release(signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
+            release_signal(a, signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
                           ep_ll_encode(call_k, ncnt[d]));
             TRACE_RELEASE(d, ep_ll_dispatch_signal(R, a.half, a.rank), ep_ll_encode(call_k, ncnt[d]));
         }
@@ -1088,7 +1098,7 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < R; ++s) {
             if (masked(a, s)) continue;
-            ep_st_release(signal_of(a, s, ep_ll_combine_signal(R, a.half, a.rank)),
+            release_signal(a, signal_of(a, s, ep_ll_combine_signal(R, a.half, a.rank)),
                           ep_ll_encode(call_k, count[s]));
             TRACE_RELEASE(s, ep_ll_combine_signal(R, a.half, a.rank), ep_ll_encode(call_k, count[s]));
         }

@@ -704,15 +704,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling_gather(const
 // signals, ep_device.cuh), or GPU scope when `flags` has EP_FLAG_SAME_GPU.
 __device__ __forceinline__ void pp_release(uint64_t *p, uint64_t v, bool gpu) {
     if (gpu)
-        asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+        ep_st_release_gpu(p, v);
     else
         ep_st_release(p, v);
 }
 __device__ __forceinline__ uint64_t pp_acquire(const uint64_t *p, bool gpu) {
-    if (!gpu) return ep_ld_acquire(p);
-    uint64_t v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
+    return gpu ? ep_ld_acquire_gpu(p) : ep_ld_acquire(p);
 }
 extern "C" __global__ void ep_flag_pingpong(const Args a) {
     uint64_t *words = (uint64_t *)a.dst_rows;
