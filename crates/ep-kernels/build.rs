@@ -29,12 +29,13 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// (Rust constant, source file) of every kernel module.
-/// (Rust constant, source file, extra nvcc flags) of every kernel module. LOW_LATENCY_TRACE:
-/// the low-latency kernels recording their protocol events (`EP_TRACE`, docs/protocol.md §3.13).
+/// (Rust constant, source file, extra nvcc flags) of every kernel module. NORMAL_TRACE,
+/// LOW_LATENCY_TRACE: the kernels recording their protocol events (`EP_TRACE`, docs/protocol.md
+/// §3.13).
 const MODULES: &[(&str, &str, &[&str])] = &[
     ("BRINGUP", "cuda/bringup.cu", &[]),
     ("NORMAL", "cuda/normal.cu", &[]),
+    ("NORMAL_TRACE", "cuda/normal.cu", &["-DEP_TRACE=1"]),
     ("LOW_LATENCY", "cuda/low_latency.cu", &[]),
     (
         "LOW_LATENCY_TRACE",

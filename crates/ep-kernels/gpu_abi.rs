@@ -54,6 +54,7 @@ pub(crate) const NORMAL_ARGS: Fields = &[
     ("timeout_ns", 0, "Bound of every wait (%globaltimer ns)."),
     ("dst_rows", 0, "Ceiling kernel: [T, R] i32 final rows (-1: not sent)."),
     ("phase_times", 0, "0, or [grid][EP_PHASE_SLOTS] u64 %globaltimer stamps per block (measurement)."),
+    ("trace", 0, "Traced kernels (EP_TRACE): this rank's ep_trace_header, or 0 (record nothing)."),
 ];
 
 /// Kernel arguments of the low-latency kernels (`cuda/low_latency.cu`), passed by value.
@@ -138,7 +139,7 @@ pub(crate) const CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_FLAG_LL_RECV", 128, "Low-latency kernel: run the receive part."),
     ("EP_FLAG_SAME_GPU", 256, "Every peer is on this GPU: GPU-scope fences suffice."),
     ("EP_FLAG_LOGFMT", 512, "Low-latency combine: partials travel LogFMT-10 encoded (use_logfmt)."),
-    ("EP_FLAG_TEST_SKIP_FENCE", 2048, "Test only, traced kernels: the send part's blocks skip their fence before the completion counter (a planted missing fence)."),
+    ("EP_FLAG_TEST_SKIP_FENCE", 2048, "Test only, traced kernels: the send part's blocks skip their fence before the completion counter (low-latency), the second CTA of each cluster its fence before the cluster barrier (normal dispatch): a planted missing fence."),
     ("EP_FLAG_SHRINK", 1024, "Low-latency shrink mode: a source that never signals is masked (mask[src] = 1), not an error."),
     ("EP_ERR_TIMEOUT", 1, "A wait ran past timeout_ns."),
     ("EP_ERR_CAPACITY", 2, "Received rows exceed the arena (or num_worst_tokens)."),
@@ -183,8 +184,9 @@ pub(crate) const TRACE_CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_TRACE_PUT", 7, "Record kind: NVSHMEM put of len bytes from this rank's ll.data word3 to rank's ll.data offset."),
     ("EP_TRACE_PUT_SIGNAL", 8, "Record kind: the put of a put-with-signal (an EP_TRACE_SIGNAL record follows)."),
     ("EP_TRACE_SIGNAL", 9, "Record kind: the signal of the EP_TRACE_PUT_SIGNAL record before it."),
-    ("EP_TRACE_REGION_SIGNALS", 0, "Region: ll.signals."),
-    ("EP_TRACE_REGION_DATA", 1, "Region: ll.data."),
+    ("EP_TRACE_CLUSTER_BARRIER", 10, "Record kind: the block arrives at its cluster's barrier (normal mode: a cluster of CTAs is one agent); its later records follow the barrier."),
+    ("EP_TRACE_REGION_SIGNALS", 0, "Region: the signal words (ll.signals; normal.ctrl in normal mode)."),
+    ("EP_TRACE_REGION_DATA", 1, "Region: the data arena (ll.data; normal.data in normal mode)."),
     ("EP_TRACE_SCOPE_GPU", 0, "Fence scope: this GPU (__threadfence, fence.acq_rel.gpu)."),
     ("EP_TRACE_SCOPE_SYSTEM", 1, "Fence scope: system (__threadfence_system, nvshmem_fence)."),
     ("EP_TRACE_FLAG_LAST", 1, "Counter arrival aux bit: this block was the last arrival."),

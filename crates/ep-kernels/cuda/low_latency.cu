@@ -26,6 +26,7 @@
 #include "ep_protocol.cuh"
 #include "ep_device.cuh"
 #include "ep_logfmt.cuh"
+#include "ep_trace.cuh"
 
 #ifdef EP_LL_NVSHMEM
 #include <nvshmem.h>
@@ -59,20 +60,9 @@ __device__ __forceinline__ void stamp(const Args &a, uint32_t i) {
 // the host decodes them (gpu/trace.rs) and ep-sim's memory-model checker judges them. Offsets are
 // relative to the rank's ll.signals / ll.data base.
 #ifdef EP_TRACE
-__device__ void trace_rec(const Args &a, uint64_t kind, uint64_t aux, uint64_t region, uint64_t rank, uint64_t len,
-                          uint64_t off, uint64_t value) {
-    ep_trace_header *h = (ep_trace_header *)a.trace;
-    if (h == nullptr) return;
-    const unsigned long long i = atomicAdd((unsigned long long *)&h->next[blockIdx.x], 1ull);
-    if (i >= h->capacity) {
-        *(volatile uint64_t *)&h->overflow = 1;
-        return;
-    }
-    ep_trace_record *r = (ep_trace_record *)(h + 1) + (uint64_t)blockIdx.x * h->capacity + i;
-    r->word0 = kind | aux << 8 | region << 16 | (uint64_t)blockIdx.x << 32;
-    r->word1 = rank | len << 32;
-    r->word2 = off;
-    r->word3 = value;
+__device__ __forceinline__ void trace_rec(const Args &a, uint64_t kind, uint64_t aux, uint64_t region, uint64_t rank,
+                                          uint64_t len, uint64_t off, uint64_t value) {
+    ep_trace_rec(a.trace, kind, aux, region, rank, len, off, value);
 }
 #define TRACE_STORE(rank, off, len) trace_rec(a, EP_TRACE_STORE, 0, EP_TRACE_REGION_DATA, (rank), (len), (off), 0)
 #define TRACE_LOAD(rank, off, len) trace_rec(a, EP_TRACE_LOAD, 0, EP_TRACE_REGION_DATA, (rank), (len), (off), 0)
@@ -84,14 +74,8 @@ __device__ void trace_rec(const Args &a, uint64_t kind, uint64_t aux, uint64_t r
 // A put with signal: two records of one reservation (the put, then its signal).
 __device__ void trace_put_signal(const Args &a, uint64_t rank, uint64_t dst_off, uint64_t src_off, uint64_t len,
                                  uint64_t sig_off, uint64_t value) {
-    ep_trace_header *h = (ep_trace_header *)a.trace;
-    if (h == nullptr) return;
-    const unsigned long long i = atomicAdd((unsigned long long *)&h->next[blockIdx.x], 2ull);
-    if (i + 2 > h->capacity) {
-        *(volatile uint64_t *)&h->overflow = 1;
-        return;
-    }
-    ep_trace_record *r = (ep_trace_record *)(h + 1) + (uint64_t)blockIdx.x * h->capacity + i;
+    ep_trace_record *r = ep_trace_reserve(a.trace, 2);
+    if (r == nullptr) return;
     const uint64_t blk = (uint64_t)blockIdx.x << 32;
     r[0].word0 = EP_TRACE_PUT_SIGNAL | EP_TRACE_REGION_DATA << 16 | blk;
     r[0].word1 = rank | len << 32;

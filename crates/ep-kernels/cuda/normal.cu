@@ -15,6 +15,7 @@
 
 #include "ep_protocol.cuh"
 #include "ep_device.cuh"
+#include "ep_trace.cuh"
 
 #define NT EP_GPU_THREADS
 #define WARPS (EP_GPU_THREADS / 32)
@@ -35,6 +36,26 @@ __device__ __forceinline__ uint32_t lanemask_lt() {
     return m;
 }
 __device__ __forceinline__ int32_t ld_i32_cg(const void *p) { return __ldcg((const int32_t *)p); }
+
+// ---- protocol traces (EP_TRACE builds only; docs/protocol.md §3.13, ep_trace.cuh) ------------
+// Offsets are relative to the rank's normal.ctrl (signal words) / normal.data base, as
+// ctrl_word / data_at take them. The two CTAs of a cluster are one agent (§1.3): each records
+// EP_TRACE_CLUSTER_BARRIER where it arrives at the cluster barrier, and the host merges the two
+// blocks' records segment by segment (gpu/trace.rs). Only the arenas are traced (not the handle
+// tensors or the host-mapped mailbox).
+#ifdef EP_TRACE
+#define TRACED 1
+#define TREC(kind, aux, region, rank, len, off, v) ep_trace_rec(a.trace, (kind), (aux), (region), (rank), (len), (off), (v))
+#else
+#define TRACED 0
+#define TREC(kind, aux, region, rank, len, off, v) ((void)0)
+#endif
+#define TRACE_STORE(rank, off, len) TREC(EP_TRACE_STORE, 0, EP_TRACE_REGION_DATA, (rank), (len), (off), 0)
+#define TRACE_LOAD(rank, off, len) TREC(EP_TRACE_LOAD, 0, EP_TRACE_REGION_DATA, (rank), (len), (off), 0)
+#define TRACE_FENCE(scope) TREC(EP_TRACE_FENCE, (scope), 0, 0, 0, 0, 0)
+#define TRACE_RELEASE(rank, off, v) TREC(EP_TRACE_RELEASE, 0, EP_TRACE_REGION_SIGNALS, (rank), 8, (off), (v))
+#define TRACE_ACQUIRE(rank, off, v) TREC(EP_TRACE_ACQUIRE, 0, EP_TRACE_REGION_SIGNALS, (rank), 8, (off), (v))
+#define TRACE_CLUSTER() TREC(EP_TRACE_CLUSTER_BARRIER, 0, 0, 0, 0, 0, 0)
 
 // Measurement: thread 0 of each block stamps %globaltimer into slot `i` of its row when the
 // caller asked for phase times (a.phase_times != 0).
@@ -204,12 +225,26 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
         *(int32_t *)data_at(a, d, crec_me + ep_count_record_experts(R) + 4u * l) = per_expert[d * L + l];
     }
     __threadfence_system();
+    if (TRACED && tid == 0) {
+        // Before the barrier: the releases after it are recorded after these.
+        for (uint32_t d = 0; d < R; ++d) {
+            TRACE_STORE(d, crec_me, 4ull * R);
+            TRACE_STORE(d, crec_me + ep_count_record_cpm(R), 4ull * C);
+            TRACE_STORE(d, crec_me + ep_count_record_experts(R), 4ull * L);
+        }
+        TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
+    }
     __syncthreads();
-    if (tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_notify(R, p, me)), k);
+    if (tid < R) {
+        ep_st_release(ctrl_word(a, tid, ep_normal_notify(R, p, me)), k);
+        TRACE_RELEASE(tid, ep_normal_notify(R, p, me), k);
+    }
     if (tid < R) {
         uint64_t off = ep_normal_notify(R, p, tid);
         if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, me, off))
             s_ok = 0;
+        else
+            TRACE_ACQUIRE(me, off, k);
     }
     __syncthreads();
     if (!s_ok) return false;
@@ -218,6 +253,11 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
     __shared__ int32_t s_rpm[MAXR * MAXR];
     if (tid < R * R) s_rpm[tid] = ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, tid / R) + 4u * (tid % R)));
     __syncthreads();
+    if (TRACED && tid == 0)
+        for (uint32_t s = 0; s < R; ++s) {
+            TRACE_LOAD(me, ep_normal_count_record(R, p, s), 4ull * R);
+            if (C > 1) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_cpm(R), 4ull * (C - 1));
+        }
     if (tid < R) {
         int32_t run = 0;
         for (uint32_t s = 0; s < R; ++s) {
@@ -260,7 +300,16 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
     __threadfence();
     __syncthreads();
     if (!s_ok) return false;
-    if (tid == 0) ep_st_release(ctrl_word(a, me, ep_normal_table_ready(R, p)), k);
+    if (TRACED && tid == 0) {
+        TRACE_STORE(me, tab, 4ull * R);
+        TRACE_STORE(me, tab + ep_table_recv_begin(R), 4ull * (R + 1));
+        for (uint32_t s = 0; s < R; ++s) TRACE_STORE(me, tab + ep_table_recv_chan(R) + 4ull * s * EP_MAX_CHANNELS, 4ull * C);
+        TRACE_FENCE(EP_TRACE_SCOPE_GPU);
+    }
+    if (tid == 0) {
+        ep_st_release(ctrl_word(a, me, ep_normal_table_ready(R, p)), k);
+        TRACE_RELEASE(me, ep_normal_table_ready(R, p), k);
+    }
     // Off the senders' critical path: the expert list, then num_recv, to host-mapped memory.
     ep_mailbox *mb = (ep_mailbox *)a.mailbox;
     if (a.num_worst_tokens == 0) {
@@ -274,6 +323,8 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
         }
         __threadfence_system();
         __syncthreads();
+        if (TRACED && tid == 0)
+            for (uint32_t s = 0; s < R; ++s) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_experts(R), 4ull * L);
         if (tid == 0) {
             uint64_t num_recv = (uint64_t)s_rpm[(R - 1) * R + me];
             *(volatile uint64_t *)&mb->num_recv = (k << 32) | num_recv;
@@ -334,13 +385,20 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
             // Second-order word (its writer waits on every rank first): twice the bound.
             if (!ep_wait_eq(ctrl_word(a, me, off), k, err, 2 * a.timeout_ns, me, EP_KERNEL_DISPATCH, me, off))
                 s_ok = 0;
+            else
+                TRACE_ACQUIRE(me, off, k);
         }
     } else {
-        if (blockIdx.x == 0 && tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_ready(R, me)), k);
+        if (blockIdx.x == 0 && tid < R) {
+            ep_st_release(ctrl_word(a, tid, ep_normal_ready(R, me)), k);
+            TRACE_RELEASE(tid, ep_normal_ready(R, me), k);
+        }
         if (tid < R) {
             uint64_t off = ep_normal_ready(R, tid);
             if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off))
                 s_ok = 0;
+            else
+                TRACE_ACQUIRE(me, off, k);
         }
     }
     __syncthreads();
@@ -418,16 +476,32 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
                     *(float *)(rec[d] + w_off + 4u * lane) = local ? wt : 0.0f;
                 }
             }
+            if (TRACED) {
+                __syncwarp();
+                if (lane == 0)
+                    for (uint32_t d = 0; d < R; ++d)
+                        if (s_rows[i][d] >= 0)
+                            TRACE_STORE(d, ep_normal_dispatch_row(R, (uint64_t)s_rows[i][d], a.drec), a.drec);
+            }
         }
         __syncthreads();
     }
 
     // 3. done[me][c] on every d once both CTAs of the channel stored their rows.
     stamp(a, 2);
-    __threadfence_system();
+    // Traced kernels only: a planted missing fence in the second CTA (the checker must catch it).
+    const bool skip_fence = TRACED && h == 1 && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
+    if (!skip_fence) __threadfence_system();
     __syncthreads();
+    if (TRACED && tid == 0) {
+        if (!skip_fence) TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
+        TRACE_CLUSTER();
+    }
     ep_cluster_sync();
-    if (ok && h == 0 && tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_done(R, me, c)), k);
+    if (ok && h == 0 && tid < R) {
+        ep_st_release(ctrl_word(a, tid, ep_normal_done(R, me, c)), k);
+        TRACE_RELEASE(tid, ep_normal_done(R, me, c), k);
+    }
     stamp(a, 3);
 
     // 4. Receive channel c: wait done[s][c] of every source, then copy the rows' meta out.
@@ -437,6 +511,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         uint64_t off = ep_normal_done(R, tid, c);
         if (!ep_wait_eq(ctrl_word(a, me, off), k, err, 3 * a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off))
             s_ok = 0;
+        else
+            TRACE_ACQUIRE(me, off, k);
     }
     __syncthreads();
     if (!s_ok) return;
@@ -483,6 +559,14 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
                 }
             }
             if (out_src) out_src[j] = src;
+            if (TRACED) {
+                const uint64_t row = ep_normal_dispatch_row(R, (uint64_t)j, a.drec);
+                TRACE_LOAD(me, row + meta_off, 4);
+                if (topk && K > 0) {
+                    TRACE_LOAD(me, row + idx_off, 8ull * K);
+                    TRACE_LOAD(me, row + w_off, 4ull * K);
+                }
+            }
         }
     }
     // 5. Worst-token tail rows (num_recv <= row < num_worst_tokens): zero x and scales,
@@ -504,6 +588,10 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
                 *(float *)(rec + w_off + 4u * lane) = 0.0f;
                 out_idx[j * K + lane] = -1;
                 out_w[j * K + lane] = 0.0f;
+            }
+            if (TRACED) {
+                __syncwarp();
+                if (lane == 0) TRACE_STORE(me, ep_normal_dispatch_row(R, j, a.drec), a.drec);
             }
         }
     }
@@ -581,12 +669,17 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     __shared__ int32_t s_rowbase[MAXR];
     stamp(a, 0);
     if (tid == 0) s_ok = 1;
-    if (blockIdx.x == 0 && tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_y_ready(R, me)), k);
+    if (blockIdx.x == 0 && tid < R) {
+        ep_st_release(ctrl_word(a, tid, ep_normal_y_ready(R, me)), k);
+        TRACE_RELEASE(tid, ep_normal_y_ready(R, me), k);
+    }
     __syncthreads();
     if (tid < R) {
         uint64_t off = ep_normal_y_ready(R, tid);
         if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_COMBINE, tid, off))
             s_ok = 0;
+        else
+            TRACE_ACQUIRE(me, off, k);
         int32_t send_base = me == 0 ? 0 : rpm[(me - 1) * R + tid];
         int32_t chan_start = c == 0 ? 0 : cpm[tid * C + c - 1];
         s_rowbase[tid] = send_base + chan_start;
@@ -618,16 +711,34 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
             for (uint32_t i = 0; i < n; ++i) w += __ldcg((const float *)(src[i] + w_off + 4u * lane));
             ((float *)a.combined_weights)[(uint64_t)t * K + lane] = w;
         }
+        if (TRACED && lane == 0)
+            for (uint32_t d = 0; d < R; ++d) {
+                const int32_t sh = send_head[(uint64_t)t * R + d];
+                if (sh < 0) continue;
+                const uint64_t row = (uint64_t)(s_rowbase[d] + sh);
+                const uint64_t off = in_place ? ep_normal_dispatch_row(R, row, a.drec)
+                                              : ep_normal_combine_row(R, a.data_bytes, row, a.yrec);
+                TRACE_LOAD(d, off, 2 * H);
+                if (weights && K > 0) TRACE_LOAD(d, off + w_off, 4ull * K);
+            }
     }
     // pulled[me][c] on every d, then wait until every owner pulled from this rank.
     stamp(a, 2);
     __threadfence_system();
     __syncthreads();
+    if (TRACED && tid == 0) {
+        TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
+        TRACE_CLUSTER();
+    }
     ep_cluster_sync();
-    if (ok && h == 0 && tid < R) ep_st_release(ctrl_word(a, tid, ep_normal_pulled(R, me, c)), k);
+    if (ok && h == 0 && tid < R) {
+        ep_st_release(ctrl_word(a, tid, ep_normal_pulled(R, me, c)), k);
+        TRACE_RELEASE(tid, ep_normal_pulled(R, me, c), k);
+    }
     if (ok && h == 0 && tid < R) {
         uint64_t off = ep_normal_pulled(R, tid, c);
-        ep_wait_eq(ctrl_word(a, me, off), k, err, 2 * a.timeout_ns, me, EP_KERNEL_COMBINE, tid, off);
+        if (ep_wait_eq(ctrl_word(a, me, off), k, err, 2 * a.timeout_ns, me, EP_KERNEL_COMBINE, tid, off))
+            TRACE_ACQUIRE(me, off, k);
     }
     __syncthreads();
     stamp(a, 5);

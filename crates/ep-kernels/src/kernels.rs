@@ -33,6 +33,12 @@ pub(crate) fn normal_cubin() -> Result<&'static [u8]> {
     cubin("normal", built::NORMAL)
 }
 
+/// The normal-mode module compiled with `EP_TRACE` (its kernels record their protocol events),
+/// or why it was not built.
+pub(crate) fn normal_trace_cubin() -> Result<&'static [u8]> {
+    cubin("normal_trace", built::NORMAL_TRACE)
+}
+
 /// The low-latency module (`cuda/low_latency.cu`), or why it was not built.
 pub(crate) fn low_latency_cubin() -> Result<&'static [u8]> {
     cubin("low_latency", built::LOW_LATENCY)

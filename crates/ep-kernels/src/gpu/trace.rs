@@ -41,10 +41,11 @@
 use ep_core::transport::{AgentEvents, DeviceEvent, FenceScope, TraceRegion};
 
 use super::abi::{
-    EP_TRACE_ACQUIRE, EP_TRACE_COUNTER, EP_TRACE_FENCE, EP_TRACE_FLAG_LAST, EP_TRACE_LOAD,
-    EP_TRACE_MAGIC, EP_TRACE_MAX_BLOCKS, EP_TRACE_PUT, EP_TRACE_PUT_SIGNAL, EP_TRACE_RECORD_BYTES,
-    EP_TRACE_REGION_DATA, EP_TRACE_REGION_SIGNALS, EP_TRACE_RELEASE, EP_TRACE_SCOPE_GPU,
-    EP_TRACE_SCOPE_SYSTEM, EP_TRACE_SIGNAL, EP_TRACE_STORE, TraceHeader, TraceRecord,
+    EP_TRACE_ACQUIRE, EP_TRACE_CLUSTER_BARRIER, EP_TRACE_COUNTER, EP_TRACE_FENCE,
+    EP_TRACE_FLAG_LAST, EP_TRACE_LOAD, EP_TRACE_MAGIC, EP_TRACE_MAX_BLOCKS, EP_TRACE_PUT,
+    EP_TRACE_PUT_SIGNAL, EP_TRACE_RECORD_BYTES, EP_TRACE_REGION_DATA, EP_TRACE_REGION_SIGNALS,
+    EP_TRACE_RELEASE, EP_TRACE_SCOPE_GPU, EP_TRACE_SCOPE_SYSTEM, EP_TRACE_SIGNAL, EP_TRACE_STORE,
+    TraceHeader, TraceRecord,
 };
 use crate::{Error, Result};
 
@@ -78,6 +79,79 @@ fn word(bytes: &[u8], i: usize) -> u64 {
 /// how many were lost and the capacity needed), and [`Error::TraceMalformed`] when the bytes are
 /// not such a trace (magic, rank, sizes, a record of another block or of an unknown kind).
 pub fn decode(rank: usize, bytes: &[u8]) -> Result<Vec<AgentEvents>> {
+    decode_clusters(rank, bytes, 1)
+}
+
+/// [`decode`] for kernels whose agent is a cluster of `cluster` consecutive blocks (normal
+/// mode: 2 CTAs, docs/protocol.md §1.3): each cluster becomes one agent (`agent` = the cluster
+/// index) whose events are its blocks' events segment by segment — every block's events up to
+/// its first `EP_TRACE_CLUSTER_BARRIER` record in block order, then every block's next segment,
+/// and so on. The barrier orders each segment after all of the previous ones; within a segment
+/// the blocks' events are unordered on the GPU, and the merge's order between them is only right
+/// for stores and loads to distinct bytes (the same caveat as warps between block barriers), so
+/// a block must not wait in a segment for a later block of its cluster. Fails with
+/// [`Error::TraceMalformed`] when the blocks of a cluster crossed different numbers of barriers.
+pub fn decode_clusters(rank: usize, bytes: &[u8], cluster: usize) -> Result<Vec<AgentEvents>> {
+    let cluster = cluster.max(1);
+    let blocks = decode_blocks(rank, bytes)?;
+    let mut out: Vec<AgentEvents> = Vec::new();
+    let mut i = 0usize;
+    while i < blocks.len() {
+        let c = blocks[i].0 / cluster;
+        let mut members = Vec::new();
+        while i < blocks.len() && blocks[i].0 / cluster == c {
+            members.push(&blocks[i]);
+            i += 1;
+        }
+        // Segments of each member, split at its barriers.
+        let segs: Vec<Vec<&[Item]>> = members
+            .iter()
+            .map(|(_, items)| items.split(|it| matches!(it, Item::Barrier)).collect())
+            .collect();
+        let n = segs[0].len();
+        if cluster > 1 && segs.iter().any(|s| s.len() != n) {
+            let counts: Vec<String> = members
+                .iter()
+                .zip(&segs)
+                .map(|((b, _), s)| format!("block {b}: {}", s.len() - 1))
+                .collect();
+            return Err(Error::TraceMalformed {
+                rank,
+                detail: format!(
+                    "the blocks of cluster {c} crossed different numbers of cluster barriers ({})",
+                    counts.join(", ")
+                ),
+            });
+        }
+        let mut events = Vec::new();
+        for k in 0..segs.iter().map(Vec::len).max().unwrap_or(0) {
+            for s in &segs {
+                for it in s.get(k).copied().unwrap_or(&[]) {
+                    if let Item::Event(e) = it {
+                        events.push(*e);
+                    }
+                }
+            }
+        }
+        if !events.is_empty() {
+            out.push(AgentEvents {
+                rank,
+                agent: c,
+                events,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// A decoded record: an event, or a block's arrival at its cluster's barrier.
+enum Item {
+    Event(DeviceEvent),
+    Barrier,
+}
+
+/// Every recording block's items, in block order.
+fn decode_blocks(rank: usize, bytes: &[u8]) -> Result<Vec<(usize, Vec<Item>)>> {
     let bad = |detail: String| Error::TraceMalformed { rank, detail };
     if bytes.len() < HEADER_BYTES {
         return Err(bad(format!(
@@ -171,6 +245,11 @@ pub fn decode(rank: usize, bytes: &[u8]) -> Result<Vec<AgentEvents>> {
                 EP_TRACE_REGION_DATA => Ok(TraceRegion::Data),
                 x => Err(at(&format!("unknown region {x}"))),
             };
+            if kind == EP_TRACE_CLUSTER_BARRIER {
+                events.push(Item::Barrier);
+                i += 1;
+                continue;
+            }
             let e = match kind {
                 EP_TRACE_STORE => DeviceEvent::Store {
                     rank: target,
@@ -238,15 +317,11 @@ pub fn decode(rank: usize, bytes: &[u8]) -> Result<Vec<AgentEvents>> {
                 EP_TRACE_SIGNAL => return Err(at("a signal record without its put")),
                 x => return Err(at(&format!("unknown record kind {x}"))),
             };
-            events.push(e);
+            events.push(Item::Event(e));
             i += 1;
         }
         if !events.is_empty() {
-            out.push(AgentEvents {
-                rank,
-                agent: b,
-                events,
-            });
+            out.push((b, events));
         }
     }
     Ok(out)
@@ -360,24 +435,46 @@ pub fn records(block: usize, e: &DeviceEvent) -> Vec<[u64; 4]> {
 /// If an agent's block is not below `num_blocks` or `num_blocks > EP_TRACE_MAX_BLOCKS`.
 #[must_use]
 pub fn encode(rank: usize, num_blocks: usize, capacity: u64, agents: &[AgentEvents]) -> Vec<u8> {
+    let blocks: Vec<(usize, Vec<Vec<DeviceEvent>>)> = agents
+        .iter()
+        .map(|a| (a.agent, vec![a.events.clone()]))
+        .collect();
+    encode_segments(rank, num_blocks, capacity, &blocks)
+}
+
+/// [`encode`] with cluster barriers: block `b`'s events as segments, an
+/// `EP_TRACE_CLUSTER_BARRIER` record between consecutive ones (what [`decode_clusters`] reads).
+#[must_use]
+pub fn encode_segments(
+    rank: usize,
+    num_blocks: usize,
+    capacity: u64,
+    blocks: &[(usize, Vec<Vec<DeviceEvent>>)],
+) -> Vec<u8> {
     assert!(num_blocks as u64 <= EP_TRACE_MAX_BLOCKS, "too many blocks");
     let mut w = vec![0u64; trace_bytes(num_blocks, capacity) / 8];
     w[0] = EP_TRACE_MAGIC;
     w[1] = rank as u64;
     w[2] = capacity;
     w[3] = num_blocks as u64;
-    for a in agents {
-        assert!(a.agent < num_blocks, "block {} of {num_blocks}", a.agent);
-        for e in &a.events {
-            let recs = records(a.agent, e);
-            let i = w[NEXT_WORD + a.agent];
-            w[NEXT_WORD + a.agent] += recs.len() as u64;
+    for (b, segs) in blocks {
+        let b = *b;
+        assert!(b < num_blocks, "block {b} of {num_blocks}");
+        let barrier = [EP_TRACE_CLUSTER_BARRIER | (b as u64) << 32, 0, 0, 0];
+        // One reservation per event (a put with signal: its two records together).
+        let groups = segs.iter().enumerate().flat_map(|(k, seg)| {
+            let lead = (k > 0).then(|| vec![barrier]);
+            lead.into_iter().chain(seg.iter().map(|e| records(b, e)))
+        });
+        for recs in groups {
+            let i = w[NEXT_WORD + b];
+            w[NEXT_WORD + b] += recs.len() as u64;
             if i + recs.len() as u64 > capacity {
                 w[4] = 1;
                 continue;
             }
             for (k, r) in recs.iter().enumerate() {
-                let at = HEADER_BYTES / 8 + 4 * (a.agent * capacity as usize + i as usize + k);
+                let at = HEADER_BYTES / 8 + 4 * (b * capacity as usize + i as usize + k);
                 w[at..at + 4].copy_from_slice(r);
             }
         }
