@@ -13,7 +13,10 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Case, device_at, inputs_of, rank_inputs, run_cached, run_case, upload};
+use common::{
+    Case, device_at, inputs_of, rank_inputs, run_cached, run_cached_with, run_case, run_case_with,
+    upload,
+};
 use ep_core::workload::Routing;
 use ep_kernels::Error;
 use ep_kernels::gpu::{DevTensor, Device, GpuDispatchArgs, NormalGroup};
@@ -229,4 +232,104 @@ fn bad_inputs_are_typed_errors_and_leave_the_group_usable() {
         "{err}"
     );
     run_case(&mut g, &c);
+}
+
+/// Protocol traces (docs/protocol.md §3.13): every traced dispatch, cached dispatch and combine
+/// (from the rows and in place) of co-resident ranks passes ep-sim's memory-model checker under
+/// several schedules, with outputs still equal to the plan; a dispatch whose second CTAs skip
+/// their fence before the cluster barrier (the planted switch) is caught.
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn traces_pass_the_checker_and_a_planted_missing_fence_is_caught() {
+    use ep_sim::device_trace::{Arenas, CheckConfig, TraceError, check_with};
+    let dev = device();
+    let mut cases = Vec::new();
+    let mut c = Case::new(2, 120, 1024, 4, 16);
+    c.sms = 8;
+    c.biases = 1;
+    cases.push(c.clone());
+    c = Case::new(4, 90, 2048, 6, 32);
+    c.sms = 4;
+    c.fp8 = true;
+    c.worst = true;
+    c.seed = 77;
+    cases.push(c);
+    let judged = |g: &mut NormalGroup, ranks: usize, what: &str| {
+        let (signals_bytes, data_bytes) = g.trace_arena_bytes();
+        let events = g
+            .trace()
+            .unwrap_or_else(|e| panic!("decode the {what} trace: {e}"));
+        assert!(
+            events.len() >= ranks,
+            "{what}: {} agents recorded",
+            events.len()
+        );
+        let arenas = Arenas {
+            signals_bytes,
+            data_bytes,
+        };
+        for (seed, same_gpu) in [(0, true), (1, true), (2, false), (3, false)] {
+            check_with(ranks, arenas, &events, &CheckConfig { seed, same_gpu })
+                .unwrap_or_else(|e| panic!("{what} trace (seed {seed}, same GPU {same_gpu}): {e}"));
+        }
+        eprintln!(
+            "{what}: {} agents, {} events: pass",
+            events.len(),
+            events.iter().map(|a| a.events.len()).sum::<usize>()
+        );
+    };
+    for c in &cases {
+        let mut g = group(&dev, c);
+        g.set_trace(Some(1 << 14)).unwrap();
+        run_case_with(&mut g, c, &mut |g, what| judged(g, c.ranks, what));
+    }
+    let c = Case::new(2, 150, 2048, 8, 16);
+    let mut g = group(&dev, &c);
+    g.set_trace(Some(1 << 14)).unwrap();
+    run_cached_with(&mut g, &c, 2, &mut |g, what| judged(g, c.ranks, what));
+
+    // The planted missing fence: the checker must report an unpublished store or a race.
+    let mut c = Case::new(2, 120, 1024, 4, 16);
+    c.sms = 8;
+    let mut g = group(&dev, &c);
+    g.set_trace(Some(1 << 14)).unwrap();
+    g.plant_missing_fence_for_test(true).unwrap();
+    let mut caught = None;
+    run_case_with(&mut g, &c, &mut |g, what| {
+        if what != "dispatch" {
+            return;
+        }
+        let (signals_bytes, data_bytes) = g.trace_arena_bytes();
+        let events = g.trace().expect("decode the planted trace");
+        let arenas = Arenas {
+            signals_bytes,
+            data_bytes,
+        };
+        for seed in 0..4 {
+            if let Err(e) = check_with(
+                c.ranks,
+                arenas,
+                &events,
+                &CheckConfig {
+                    seed,
+                    same_gpu: true,
+                },
+            ) {
+                caught = Some(e);
+                break;
+            }
+        }
+    });
+    let e = caught.expect("the planted missing fence was not caught");
+    assert!(
+        matches!(&e, TraceError::Violation { .. }),
+        "expected a memory-model violation, got {e}"
+    );
+    eprintln!("planted missing fence caught: {e}");
+    assert!(g.plant_missing_fence_for_test(false).is_ok());
+    g.set_trace(None).unwrap();
+    assert!(
+        g.plant_missing_fence_for_test(true).is_err(),
+        "the switch needs the traced kernels"
+    );
 }

@@ -39,6 +39,8 @@ pub(crate) struct LlKernels {
 pub struct Device {
     ctx: Arc<CudaContext>,
     pub(crate) normal: NormalKernels,
+    /// The same kernels recording their protocol events (`EP_TRACE`).
+    pub(crate) normal_trace: NormalKernels,
     pub(crate) ll: LlKernels,
     /// The same kernels recording their protocol events (`EP_TRACE`).
     pub(crate) ll_trace: LlKernels,
@@ -72,17 +74,23 @@ impl Device {
                 kernels::low_latency_trace_cubin()?.to_vec(),
             ))
             .map_err(Error::cuda("cuModuleLoadData(low_latency_trace)"))?;
+        let normal_trace_module = ctx
+            .load_module(Ptx::from_binary(kernels::normal_trace_cubin()?.to_vec()))
+            .map_err(Error::cuda("cuModuleLoadData(normal_trace)"))?;
         let get_in = load_function_eager;
-        let get = |name: &'static str| get_in(&module, name);
-        let normal = NormalKernels {
-            layout: get("ep_normal_layout")?,
-            dispatch: get("ep_normal_dispatch")?,
-            combine: get("ep_normal_combine")?,
-            ceiling: get("ep_copy_ceiling")?,
-            ceiling_gather: get("ep_copy_ceiling_gather")?,
-            spin: get("ep_spin")?,
-            pingpong: get("ep_flag_pingpong")?,
+        let normal_of = |m: &Arc<CudaModule>| -> Result<NormalKernels> {
+            Ok(NormalKernels {
+                layout: get_in(m, "ep_normal_layout")?,
+                dispatch: get_in(m, "ep_normal_dispatch")?,
+                combine: get_in(m, "ep_normal_combine")?,
+                ceiling: get_in(m, "ep_copy_ceiling")?,
+                ceiling_gather: get_in(m, "ep_copy_ceiling_gather")?,
+                spin: get_in(m, "ep_spin")?,
+                pingpong: get_in(m, "ep_flag_pingpong")?,
+            })
         };
+        let normal = normal_of(&module)?;
+        let normal_trace = normal_of(&normal_trace_module)?;
         let ll_of = |m: &Arc<cudarc::driver::CudaModule>| -> Result<LlKernels> {
             Ok(LlKernels {
                 dispatch: get_in(m, "ep_ll_dispatch")?,
@@ -111,6 +119,7 @@ impl Device {
         Ok(Arc::new(Self {
             ctx,
             normal,
+            normal_trace,
             ll,
             ll_trace,
             num_sms,

@@ -47,6 +47,7 @@ use crate::error::{Error, Result};
 use crate::exchange::Exchange;
 
 mod graph;
+mod trace;
 pub use graph::{CallStreams, NormalGraph};
 
 /// u64 epoch words per rank: one per block of the largest dispatch or combine grid.
@@ -258,6 +259,19 @@ pub struct NormalGroup {
     capture: Option<graph::Capture>,
     /// Set while [`NormalGroup::with_streams`] runs the calls on the caller's streams.
     swapped: bool,
+    /// Protocol traces ([`NormalGroup::set_trace`]).
+    tracing: Option<trace::Tracing>,
+}
+
+/// The kernels of `cuda/normal.cu` a group launches (the traced build's for dispatch and
+/// combine while tracing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Layout,
+    Dispatch,
+    Combine,
+    Ceiling,
+    CeilingGather,
 }
 
 fn launch_cfg(blocks: u32) -> LaunchConfig {
@@ -423,6 +437,7 @@ impl NormalGroup {
             absent: None,
             gate: None,
             phase_times: None,
+            tracing: None,
             id: graph::next_group_id(),
             capture: None,
             swapped: false,
@@ -742,25 +757,32 @@ impl NormalGroup {
             .collect()
     }
 
-    fn launch(
-        &self,
-        rank: usize,
-        f: &cudarc::driver::CudaFunction,
-        blocks: u32,
-        args: &NormalArgs,
-    ) -> Result<()> {
+    fn launch(&self, rank: usize, kernel: Kernel, blocks: u32, args: &NormalArgs) -> Result<()> {
         if self.absent == Some(rank) {
             return Ok(());
         }
-        let mut measured;
-        let args = match &self.phase_times {
-            Some(bufs) if blocks as usize <= bufs[rank].rows() => {
-                measured = *args;
-                measured.phase_times = bufs[rank].ptr();
-                &measured
-            }
-            _ => args,
+        let protocol = matches!(kernel, Kernel::Dispatch | Kernel::Combine);
+        let set = match &self.tracing {
+            Some(_) if protocol => &self.dev.normal_trace,
+            _ => &self.dev.normal,
         };
+        let f = match kernel {
+            Kernel::Layout => &set.layout,
+            Kernel::Dispatch => &set.dispatch,
+            Kernel::Combine => &set.combine,
+            Kernel::Ceiling => &set.ceiling,
+            Kernel::CeilingGather => &set.ceiling_gather,
+        };
+        let mut a = *args;
+        if let Some(bufs) = &self.phase_times
+            && blocks as usize <= bufs[rank].rows()
+        {
+            a.phase_times = bufs[rank].ptr();
+        }
+        if protocol && let Some(t) = &self.tracing {
+            t.apply(rank, &mut a);
+        }
+        let args = &a;
         let mut b = self.ranks[rank].stream.launch_builder(f);
         b.arg(args);
         // SAFETY: the kernel takes one `ep_normal_args` by value (generated from the same table
@@ -818,7 +840,7 @@ impl NormalGroup {
             a.num_tokens_per_expert = per_expert.ptr();
             a.is_token_in_rank = in_rank.ptr();
             let blocks = (t.rows() as u32).div_ceil(THREADS).clamp(1, 132);
-            self.launch(s, &self.dev.normal.layout, blocks, &a)?;
+            self.launch(s, Kernel::Layout, blocks, &a)?;
             out.push(GpuLayout {
                 num_tokens_per_rank: per_rank,
                 num_tokens_per_expert: per_expert,
@@ -1012,6 +1034,7 @@ impl NormalGroup {
             });
         }
         let c = self.num_channels();
+        self.begin_traced(trace::TracedOp::Dispatch)?;
         self.call += 1;
         let k = fmt.num_topk;
         let mut handles = Vec::with_capacity(n);
@@ -1079,7 +1102,7 @@ impl NormalGroup {
             a.recv_src_idx = meta.0.ptr();
             a.recv_topk_idx = meta.1.ptr();
             a.recv_topk_weights = meta.2.ptr();
-            self.launch(s, &self.dev.normal.dispatch, 2 * c as u32, &a)?;
+            self.launch(s, Kernel::Dispatch, 2 * c as u32, &a)?;
         }
         self.last = Some(LastDispatch { fmt, num_topk: k });
         // The only host sync: num_recv and the expert list from each notify block.
@@ -1196,6 +1219,7 @@ impl NormalGroup {
                 });
             }
         }
+        self.begin_traced(trace::TracedOp::Dispatch)?;
         self.call += 1;
         let mut metas = Vec::with_capacity(n);
         for s in 0..n {
@@ -1229,7 +1253,7 @@ impl NormalGroup {
             a.channel_prefix_matrix = h.channel_prefix_matrix.ptr();
             a.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix.ptr();
             a.recv_src_idx = meta.0.ptr();
-            self.launch(s, &self.dev.normal.dispatch, 2 * c as u32, &a)?;
+            self.launch(s, Kernel::Dispatch, 2 * c as u32, &a)?;
         }
         self.last = Some(LastDispatch { fmt, num_topk: 0 });
         let mut out = Vec::with_capacity(n);
@@ -1380,6 +1404,7 @@ impl NormalGroup {
                 }
             }
         }
+        self.begin_traced(trace::TracedOp::Combine)?;
         self.call += 1;
         let fmt = RowFormat {
             hidden,
@@ -1428,7 +1453,7 @@ impl NormalGroup {
             g.combined_weights = w.as_ref().map_or(0, DevTensor::ptr);
             g.bias0 = a.bias[0].map_or(0, DevTensor::ptr);
             g.bias1 = a.bias[1].map_or(0, DevTensor::ptr);
-            self.launch(s, &self.dev.normal.combine, 2 * c as u32, &g)?;
+            self.launch(s, Kernel::Combine, 2 * c as u32, &g)?;
         }
         Ok(out)
     }
@@ -1468,7 +1493,7 @@ impl NormalGroup {
             a.drec = drec;
             a.x = x[s].ptr();
             a.dst_rows = dst_rows[s].ptr();
-            self.launch(s, &self.dev.normal.ceiling, blocks, &a)?;
+            self.launch(s, Kernel::Ceiling, blocks, &a)?;
         }
         Ok(())
     }
@@ -1517,7 +1542,7 @@ impl NormalGroup {
             a.drec = last.fmt.dispatch_record();
             a.dst_rows = src_rows[s].ptr();
             a.combined_x = out[s].ptr();
-            self.launch(s, &self.dev.normal.ceiling_gather, blocks, &a)?;
+            self.launch(s, Kernel::CeilingGather, blocks, &a)?;
         }
         Ok(())
     }

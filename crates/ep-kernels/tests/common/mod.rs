@@ -267,6 +267,16 @@ pub(crate) fn host_layouts(case: &Case, inputs: &[RankInputs]) -> Vec<DispatchLa
 /// plan bit for bit; returns the local ranks' digests (checked against the plan's, and the
 /// whole run's too when every rank is local).
 pub(crate) fn run_case(g: &mut NormalGroup, case: &Case) -> Vec<digest::Digest> {
+    run_case_with(g, case, &mut |_, _| {})
+}
+
+/// [`run_case`], calling `after(g, what)` once each operation's kernels finished (`what`:
+/// "dispatch", "combine from rows", "combine in place"), e.g. to read its protocol trace.
+pub(crate) fn run_case_with(
+    g: &mut NormalGroup,
+    case: &Case,
+    after: &mut dyn FnMut(&mut NormalGroup, &str),
+) -> Vec<digest::Digest> {
     let dev = g.device().clone();
     let local = g.local_ranks();
     let inputs = inputs_of(case);
@@ -295,6 +305,7 @@ pub(crate) fn run_case(g: &mut NormalGroup, case: &Case) -> Vec<digest::Digest> 
         )
         .unwrap();
     g.sync().unwrap();
+    after(g, "dispatch");
     let mut host: Vec<IntranodeDispatch> = out.iter().map(host_dispatch).collect();
     for (h, &d) in host.iter_mut().zip(&local) {
         let p = &plan[d];
@@ -360,6 +371,7 @@ pub(crate) fn run_case(g: &mut NormalGroup, case: &Case) -> Vec<digest::Digest> 
         .collect();
     let got = g.combine(CombineSource::Rows, &cargs).unwrap();
     g.sync().unwrap();
+    after(g, "combine from rows");
     let got_host = host_combined(&got);
     for (got, &s) in got_host.iter().zip(&local) {
         assert_bits_eq(
@@ -391,6 +403,7 @@ pub(crate) fn run_case(g: &mut NormalGroup, case: &Case) -> Vec<digest::Digest> 
         .unwrap();
         let got = g.combine(CombineSource::InPlace, &cargs).unwrap();
         g.sync().unwrap();
+        after(g, "combine in place");
         for (got, &s) in host_combined(&got).iter().zip(&local) {
             assert_bits_eq(
                 got,
@@ -420,6 +433,17 @@ pub(crate) fn run_case(g: &mut NormalGroup, case: &Case) -> Vec<digest::Digest> 
 /// [`run_case`] (the meta buffers change shape between calls, and no allocation may stall a rank
 /// whose peers' kernels already wait for it).
 pub(crate) fn run_cached(g: &mut NormalGroup, case: &Case, rounds: usize) {
+    run_cached_with(g, case, rounds, &mut |_, _| {});
+}
+
+/// [`run_cached`], calling `after(g, what)` once each operation's kernels finished (`what`:
+/// "dispatch", "cached dispatch", then [`run_case_with`]'s).
+pub(crate) fn run_cached_with(
+    g: &mut NormalGroup,
+    case: &Case,
+    rounds: usize,
+    after: &mut dyn FnMut(&mut NormalGroup, &str),
+) {
     assert!(!case.fp8 && !case.worst, "cached rounds use BF16 rows");
     let dev = g.device().clone();
     let local = g.local_ranks();
@@ -440,6 +464,7 @@ pub(crate) fn run_cached(g: &mut NormalGroup, case: &Case, rounds: usize) {
         )
         .unwrap();
     g.sync().unwrap();
+    after(g, "dispatch");
     for (o, &d) in first.iter().zip(&local) {
         assert_eq!(
             host_dispatch(o).handle,
@@ -475,6 +500,7 @@ pub(crate) fn run_cached(g: &mut NormalGroup, case: &Case, rounds: usize) {
         let hs: Vec<_> = first.iter().map(|o| &o.handle).collect();
         let out = g.dispatch_cached(&ins, &hs).unwrap();
         g.sync().unwrap();
+        after(g, "cached dispatch");
         for (o, &d) in out.iter().zip(&local) {
             let want = intranode_dispatch_cached(&xrefs, &handles_host, d).unwrap();
             let got = Activations::Bf16(o.recv_x.download().unwrap());
@@ -485,7 +511,7 @@ pub(crate) fn run_cached(g: &mut NormalGroup, case: &Case, rounds: usize) {
             );
         }
     }
-    run_case(g, case);
+    run_case_with(g, case, after);
 }
 
 pub(crate) use ep_core::numerics::calc_diff;

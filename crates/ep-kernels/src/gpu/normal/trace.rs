@@ -1,0 +1,154 @@
+//! Protocol traces of normal mode (docs/protocol.md §3.13; [`NormalGroup::set_trace`]): the
+//! traced build of `cuda/normal.cu` records each block's arena events, the two CTAs of a cluster
+//! merged into the one agent they are (`gpu::trace::decode_clusters`), for ep-sim's
+//! memory-model checker.
+
+use ep_core::transport::device_trace::AgentEvents;
+use ep_core::transport::{DeviceEvent, FenceScope, TraceRegion};
+
+use super::NormalGroup;
+use crate::error::{Error, Result};
+use crate::gpu::abi::{self, NormalArgs};
+use crate::gpu::mem::DevBuf;
+
+/// CTAs per agent (the kernels' `__cluster_dims__`).
+const CLUSTER: usize = 2;
+
+/// Which operation the last traced launch was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum TracedOp {
+    Dispatch,
+    Combine,
+}
+
+/// The traced kernels' recording: one trace buffer per local rank.
+#[derive(Debug)]
+pub(super) struct Tracing {
+    capacity: u64,
+    bufs: Vec<DevBuf>,
+    plant_missing_fence: bool,
+    last: Option<TracedOp>,
+}
+
+impl Tracing {
+    /// Points local rank `rank`'s launch at its trace (and the planted fence, when set).
+    pub(super) fn apply(&self, rank: usize, a: &mut NormalArgs) {
+        a.trace = self.bufs[rank].ptr();
+        if self.plant_missing_fence {
+            a.flags |= abi::EP_FLAG_TEST_SKIP_FENCE;
+        }
+    }
+}
+
+impl NormalGroup {
+    /// Protocol traces (docs/protocol.md §3.13): with `Some(capacity)` every following dispatch,
+    /// cached dispatch and combine runs the traced kernels (`EP_TRACE`), each block of each local
+    /// rank recording up to `capacity` events (its arena stores and loads, fences, releases,
+    /// acquires, cluster barriers); [`NormalGroup::trace`] returns the last operation's, for
+    /// ep-sim's memory-model checker (`ep_sim::device_trace`). `None` turns it off. For debugging
+    /// and tests: each traced operation waits for the previous one. Only the arenas are traced
+    /// (not the handle tensors, the host-mapped mailbox or the layout kernel).
+    pub fn set_trace(&mut self, capacity: Option<u64>) -> Result<()> {
+        self.not_capturing("set_trace")?;
+        self.sync_streams()?;
+        let Some(capacity) = capacity else {
+            self.tracing = None;
+            return Ok(());
+        };
+        let capacity = capacity.max(1);
+        let blocks = 2 * self.num_channels();
+        let bytes = crate::gpu::trace::trace_bytes(blocks, capacity);
+        let bufs = self
+            .ranks
+            .iter()
+            .map(|_| DevBuf::zeroed(self.dev.context(), bytes))
+            .collect::<Result<_>>()?;
+        self.tracing = Some(Tracing {
+            capacity,
+            bufs,
+            plant_missing_fence: false,
+            last: None,
+        });
+        Ok(())
+    }
+
+    /// Test switch of the traced kernels (docs/protocol.md §6): the second CTA of every dispatch
+    /// cluster skips its fence before the cluster barrier — a planted missing fence the trace
+    /// checker must report. [`Error::Unsupported`] unless tracing is on.
+    #[doc(hidden)]
+    pub fn plant_missing_fence_for_test(&mut self, on: bool) -> Result<()> {
+        match &mut self.tracing {
+            Some(t) => {
+                t.plant_missing_fence = on;
+                Ok(())
+            }
+            None => Err(Error::Unsupported(
+                "the planted missing fence exists only in the traced kernels: set_trace first"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Bytes of one rank's `normal.ctrl` (the traces' signal region) and `normal.data` (their
+    /// data region): the arenas the checker replays on.
+    #[must_use]
+    pub fn trace_arena_bytes(&self) -> (u64, u64) {
+        (self.ranks[0].ctrl.len() as u64, self.data_bytes)
+    }
+
+    /// The protocol events the last traced operation recorded, one agent per cluster of every
+    /// local rank (after waiting for it). A combine's trace starts, in each rank's first agent,
+    /// with a store of the rank's whole `normal.data` and a system fence: what its stream wrote
+    /// there before the launch (the expert outputs, the dispatch's records), which that agent's
+    /// `y_ready` release publishes to the peers. [`Error::TraceOverflow`] when a block had more
+    /// events than the capacity.
+    pub fn trace(&mut self) -> Result<Vec<AgentEvents>> {
+        self.not_capturing("trace")?;
+        self.sync_streams()?;
+        let Some(t) = &self.tracing else {
+            return Err(Error::Unsupported("no trace: set_trace first".into()));
+        };
+        let mut all = Vec::new();
+        for (k, b) in self.ranks.iter().zip(&t.bufs) {
+            let mut bytes = vec![0u8; b.len()];
+            b.read(0, &mut bytes)?;
+            let mut agents = crate::gpu::trace::decode_clusters(k.world_rank, &bytes, CLUSTER)?;
+            if t.last == Some(TracedOp::Combine)
+                && let Some(first) = agents.iter_mut().find(|a| a.agent == 0)
+            {
+                let before = [
+                    DeviceEvent::Store {
+                        rank: k.world_rank,
+                        region: TraceRegion::Data,
+                        offset: 0,
+                        len: self.data_bytes,
+                    },
+                    DeviceEvent::Fence {
+                        scope: FenceScope::System,
+                    },
+                ];
+                first.events.splice(0..0, before);
+            }
+            all.extend(agents);
+        }
+        Ok(all)
+    }
+
+    /// Before a traced operation: the streams idle, empty trace headers.
+    pub(super) fn begin_traced(&mut self, op: TracedOp) -> Result<()> {
+        if self.tracing.is_none() {
+            return Ok(());
+        }
+        self.not_capturing("a traced operation")?;
+        self.sync_streams()?;
+        let blocks = 2 * self.num_channels();
+        if let Some(t) = &mut self.tracing {
+            for (k, b) in self.ranks.iter().zip(&t.bufs) {
+                let empty = crate::gpu::trace::encode(k.world_rank, blocks, t.capacity, &[]);
+                b.write(0, &empty[..crate::gpu::trace::trace_bytes(0, 0)])?;
+            }
+            t.last = Some(op);
+        }
+        Ok(())
+    }
+}
