@@ -11,8 +11,14 @@
 //! - [`setup`] (`ep-setup`): the logic of `ep doctor` (machine checks over a sysroot);
 //! - [`sim`] (`ep-sim`): the simulator backend — `Sim` (deterministic, checks every ordering
 //!   rule, injects faults) and `ThreadSim` (real threads, for throughput);
-//! - [`kernels`] (`ep-kernels`): the GPU side — NVSHMEM bring-up, CUDA topology, the
-//!   `__host__ __device__` protocol header.
+//! - [`kernels`] (`ep-kernels`): the GPU side — the data path (`gpu::NormalGroup`,
+//!   `gpu::LlGroup`: co-resident ranks of one GPU, one rank per process over CUDA IPC or NVSHMEM),
+//!   device tensors (`gpu::DevTensor`), NVSHMEM bring-up and run-time device linking, CUDA
+//!   topology, the `__host__ __device__` protocol header;
+//! - [`prelude`]: what a user needs, from one place (`use ep_rs::prelude::*`).
+//!
+//! The simulator's [`core::Buffer`] and the GPU groups are still two APIs; their merging into
+//! one `Buffer` over every backend is planned in `docs/buffer-api.md`.
 //!
 //! ## Quick start (on the simulator)
 //!
@@ -66,6 +72,57 @@
 //! # }
 //! ```
 //!
+//! ## Quick start (on a GPU: co-resident ranks of GPU 0)
+//!
+//! ```no_run
+//! use ep_rs::prelude::*;
+//! use ep_rs::kernels::gpu::{CombineSource, GpuCombineArgs, GpuDispatchArgs, GpuRankInputs};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let (ranks, tokens, hidden, topk, experts) = (2, 4096, 7168, 8, 256);
+//! let inputs = WorkloadSpec::new(ranks, tokens, hidden, topk, experts, 7).generate()?;
+//! let dev = Device::open(0)?;
+//! // Two ranks on one GPU, 24 SMs each, arenas sized by the size hint.
+//! let arena = Buffer::<Sim>::normal_size_hint(ranks, ranks * tokens, hidden, 2, topk);
+//! let mut g = NormalGroup::new(dev.clone(), ranks, 24, arena)?;
+//! let up = |x: &Activations| match x {
+//!     Activations::Bf16(t) => DevTensor::upload(dev.context(), t),
+//!     Activations::Fp8 { .. } => unreachable!("BF16 workload"),
+//! };
+//! let xs = inputs.iter().map(|i| up(&i.x)).collect::<Result<Vec<_>, _>>()?;
+//! let idx = inputs
+//!     .iter()
+//!     .map(|i| DevTensor::upload(dev.context(), &i.topk_idx))
+//!     .collect::<Result<Vec<_>, _>>()?;
+//! let w = inputs
+//!     .iter()
+//!     .map(|i| DevTensor::upload(dev.context(), &i.topk_weights))
+//!     .collect::<Result<Vec<_>, _>>()?;
+//! let layouts = g.layout(&idx.iter().collect::<Vec<_>>(), experts)?;
+//! let rank_inputs: Vec<_> = (0..ranks)
+//!     .map(|r| GpuRankInputs {
+//!         x: &xs[r],
+//!         x_scales: None,
+//!         topk_idx: Some(&idx[r]),
+//!         topk_weights: Some(&w[r]),
+//!     })
+//!     .collect();
+//! let received = g.dispatch(&rank_inputs, &layouts, experts, &GpuDispatchArgs::default())?;
+//! // ... the experts write their outputs over `received[r].recv_x` (views into the arena) ...
+//! let args: Vec<_> = received
+//!     .iter()
+//!     .map(|d| GpuCombineArgs { handle: &d.handle, with_weights: true, bias: [None, None] })
+//!     .collect();
+//! let combined = g.combine(CombineSource::InPlace, &args)?;
+//! g.sync()?; // a device timeout or bad expert id surfaces here as a typed error
+//! let _x0: Tensor2<half::bf16> = combined[0].combined_x.download()?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Low-latency mode is `gpu::LlGroup` (variant (a) by pointer, or `LlGroup::with_nvshmem`:
+//! every peer through NVSHMEM's device API); `ep bench --backend gpu` drives both.
+//!
 //! From the command line: `ep bench` (dispatch + combine on the simulator, verified against the
 //! oracle, DeepEP-comparable figures), `ep layout` (plan versus oracle), `ep doctor` (is IBGDA
 //! usable on this machine, and the exact fix when it is not).
@@ -105,3 +162,21 @@ pub use ep_core as core;
 pub use ep_kernels as kernels;
 pub use ep_setup as setup;
 pub use ep_sim as sim;
+
+/// What a user of ep-rs needs, from one place: the `Buffer` and its configuration, the inputs and
+/// outputs of every call, the simulator, and the GPU data path with its device tensors.
+pub mod prelude {
+    pub use ep_core::buffer::{LlCombineHook, LlDispatchHook, LlDispatched, NormalDispatchArgs};
+    pub use ep_core::config::{BufferConfig, Config};
+    pub use ep_core::plan::combine::{CombineArgs, CombineOutput};
+    pub use ep_core::plan::intranode::{IntranodeDispatch, IntranodeHandle};
+    pub use ep_core::plan::layout::DispatchLayout;
+    pub use ep_core::plan::low_latency::LlHandle;
+    pub use ep_core::transport::FabricParams;
+    pub use ep_core::workload::WorkloadSpec;
+    pub use ep_core::{Activations, Buffer, ExpertIdx, RankInputs, Tensor2, Tensor3};
+    pub use ep_kernels::gpu::{
+        DType, DevTensor, Device, LlConfig, LlGroup, LlVariant, NormalGroup,
+    };
+    pub use ep_sim::{Sim, SimConfig, ThreadSim};
+}
