@@ -28,11 +28,13 @@
 //! [`Buffer::reset`]. In low-latency shrink mode a silent or failed peer is masked instead and the
 //! call returns the plan's result with that rank masked ([`Buffer::query_mask`] reports it).
 //!
-//! Files: this one holds the struct, its constructor and accessors; `normal` the normal-mode
+//! Files: this one holds the struct, its constructor and accessors; `check` the shape-level
+//! checks every backend runs (the GPU groups too); `normal` the normal-mode
 //! calls; `in_place` the normal calls whose rows stay in the arena; `low_latency` the
 //! low-latency calls and hooks; `mask` the shrink-mode mask and how a
 //! failed peer gets masked; `fault` poisoning and reset.
 
+pub mod check;
 mod fault;
 mod in_place;
 mod low_latency;

@@ -15,7 +15,7 @@ use crate::plan::intranode::{
     check_same_activation_kind, handle_mismatch,
 };
 use crate::plan::layout::{DispatchLayout, get_dispatch_layout_for_rank};
-use crate::protocol::layout::{MAX_CHANNELS, MAX_LOCAL_EXPERTS, RowFormat};
+use crate::protocol::layout::{MAX_CHANNELS, RowFormat};
 use crate::protocol::normal::{self, NormalArena, take_slot};
 use crate::routing::{Activations, ExpertIdx, RankInputs};
 use crate::tensor::Tensor2;
@@ -149,23 +149,10 @@ impl<T: Transport> Buffer<T> {
                 found: inputs.len(),
             });
         }
+        // The data-level checks (routing in range, layouts equal to it), then the shape-level
+        // ones every backend runs (`check`).
         let shape = check_dispatch(inputs, layouts, num_experts, &opts)?;
-        if opts.num_channels > MAX_CHANNELS {
-            return Err(Error::ProtocolLimit {
-                what: "channels (num_sms / 2)",
-                value: opts.num_channels,
-                max: MAX_CHANNELS,
-                fix: "use at most 128 SMs for normal mode",
-            });
-        }
-        if shape.num_local_experts > MAX_LOCAL_EXPERTS {
-            return Err(Error::ProtocolLimit {
-                what: "local experts",
-                value: shape.num_local_experts,
-                max: MAX_LOCAL_EXPERTS,
-                fix: "use more ranks or fewer experts",
-            });
-        }
+        super::check::normal_dispatch(self.num_ranks(), num_experts, &opts)?;
         let r = self.num_ranks();
         let mut fmt = rows_of(&inputs[0].x);
         fmt.num_topk = shape.num_topk;

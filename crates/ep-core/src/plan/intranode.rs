@@ -151,7 +151,7 @@ pub(crate) fn check_dispatch(
         });
     }
     let num_local_experts = local_experts(num_experts, num_ranks)?;
-    check_options(opts)?;
+    check_dispatch_options(opts)?;
     let first = &inputs[0];
     for (s, inp) in inputs.iter().enumerate() {
         validate_inputs(inp, num_experts, s)?;
@@ -173,7 +173,9 @@ pub(crate) fn check_dispatch(
     })
 }
 
-fn check_options(opts: &DispatchOptions) -> Result<()> {
+/// The options of a dispatch (spec §1.8): at least one channel, alignment >= 1, worst-token
+/// sizing only with top-k.
+pub fn check_dispatch_options(opts: &DispatchOptions) -> Result<()> {
     if opts.num_channels == 0 {
         return Err(Error::InvalidConfig {
             field: "num_channels",

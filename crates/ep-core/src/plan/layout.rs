@@ -57,9 +57,17 @@ pub(crate) fn check_num_ranks(num_ranks: usize) -> Result<()> {
     Ok(())
 }
 
-/// Checks `E % R == 0` (every rank holds `L = E / R` experts) and returns `L`.
-pub(crate) fn local_experts(num_experts: usize, num_ranks: usize) -> Result<usize> {
+/// Checks `E >= 1` and `E % R == 0` (every rank holds `L = E / R` experts) and returns `L`: the
+/// rule every backend applies before routing (the GPU's layout and dispatch call it too).
+pub fn local_experts(num_experts: usize, num_ranks: usize) -> Result<usize> {
     check_num_ranks(num_ranks)?;
+    if num_experts == 0 {
+        return Err(Error::InvalidConfig {
+            field: "num_experts",
+            value: "0".into(),
+            fix: "use at least one expert (a multiple of the rank count)".into(),
+        });
+    }
     if !num_experts.is_multiple_of(num_ranks) {
         return Err(Error::ExpertsNotDivisible {
             num_experts,

@@ -35,6 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use ep_core::plan::intranode::DispatchOptions;
 use ep_core::protocol::layout::{NormalCtrl, NormalData, REGION_ALIGN, RowFormat, align128};
 
 use super::abi::{self, ErrBlock, Mailbox, NormalArgs};
@@ -805,11 +806,7 @@ impl NormalGroup {
         self.check_ready()?;
         let r = self.num_ranks();
         check_rank_count(self.num_local_ranks(), topk_idx.len())?;
-        if num_experts == 0 || !num_experts.is_multiple_of(r) {
-            return Err(Error::Unsupported(format!(
-                "{num_experts} experts over {r} ranks: the experts must divide evenly (and be at least 1)"
-            )));
-        }
+        ep_core::plan::layout::local_experts(num_experts, r)?;
         let mut out = Vec::with_capacity(topk_idx.len());
         for (s, t) in topk_idx.iter().enumerate() {
             let w = self.who(s);
@@ -973,34 +970,23 @@ impl NormalGroup {
         let n = self.num_local_ranks();
         check_rank_count(n, inputs.len())?;
         check_rank_count(n, layouts.len())?;
-        if num_experts == 0 || !num_experts.is_multiple_of(r) {
-            return Err(Error::Unsupported(format!(
-                "{num_experts} experts over {r} ranks: the experts must divide evenly"
-            )));
-        }
-        let l = num_experts / r;
-        if l > ep_core::protocol::layout::MAX_LOCAL_EXPERTS {
-            return Err(Error::Unsupported(format!(
-                "{l} local experts: at most {} (use more ranks or fewer experts)",
-                ep_core::protocol::layout::MAX_LOCAL_EXPERTS
-            )));
-        }
-        if args.expert_alignment == 0 {
-            return Err(Error::Unsupported(
-                "expert_alignment 0: use 1 for no alignment".into(),
-            ));
-        }
+        let with_topk = inputs.first().is_some_and(|i| i.topk_idx.is_some());
+        // The shape-level rules every backend applies (ep-core's, the simulator's Buffer's).
+        let l = ep_core::buffer::check::normal_dispatch(
+            r,
+            num_experts,
+            &DispatchOptions {
+                num_channels: self.num_channels(),
+                expert_alignment: args.expert_alignment,
+                num_worst_tokens: args.num_worst_tokens,
+                with_topk,
+            },
+        )?;
         if self.capture.is_some() && args.num_worst_tokens == 0 {
             return Err(Error::NotCapturable {
                 what: "a dispatch without num_worst_tokens".into(),
                 fix: "the host waits for num_recv mid-call; capture worst-token dispatches (num_worst_tokens > 0) only".into(),
             });
-        }
-        let with_topk = inputs[0].topk_idx.is_some();
-        if args.num_worst_tokens > 0 && !with_topk {
-            return Err(Error::Unsupported(
-                "num_worst_tokens needs topk_idx (spec §1.8): pass top-k or use 0".into(),
-            ));
         }
         let (fmt, tokens) = self.check_inputs(inputs, with_topk)?;
         for (i, lay) in layouts.iter().enumerate() {
