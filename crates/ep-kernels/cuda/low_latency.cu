@@ -808,6 +808,9 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
                         if (j < n) ((uint32_t *)a.recv_scales)[((uint64_t)el[j] * S4 + k) * rows + er[j]] = word;
                 }
             }
+            if (TRACED && lane == 0)
+                TRACE_LOAD(a.rank, ep_ll_half_base(ly, a.half) + ep_ll_drecv_row(ly, s, i) + ep_ll_fp8_scales_offset(ly),
+                           4ull * S);
         }
     }
     stamp(a, 6);
