@@ -211,16 +211,13 @@ __device__ __forceinline__ uint64_t load_signal(const Args &a, const uint64_t *w
     (void)a;
     return nvshmem_signal_fetch((uint64_t *)word);
 #else
-    return (a.flags & EP_FLAG_SAME_GPU) ? ep_ld_acquire_gpu(word) : ep_ld_acquire(word);
+    return ep_ld_acquire_at((a.flags & EP_FLAG_SAME_GPU) != 0, word);
 #endif
 }
 
 // Variant (a): a signal's release store, at the scope load_signal acquires it.
 __device__ __forceinline__ void release_signal(const Args &a, uint64_t *word, uint64_t v) {
-    if (a.flags & EP_FLAG_SAME_GPU)
-        ep_st_release_gpu(word, v);
-    else
-        ep_st_release(word, v);
+    ep_st_release_at((a.flags & EP_FLAG_SAME_GPU) != 0, word, v);
 }
 
 // After load_signal saw the awaited value: orders the reads of what the signal covers after it.

@@ -813,30 +813,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling_gather(const
 // starting). Role 0 writes the %globaltimer ns of the timed rounds to combined_x[0], or ~0 when
 // a wait ran past `timeout_ns` (then both roles return: bounded). System scope (the protocol's
 // signals, ep_device.cuh), or GPU scope when `flags` has EP_FLAG_SAME_GPU.
-__device__ __forceinline__ void pp_release(uint64_t *p, uint64_t v, bool gpu) {
-    if (gpu)
-        ep_st_release_gpu(p, v);
-    else
-        ep_st_release(p, v);
-}
-__device__ __forceinline__ uint64_t pp_acquire(const uint64_t *p, bool gpu) {
-    return gpu ? ep_ld_acquire_gpu(p) : ep_ld_acquire(p);
-}
 extern "C" __global__ void ep_flag_pingpong(const Args a) {
     uint64_t *words = (uint64_t *)a.dst_rows;
     uint64_t *mine = words + (a.rank == 0 ? 0 : 16), *theirs = words + (a.rank == 0 ? 16 : 0);
     const bool gpu = (a.flags & EP_FLAG_SAME_GPU) != 0;
     uint64_t start = 0;
     for (uint64_t i = 1; i <= a.num_tokens; ++i) {
-        if (a.rank == 0) pp_release(mine, i, gpu);
+        if (a.rank == 0) ep_st_release_at(gpu, mine, i);
         const uint64_t t0 = ep_now_ns();
-        for (uint32_t polls = 1; pp_acquire(theirs, gpu) < i; ++polls) {
+        for (uint32_t polls = 1; ep_ld_acquire_at(gpu, theirs) < i; ++polls) {
             if ((polls & 255u) == 0u && ep_now_ns() - t0 > a.timeout_ns) {
                 if (a.rank == 0) *(volatile uint64_t *)a.combined_x = ~0ull;
                 return;
             }
         }
-        if (a.rank != 0) pp_release(mine, i, gpu);
+        if (a.rank != 0) ep_st_release_at(gpu, mine, i);
         if (i == 1) start = ep_now_ns();
     }
     if (a.rank == 0) *(volatile uint64_t *)a.combined_x = ep_now_ns() - start;
