@@ -34,6 +34,7 @@ use super::device::{Device, LlKernels};
 use super::gate::{Gate, elapsed, record_ends};
 use super::mem::DevBuf;
 use super::tensor::{DType, DevTensor};
+use super::trace::{TraceBufs, not_tracing};
 use crate::error::{Error, Result};
 use crate::nvshmem::NvshmemSession;
 use crate::nvshmem::device_link::{LinkedLl, link_ll_module};
@@ -287,7 +288,7 @@ pub struct LlGroup {
     /// Shrink mode ([`LlGroup::set_shrink`]).
     shrink: bool,
     /// Protocol traces ([`LlGroup::set_trace`]).
-    tracing: Option<Tracing>,
+    tracing: Option<TraceBufs>,
     gate: Option<Gate>,
     smem_limit: usize,
     /// Per rank: where the kernels stamp their phase times, when measuring.
@@ -296,14 +297,6 @@ pub struct LlGroup {
     id: u64,
     /// The capture recording, if any ([`LlGroup::capture`]).
     capture: Option<graph::LlCapture>,
-}
-
-/// The traced kernels' recording (docs/protocol.md §3.13): one trace buffer per local rank.
-#[derive(Debug)]
-struct Tracing {
-    capacity: u64,
-    bufs: Vec<DevBuf>,
-    plant_missing_fence: bool,
 }
 
 /// Where each shared-memory array of a kernel starts, and the bytes needed.
@@ -914,17 +907,12 @@ impl LlGroup {
             };
             n.traced = Some((linked, kernels));
         }
-        let bytes = super::trace::trace_bytes(self.cfg.num_sms, capacity.max(1));
-        let bufs = self
-            .ranks
-            .iter()
-            .map(|_| DevBuf::zeroed(self.dev.context(), bytes))
-            .collect::<Result<_>>()?;
-        self.tracing = Some(Tracing {
-            capacity: capacity.max(1),
-            bufs,
-            plant_missing_fence: false,
-        });
+        self.tracing = Some(TraceBufs::new(
+            self.dev.context(),
+            self.ranks.len(),
+            self.cfg.num_sms,
+            capacity,
+        )?);
         Ok(())
     }
 
@@ -933,16 +921,11 @@ impl LlGroup {
     /// must report. [`Error::Unsupported`] unless tracing is on.
     #[doc(hidden)]
     pub fn plant_missing_fence_for_test(&mut self, on: bool) -> Result<()> {
-        match &mut self.tracing {
-            Some(t) => {
-                t.plant_missing_fence = on;
-                Ok(())
-            }
-            None => Err(Error::Unsupported(
-                "the planted missing fence exists only in the traced kernels: set_trace first"
-                    .into(),
-            )),
-        }
+        let t = self.tracing.as_mut().ok_or_else(|| {
+            not_tracing("the planted missing fence exists only in the traced kernels")
+        })?;
+        t.plant(on);
+        Ok(())
     }
 
     /// The protocol events the last traced operation recorded, every local rank's blocks (after
@@ -950,14 +933,13 @@ impl LlGroup {
     pub fn trace(&mut self) -> Result<Vec<ep_core::transport::device_trace::AgentEvents>> {
         self.not_capturing("trace")?;
         self.sync_streams()?;
-        let Some(t) = &self.tracing else {
-            return Err(Error::Unsupported("no trace: set_trace first".into()));
-        };
+        let t = self
+            .tracing
+            .as_ref()
+            .ok_or_else(|| not_tracing("no trace"))?;
         let mut all = Vec::new();
-        for (k, b) in self.ranks.iter().zip(&t.bufs) {
-            let mut bytes = vec![0u8; b.len()];
-            b.read(0, &mut bytes)?;
-            all.extend(super::trace::decode(k.rank, &bytes)?);
+        for (i, k) in self.ranks.iter().enumerate() {
+            all.extend(super::trace::decode(k.rank, &t.read(i)?)?);
         }
         Ok(all)
     }
@@ -966,10 +948,7 @@ impl LlGroup {
     fn reset_traces(&mut self) -> Result<()> {
         self.sync_streams()?;
         if let Some(t) = &self.tracing {
-            for (k, b) in self.ranks.iter().zip(&t.bufs) {
-                let empty = super::trace::encode(k.rank, self.cfg.num_sms, t.capacity, &[]);
-                b.write(0, &empty[..super::trace::trace_bytes(0, 0)])?;
-            }
+            t.reset(self.ranks.iter().map(|k| k.rank))?;
         }
         Ok(())
     }
@@ -1192,10 +1171,9 @@ impl LlGroup {
             a.peer_pe[..n.pes.len()].copy_from_slice(&n.pes);
         }
         if let Some(t) = &self.tracing {
-            a.trace = t.bufs[rank].ptr();
-            if t.plant_missing_fence {
-                a.flags |= abi::EP_FLAG_TEST_SKIP_FENCE;
-            }
+            let (trace, flags) = t.args(rank);
+            a.trace = trace;
+            a.flags |= flags;
         }
         a
     }

@@ -47,6 +47,12 @@ use super::abi::{
     EP_TRACE_RELEASE, EP_TRACE_SCOPE_GPU, EP_TRACE_SCOPE_SYSTEM, EP_TRACE_SIGNAL, EP_TRACE_STORE,
     TraceHeader, TraceRecord,
 };
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+
+use super::abi::EP_FLAG_TEST_SKIP_FENCE;
+use super::mem::DevBuf;
 use crate::{Error, Result};
 
 /// Bytes of the header; records start here.
@@ -64,6 +70,76 @@ const _: () = assert!(HEADER_BYTES == 8 * (NEXT_WORD + EP_TRACE_MAX_BLOCKS as us
 #[must_use]
 pub fn trace_bytes(num_blocks: usize, capacity: u64) -> usize {
     HEADER_BYTES + num_blocks * capacity as usize * RECORD_BYTES
+}
+
+/// The trace buffers of a group's local ranks (both modes' `set_trace`): one per local rank,
+/// its header and `blocks x capacity` records, and the planted-fence test switch.
+#[derive(Debug)]
+pub(crate) struct TraceBufs {
+    capacity: u64,
+    blocks: usize,
+    bufs: Vec<DevBuf>,
+    plant_missing_fence: bool,
+}
+
+impl TraceBufs {
+    /// Zeroed buffers for `local_ranks` ranks whose kernels have `blocks` blocks.
+    pub(crate) fn new(
+        ctx: &Arc<CudaContext>,
+        local_ranks: usize,
+        blocks: usize,
+        capacity: u64,
+    ) -> Result<Self> {
+        let capacity = capacity.max(1);
+        let bytes = trace_bytes(blocks, capacity);
+        let bufs = (0..local_ranks)
+            .map(|_| DevBuf::zeroed(ctx, bytes))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            capacity,
+            blocks,
+            bufs,
+            plant_missing_fence: false,
+        })
+    }
+
+    /// Local rank `i`'s kernel-argument words: its header's address, and the flags to add.
+    pub(crate) fn args(&self, i: usize) -> (u64, u64) {
+        let flags = if self.plant_missing_fence {
+            EP_FLAG_TEST_SKIP_FENCE
+        } else {
+            0
+        };
+        (self.bufs[i].ptr(), flags)
+    }
+
+    /// Turns the planted missing fence on or off.
+    pub(crate) fn plant(&mut self, on: bool) {
+        self.plant_missing_fence = on;
+    }
+
+    /// Empty headers before an operation (local rank `i` is world rank `world[i]`); the streams
+    /// must be idle.
+    pub(crate) fn reset(&self, world: impl IntoIterator<Item = usize>) -> Result<()> {
+        for (rank, b) in world.into_iter().zip(&self.bufs) {
+            let empty = encode(rank, self.blocks, self.capacity, &[]);
+            b.write(0, &empty[..trace_bytes(0, 0)])?;
+        }
+        Ok(())
+    }
+
+    /// Local rank `i`'s trace as the kernels left it (the streams must be idle).
+    pub(crate) fn read(&self, i: usize) -> Result<Vec<u8>> {
+        let b = &self.bufs[i];
+        let mut bytes = vec![0u8; b.len()];
+        b.read(0, &mut bytes)?;
+        Ok(bytes)
+    }
+}
+
+/// What the trace calls of a group say when tracing is off.
+pub(crate) fn not_tracing(what: &str) -> Error {
+    Error::Unsupported(format!("{what}: set_trace first"))
 }
 
 fn word(bytes: &[u8], i: usize) -> u64 {

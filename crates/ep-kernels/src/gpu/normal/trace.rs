@@ -7,9 +7,9 @@ use ep_core::transport::device_trace::AgentEvents;
 use ep_core::transport::{DeviceEvent, FenceScope, TraceRegion};
 
 use super::NormalGroup;
-use crate::error::{Error, Result};
-use crate::gpu::abi::{self, NormalArgs};
-use crate::gpu::mem::DevBuf;
+use crate::error::Result;
+use crate::gpu::abi::NormalArgs;
+use crate::gpu::trace::{TraceBufs, decode_clusters, not_tracing};
 
 /// CTAs per agent (the kernels' `__cluster_dims__`).
 const CLUSTER: usize = 2;
@@ -21,22 +21,20 @@ pub(super) enum TracedOp {
     Combine,
 }
 
-/// The traced kernels' recording: one trace buffer per local rank.
+/// The traced kernels' recording: one trace buffer per local rank, and which operation the
+/// last traced launch was.
 #[derive(Debug)]
 pub(super) struct Tracing {
-    capacity: u64,
-    bufs: Vec<DevBuf>,
-    plant_missing_fence: bool,
+    bufs: TraceBufs,
     last: Option<TracedOp>,
 }
 
 impl Tracing {
     /// Points local rank `rank`'s launch at its trace (and the planted fence, when set).
     pub(super) fn apply(&self, rank: usize, a: &mut NormalArgs) {
-        a.trace = self.bufs[rank].ptr();
-        if self.plant_missing_fence {
-            a.flags |= abi::EP_FLAG_TEST_SKIP_FENCE;
-        }
+        let (trace, flags) = self.bufs.args(rank);
+        a.trace = trace;
+        a.flags |= flags;
     }
 }
 
@@ -55,18 +53,13 @@ impl NormalGroup {
             self.tracing = None;
             return Ok(());
         };
-        let capacity = capacity.max(1);
-        let blocks = 2 * self.num_channels();
-        let bytes = crate::gpu::trace::trace_bytes(blocks, capacity);
-        let bufs = self
-            .ranks
-            .iter()
-            .map(|_| DevBuf::zeroed(self.dev.context(), bytes))
-            .collect::<Result<_>>()?;
         self.tracing = Some(Tracing {
-            capacity,
-            bufs,
-            plant_missing_fence: false,
+            bufs: TraceBufs::new(
+                self.dev.context(),
+                self.ranks.len(),
+                2 * self.num_channels(),
+                capacity,
+            )?,
             last: None,
         });
         Ok(())
@@ -77,16 +70,11 @@ impl NormalGroup {
     /// checker must report. [`Error::Unsupported`] unless tracing is on.
     #[doc(hidden)]
     pub fn plant_missing_fence_for_test(&mut self, on: bool) -> Result<()> {
-        match &mut self.tracing {
-            Some(t) => {
-                t.plant_missing_fence = on;
-                Ok(())
-            }
-            None => Err(Error::Unsupported(
-                "the planted missing fence exists only in the traced kernels: set_trace first"
-                    .into(),
-            )),
-        }
+        let t = self.tracing.as_mut().ok_or_else(|| {
+            not_tracing("the planted missing fence exists only in the traced kernels")
+        })?;
+        t.bufs.plant(on);
+        Ok(())
     }
 
     /// Bytes of one rank's `normal.ctrl` (the traces' signal region) and `normal.data` (their
@@ -105,14 +93,13 @@ impl NormalGroup {
     pub fn trace(&mut self) -> Result<Vec<AgentEvents>> {
         self.not_capturing("trace")?;
         self.sync_streams()?;
-        let Some(t) = &self.tracing else {
-            return Err(Error::Unsupported("no trace: set_trace first".into()));
-        };
+        let t = self
+            .tracing
+            .as_ref()
+            .ok_or_else(|| not_tracing("no trace"))?;
         let mut all = Vec::new();
-        for (k, b) in self.ranks.iter().zip(&t.bufs) {
-            let mut bytes = vec![0u8; b.len()];
-            b.read(0, &mut bytes)?;
-            let mut agents = crate::gpu::trace::decode_clusters(k.world_rank, &bytes, CLUSTER)?;
+        for (i, k) in self.ranks.iter().enumerate() {
+            let mut agents = decode_clusters(k.world_rank, &t.bufs.read(i)?, CLUSTER)?;
             if t.last == Some(TracedOp::Combine)
                 && let Some(first) = agents.iter_mut().find(|a| a.agent == 0)
             {
@@ -141,12 +128,8 @@ impl NormalGroup {
         }
         self.not_capturing("a traced operation")?;
         self.sync_streams()?;
-        let blocks = 2 * self.num_channels();
         if let Some(t) = &mut self.tracing {
-            for (k, b) in self.ranks.iter().zip(&t.bufs) {
-                let empty = crate::gpu::trace::encode(k.world_rank, blocks, t.capacity, &[]);
-                b.write(0, &empty[..crate::gpu::trace::trace_bytes(0, 0)])?;
-            }
+            t.bufs.reset(self.ranks.iter().map(|k| k.world_rank))?;
             t.last = Some(op);
         }
         Ok(())
