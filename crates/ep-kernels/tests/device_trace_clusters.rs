@@ -6,7 +6,7 @@
 
 use ep_core::transport::{AgentEvents, DeviceEvent, FenceScope, TraceRegion};
 use ep_kernels::Error;
-use ep_kernels::gpu::trace::{decode_clusters, encode_segments};
+use ep_kernels::gpu::trace::{decode, decode_clusters, encode_segments};
 use ep_sim::Violation;
 use ep_sim::device_trace::{Arenas, TraceError, check};
 
@@ -156,4 +156,16 @@ fn blocks_of_a_cluster_with_different_barrier_counts_are_refused() {
         matches!(&e, Error::TraceMalformed { detail, .. } if detail.contains("cluster 0")),
         "{e}"
     );
+}
+
+#[test]
+fn plain_decode_keeps_each_block_and_drops_its_barriers() {
+    let bs = blocks(1, None);
+    let bytes = encode_segments(1, 2 * C, 64, &bs);
+    let got = decode(1, &bytes).unwrap();
+    assert_eq!(got.len(), 2 * C, "one agent per block");
+    for (a, (b, segs)) in got.iter().zip(&bs) {
+        assert_eq!((a.rank, a.agent), (1, *b));
+        assert_eq!(a.events, segs.concat());
+    }
 }
