@@ -165,6 +165,7 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
     for (uint32_t i = tid; i < C * R; i += NT) s_cc[i] = 0;
     if (tid == 0) s_ok = 1;
     __syncthreads();
+    stamp(a, 8);
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
     const uint64_t per = (T + C - 1) / C;
     // Per (channel, d) counts. A warp covers 32 consecutive tokens per step, 8 steps per pass
@@ -199,6 +200,7 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
         }
     }
     __syncthreads();
+    stamp(a, 9);
     if (tid < R) {
         int32_t run = 0;
         for (uint32_t c = 0; c < C; ++c) {
@@ -209,6 +211,7 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
         s_n[tid] = run;
     }
     __syncthreads();
+    stamp(a, 10);
     // Count record to every d (itself included), then notify[p][me] on d.
     const int32_t *per_expert = (const int32_t *)a.num_tokens_per_expert;
     const uint64_t crec_me = ep_normal_count_record(R, p, me);
@@ -224,6 +227,7 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
         uint32_t d = i / L, l = i % L;
         *(int32_t *)data_at(a, d, crec_me + ep_count_record_experts(R) + 4u * l) = per_expert[d * L + l];
     }
+    stamp(a, 11);
     __threadfence_system();
     if (TRACED && tid == 0) {
         // Before the barrier: the releases after it are recorded after these.
@@ -235,6 +239,7 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
         TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
     }
     __syncthreads();
+    stamp(a, 6);
     if (tid < R) {
         ep_st_release(ctrl_word(a, tid, ep_normal_notify(R, p, me)), k);
         TRACE_RELEASE(tid, ep_normal_notify(R, p, me), k);
@@ -247,12 +252,14 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
             TRACE_ACQUIRE(me, off, k);
     }
     __syncthreads();
+    stamp(a, 7);
     if (!s_ok) return false;
     // Records from every s are visible (acquired by thread s, then the barrier).
     // rpm: every n_s[e] loaded at once (thread s * R + e), the prefix over s from shared memory.
     __shared__ int32_t s_rpm[MAXR * MAXR];
     if (tid < R * R) s_rpm[tid] = ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, tid / R) + 4u * (tid % R)));
     __syncthreads();
+    stamp(a, 12);
     if (TRACED && tid == 0)
         for (uint32_t s = 0; s < R; ++s) {
             TRACE_LOAD(me, ep_normal_count_record(R, p, s), 4ull * R);
@@ -275,6 +282,7 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
     }
     __threadfence();
     __syncthreads();
+    stamp(a, 13);
     // The table (§2.1) of this rank.
     const uint64_t tab = ep_normal_table(R, p);
     for (uint32_t e = tid; e < R; e += NT)
@@ -299,6 +307,7 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
     }
     __threadfence();
     __syncthreads();
+    stamp(a, 14);
     if (!s_ok) return false;
     if (TRACED && tid == 0) {
         TRACE_STORE(me, tab, 4ull * R);
@@ -377,6 +386,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
                 if (in_rank[t * R + d]) atomicAdd(&s_before[d], 1);
     }
     __syncthreads();
+    stamp(a, 15);
     // 1. Offsets: the count exchange, or the handle plus the ready handshake.
     if (!cached) {
         if (blockIdx.x == 0 && !notify(a, k, s_cc, s_n) && tid == 0) s_ok = 0;

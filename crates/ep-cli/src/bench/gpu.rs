@@ -480,6 +480,52 @@ pub(super) fn phase_split(stamps: &[Vec<Vec<u64>>], slots: &[usize]) -> Vec<f64>
     out
 }
 
+/// Where a measured dispatch's offsets become known, per rank, in microseconds from the
+/// earliest block start of any rank: the rank's first block start, its notify block's count
+/// records stored (stamp 6), every notify acquired (7) and table ready (1), then over its blocks
+/// the median and last "offsets known" (1), the median "rows stored" (2) and the last end (5).
+pub(super) fn dispatch_path(stamps: &[Vec<Vec<u64>>]) -> String {
+    let t0 = stamps
+        .iter()
+        .flatten()
+        .map(|b| b[0])
+        .filter(|&v| v != 0)
+        .min()
+        .unwrap_or(0);
+    let us = |v: u64| v.saturating_sub(t0) as f64 * 1e-3;
+    stamps
+        .iter()
+        .enumerate()
+        .map(|(r, blocks)| {
+            let live: Vec<&Vec<u64>> = blocks.iter().filter(|b| b[0] != 0).collect();
+            let Some(b0) = live.first() else {
+                return format!("rank {r}: no stamps");
+            };
+            let col = |s: usize| -> Vec<f64> {
+                live.iter().filter(|b| b[s] != 0).map(|b| us(b[s])).collect()
+            };
+            let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+            let first = col(0).iter().copied().fold(f64::INFINITY, f64::min);
+            let steps: Vec<String> = (0..b0.len())
+                .map(|i| format!("{i}:{:.1}", if b0[i] == 0 { 0.0 } else { us(b0[i]) }))
+                .collect();
+            format!(
+                "rank {r} [block 0 stamps {}]: start {first:.1}..{:.1}, records {:.1}, notified {:.1}, table {:.1}, offsets median {:.1} last {:.1}, rows median {:.1}, end {:.1}",
+                steps.join(" "),
+                max(&col(0)),
+                us(b0[6]),
+                us(b0[7]),
+                us(b0[1]),
+                median(&col(1)),
+                max(&col(1)),
+                median(&col(2)),
+                max(&col(5)),
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
 /// Runs `ep bench --backend gpu` (module docs). Returns the exit code: 0 verified, 1 mismatch.
 pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let started = Instant::now();
@@ -812,24 +858,27 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             row.ceiling_combine = figure(&s, bf16_bytes);
         }
         // Where a dispatch and a combine spend their time (untimed calls with phase stamps).
+        // Behind the gate like the timed calls, so the ranks start together.
         g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
-        let out = g
-            .dispatch(
+        let mut out = Vec::new();
+        timed(&mut g, "measured dispatch", |g| {
+            out = g.dispatch(
                 &sets[0].inputs(),
                 &layouts[0],
                 e,
                 &GpuDispatchArgs::default(),
-            )
-            .map_err(gpu_err("measured dispatch"))?;
-        g.sync().map_err(gpu_err("measured dispatch"))?;
-        row.dispatch_phases_us = phase_split(
-            &g.phase_times().map_err(gpu_err("phase stamps"))?,
-            &[1, 2, 3, 4, 5],
+            )?;
+            Ok(())
+        })?;
+        let stamps = g.phase_times().map_err(gpu_err("phase stamps"))?;
+        row.dispatch_phases_us = phase_split(&stamps, &[1, 2, 3, 4, 5]);
+        println!(
+            "[gpu {} SMs/rank] dispatch critical path (us from the first block's start): {}",
+            sms,
+            dispatch_path(&stamps)
         );
         let ca = identity_combine(&out);
-        g.combine(source, &ca)
-            .map_err(gpu_err("measured combine"))?;
-        g.sync().map_err(gpu_err("measured combine"))?;
+        timed(&mut g, "measured combine", |g| g.combine(source, &ca))?;
         row.combine_phases_us = phase_split(
             &g.phase_times().map_err(gpu_err("phase stamps"))?,
             &[1, 2, 5],
