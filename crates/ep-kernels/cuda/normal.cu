@@ -21,6 +21,7 @@
 #define WARPS (EP_GPU_THREADS / 32)
 #define MAXR EP_GPU_MAX_RANKS
 #define UNROLL 4
+#define META_U 4  // rows per lane in flight in the dispatch's meta copy-out
 
 typedef ep_normal_args Args;
 
@@ -102,6 +103,24 @@ __device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *co
     }
 }
 
+// One 8-byte half `h` of row j's meta part to the outputs: half 0 = src_idx (and its pad),
+// halves 1..K = the top-k ids, then the weights two per half (§2.1's record).
+__device__ __forceinline__ void meta_half(int2 x, uint32_t h, uint64_t j, uint32_t K, bool topk,
+                                          int32_t *out_src, int64_t *out_idx, float *out_w) {
+    if (h == 0) {
+        if (out_src) out_src[j] = x.x;
+        return;
+    }
+    if (!topk) return;
+    if (h <= K) {
+        out_idx[j * K + h - 1] = (int64_t)(((uint64_t)(uint32_t)x.y << 32) | (uint32_t)x.x);
+        return;
+    }
+    const uint32_t w = 2 * (h - 1 - K);
+    if (w < K) out_w[j * K + w] = __int_as_float(x.x);
+    if (w + 1 < K) out_w[j * K + w + 1] = __int_as_float(x.y);
+}
+
 // ---- layout ------------------------------------------------------------------------------------
 
 // get_dispatch_layout (spec §1.7) of one rank. The host zeroes num_tokens_per_rank and
@@ -124,16 +143,23 @@ extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) 
     for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.num_tokens;
          t += (uint64_t)gridDim.x * blockDim.x) {
         uint32_t mask = 0;
-        for (uint32_t k = 0; k < K; ++k) {
-            int64_t e = topk[t * K + k];
-            if (e == -1) continue;
-            if (e < -1 || e >= (int64_t)E) {
-                ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LAYOUT, a.rank, 0, 0,
-                        (uint64_t)e, t * K + k);
-                continue;
+        // A token's ids loaded 8 at a time before any is used (one round trip, not K).
+        for (uint32_t k0 = 0; k0 < K; k0 += 8) {
+            int64_t ev[8];
+#pragma unroll
+            for (uint32_t q = 0; q < 8; ++q) ev[q] = k0 + q < K ? topk[t * K + k0 + q] : -1;
+#pragma unroll
+            for (uint32_t q = 0; q < 8; ++q) {
+                const int64_t e = ev[q];
+                if (e == -1) continue;
+                if (e < -1 || e >= (int64_t)E) {
+                    ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LAYOUT, a.rank, 0, 0,
+                            (uint64_t)e, t * K + k0 + q);
+                    continue;
+                }
+                atomicAdd(local_hist ? &s_expert[e] : &per_expert[e], 1);
+                mask |= 1u << (uint32_t)(e / L);
             }
-            atomicAdd(local_hist ? &s_expert[e] : &per_expert[e], 1);
-            mask |= 1u << (uint32_t)(e / L);
         }
         for (uint32_t d = 0; d < R; ++d) {
             uint32_t bit = (mask >> d) & 1u;
@@ -150,9 +176,16 @@ extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) 
 
 // ---- dispatch ----------------------------------------------------------------------------------
 
+// Tokens per tile of the notify block's membership scan: their NOTIFY_TILE * MAXR bytes fill the
+// caller's 16 KiB shared tile (the send part's s_rows, unused until the table is known).
+#define NOTIFY_TILE (4 * NT)
+// Experts per thread whose counts the notify block loads before its scan.
+#define NOTIFY_PE 4
+
 // The notify agent (§2.3) on block 0: count records to every rank, then rpm, the table, the
-// handle matrices, the expert list and num_recv. Returns false when a wait failed.
-__device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
+// handle matrices, the expert list and num_recv. `tile`: NOTIFY_TILE * MAXR bytes of shared
+// memory. Returns false when a wait failed.
+__device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, uint8_t *tile) {
     const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
     const uint32_t C = (uint32_t)a.num_channels, L = (uint32_t)a.num_local_experts;
     const uint64_t T = a.num_tokens, p = ep_parity(k);
@@ -167,29 +200,67 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
     __syncthreads();
     stamp(a, 8);
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
-    const uint64_t per = (T + C - 1) / C;
-    // Per (channel, d) counts. A warp covers 32 consecutive tokens per step, 8 steps per pass
-    // with every membership byte loaded before any is counted (one round trip per pass, not one
-    // per token); when a step's tokens share a channel one ballot per d counts them.
-    for (uint64_t pass = 0; pass < T; pass += 8ull * NT) {
-        uint32_t bits[8];
+    const uint32_t per = (uint32_t)((T + C - 1) / C);
+    // This rank's per-expert counts for the records, loaded now so that their round trip
+    // overlaps the scan's.
+    const int32_t *per_expert = (const int32_t *)a.num_tokens_per_expert;
+    int32_t pe[NOTIFY_PE];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const uint64_t t = pass + (uint64_t)u * NT + tid;
-            uint32_t m = 0;
-            if (t < T)
-                for (uint32_t d = 0; d < R; ++d) m |= (uint32_t)(in_rank[t * R + d] != 0) << d;
-            bits[u] = m;
+    for (int u = 0; u < NOTIFY_PE; ++u) {
+        const uint32_t i = (uint32_t)u * NT + tid;
+        pe[u] = i < R * L ? per_expert[i] : 0;
+    }
+    // Per (channel, d) counts. The membership bytes of a tile of tokens are staged in shared
+    // memory with every load issued before any is used (one round trip per tile: a byte load
+    // per (token, d) in the counting loop waited for each in turn, 8.6 us at 4096 tokens).
+    // A warp then covers 32 consecutive tokens per step; when they share a channel one ballot
+    // per d counts them.
+    const bool vec = ((uintptr_t)in_rank & 15u) == 0;
+    for (uint64_t t0 = 0; t0 < T; t0 += NOTIFY_TILE) {
+        const uint32_t nt = (uint32_t)min((uint64_t)NOTIFY_TILE, T - t0);
+        const uint32_t nbytes = nt * R;
+        const uint8_t *src = in_rank + t0 * R;  // 16-aligned when in_rank is: t0 * R % 16 == 0
+        __syncthreads();  // the previous tile is counted
+        if (vec) {
+            int4 v[NOTIFY_TILE * MAXR / (16 * NT)];
+#pragma unroll
+            for (int u = 0; u < NOTIFY_TILE * MAXR / (16 * NT); ++u) {
+                const uint32_t i = ((uint32_t)u * NT + tid) * 16u;
+                if (i + 16u <= nbytes) v[u] = *(const int4 *)(src + i);
+            }
+#pragma unroll
+            for (int u = 0; u < NOTIFY_TILE * MAXR / (16 * NT); ++u) {
+                const uint32_t i = ((uint32_t)u * NT + tid) * 16u;
+                if (i + 16u <= nbytes) *(int4 *)(tile + i) = v[u];
+            }
+            const uint32_t tail = nbytes & ~15u;
+            if (tail + tid < nbytes) tile[tail + tid] = src[tail + tid];
+        } else {
+            uint8_t v[NOTIFY_TILE * MAXR / NT];
+#pragma unroll
+            for (int u = 0; u < NOTIFY_TILE * MAXR / NT; ++u) {
+                const uint32_t i = (uint32_t)u * NT + tid;
+                v[u] = i < nbytes ? src[i] : 0;
+            }
+#pragma unroll
+            for (int u = 0; u < NOTIFY_TILE * MAXR / NT; ++u) {
+                const uint32_t i = (uint32_t)u * NT + tid;
+                if (i < nbytes) tile[i] = v[u];
+            }
         }
+        __syncthreads();
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
-            const uint64_t t = pass + (uint64_t)u * NT + tid;
-            const bool valid = t < T;
-            const uint32_t c = valid ? (uint32_t)(t / per) : 0xffffffffu;
+        for (int u = 0; u < NOTIFY_TILE / NT; ++u) {
+            const uint32_t j = (uint32_t)u * NT + tid;  // token t0 + j of the tile
+            const bool valid = j < nt;
+            uint32_t bits = 0;
+            if (valid)
+                for (uint32_t d = 0; d < R; ++d) bits |= (uint32_t)(tile[j * R + d] != 0) << d;
+            const uint32_t c = valid ? (uint32_t)(t0 + j) / per : 0xffffffffu;
             const uint32_t c0 = __shfl_sync(0xffffffffu, c, 0);
             const bool same = __all_sync(0xffffffffu, !valid || c == c0);
             for (uint32_t d = 0; d < R; ++d) {
-                const bool bit = (bits[u] >> d) & 1u;
+                const bool bit = (bits >> d) & 1u;
                 if (same) {
                     const uint32_t n = __popc(__ballot_sync(0xffffffffu, bit));
                     if ((tid & 31u) == 0 && n) atomicAdd(&s_cc[c0 * R + d], (int32_t)n);
@@ -213,7 +284,6 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
     __syncthreads();
     stamp(a, 10);
     // Count record to every d (itself included), then notify[p][me] on d.
-    const int32_t *per_expert = (const int32_t *)a.num_tokens_per_expert;
     const uint64_t crec_me = ep_normal_count_record(R, p, me);
     for (uint32_t i = tid; i < R * R; i += NT) {
         uint32_t d = i / R, e = i % R;
@@ -223,10 +293,13 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
         uint32_t d = i / C, c = i % C;
         *(int32_t *)data_at(a, d, crec_me + ep_count_record_cpm(R) + 4u * c) = s_cc[c * R + d];
     }
-    for (uint32_t i = tid; i < R * L; i += NT) {
-        uint32_t d = i / L, l = i % L;
-        *(int32_t *)data_at(a, d, crec_me + ep_count_record_experts(R) + 4u * l) = per_expert[d * L + l];
+#pragma unroll
+    for (int u = 0; u < NOTIFY_PE; ++u) {
+        const uint32_t i = (uint32_t)u * NT + tid;
+        if (i < R * L) *(int32_t *)data_at(a, i / L, crec_me + ep_count_record_experts(R) + 4u * (i % L)) = pe[u];
     }
+    for (uint32_t i = NOTIFY_PE * NT + tid; i < R * L; i += NT)
+        *(int32_t *)data_at(a, i / L, crec_me + ep_count_record_experts(R) + 4u * (i % L)) = per_expert[i];
     stamp(a, 11);
     __threadfence_system();
     if (TRACED && tid == 0) {
@@ -273,28 +346,24 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
             rpm[s * R + tid] = run;
         }
     }
+    // The table (§2.1) of this rank: recv_chan with the handle's rcpm from the same loads, then
+    // (after the barrier that completes the rpm prefix) send_base and recv_begin.
+    const uint64_t tab = ep_normal_table(R, p);
     for (uint32_t i = tid; i < R * C; i += NT) {
         uint32_t s = i / C, c = i % C;
         int32_t v = c == 0 ? 0
                            : ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
                                                           ep_count_record_cpm(R) + 4u * (c - 1)));
         rcpm[s * C + c] = v;
+        *(int32_t *)data_at(a, me, tab + ep_table_recv_chan(R) + 4u * (s * EP_MAX_CHANNELS + c)) = v;
     }
-    __threadfence();
     __syncthreads();
     stamp(a, 13);
-    // The table (§2.1) of this rank.
-    const uint64_t tab = ep_normal_table(R, p);
     for (uint32_t e = tid; e < R; e += NT)
         *(int32_t *)data_at(a, me, tab + 4u * e) = me == 0 ? 0 : s_rpm[(me - 1) * R + e];
     for (uint32_t s = tid; s <= R; s += NT)
         *(int32_t *)data_at(a, me, tab + ep_table_recv_begin(R) + 4u * s) =
             s == 0 ? 0 : s_rpm[(s - 1) * R + me];
-    for (uint32_t i = tid; i < R * C; i += NT) {
-        uint32_t s = i / C, c = i % C;
-        *(int32_t *)data_at(a, me, tab + ep_table_recv_chan(R) + 4u * (s * EP_MAX_CHANNELS + c)) =
-            __ldcg(&rcpm[s * C + c]);
-    }
     // Capacity: every rank sees the same rpm, so all refuse the call alike.
     if (tid < R) {
         uint64_t rows = (uint64_t)s_rpm[(R - 1) * R + tid];
@@ -316,7 +385,8 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n) {
         TRACE_FENCE(EP_TRACE_SCOPE_GPU);
     }
     if (tid == 0) {
-        ep_st_release(ctrl_word(a, me, ep_normal_table_ready(R, p)), k);
+        // A local word read by this rank's blocks only: GPU scope.
+        ep_st_release_gpu(ctrl_word(a, me, ep_normal_table_ready(R, p)), k);
         TRACE_RELEASE(me, ep_normal_table_ready(R, p), k);
     }
     // Off the senders' critical path: the expert list, then num_recv, to host-mapped memory.
@@ -368,7 +438,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     __shared__ int32_t s_slot0[MAXR];   // index in (channel, d) of this block's first token to d
     __shared__ int32_t s_rowbase[MAXR]; // final row of that token on d
     __shared__ int32_t s_warp[WARPS][MAXR];
-    __shared__ int32_t s_rows[NT][MAXR];
+    __shared__ __align__(16) int32_t s_rows[NT][MAXR];
+    static_assert(sizeof(s_rows) >= NOTIFY_TILE * MAXR, "the notify tile lives in s_rows");
 
     __shared__ int32_t s_before[MAXR];  // tokens of the channel's first half going to d
     uint32_t t0, t1, mid;
@@ -389,7 +460,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     stamp(a, 15);
     // 1. Offsets: the count exchange, or the handle plus the ready handshake.
     if (!cached) {
-        if (blockIdx.x == 0 && !notify(a, k, s_cc, s_n) && tid == 0) s_ok = 0;
+        if (blockIdx.x == 0 && !notify(a, k, s_cc, s_n, (uint8_t *)s_rows) && tid == 0) s_ok = 0;
         if (tid == 0 && s_ok) {
             uint64_t off = ep_normal_table_ready(R, p);
             // Second-order word (its writer waits on every rank first): twice the bound.
@@ -543,33 +614,39 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         s_hi[s] = h == 0 ? m : e;
     }
     __syncthreads();
+    // The meta parts of those rows (src_idx, pad, top-k ids, weights: P 16-byte pieces each)
+    // copied out by groups of 8 lanes, a lane per piece, every piece of META_U rows in flight
+    // before any is stored. (One row per thread, with 1 + 2K loads each, cost a line request per
+    // load and lane: 7.2 us at 24 SMs, 21 us at 8.)
+    const uint32_t P = (uint32_t)((a.drec - meta_off) / 16);
+    const uint32_t g = lane & 7u, sub = lane >> 3;
     for (uint32_t s = 0; s < R; ++s) {
         const int32_t lo = s_lo[s], hi = s_hi[s];
-        for (int32_t j = lo + (int32_t)tid; j < hi; j += NT) {
-            const uint8_t *rec = data_at(a, me, ep_normal_dispatch_row(R, (uint64_t)j, a.drec));
-            // Every load of the row before any store (the stores may alias for the compiler,
-            // which would otherwise wait for each load in turn).
-            const int32_t src = ld_i32_cg(rec + meta_off);
-            for (uint32_t q0 = 0; topk && q0 < K; q0 += 8) {
-                long long idx[8];
-                float w[8];
+        for (int32_t base = lo + (int32_t)(warp * 4 + sub); base < hi; base += (int32_t)(WARPS * 4 * META_U)) {
+            for (uint32_t p0 = 0; p0 < P; p0 += 8) {
+                const uint32_t p = p0 + g;
+                int4 v[META_U];
 #pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    if (q0 + q < K) {
-                        idx[q] = __ldcg((const long long *)(rec + idx_off + 8u * (q0 + q)));
-                        w[q] = __ldcg((const float *)(rec + w_off + 4u * (q0 + q)));
-                    }
+                for (int u = 0; u < META_U; ++u) {
+                    const int32_t j = base + u * (int32_t)(WARPS * 4);
+                    if (j < hi && p < P)
+                        v[u] = ep_ld_cg((const int4 *)(data_at(a, me, ep_normal_dispatch_row(R, (uint64_t)j, a.drec)) +
+                                                       meta_off + 16u * p));
                 }
 #pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    if (q0 + q < K) {
-                        out_idx[(uint64_t)j * K + q0 + q] = idx[q];
-                        out_w[(uint64_t)j * K + q0 + q] = w[q];
+                for (int u = 0; u < META_U; ++u) {
+                    const int32_t j = base + u * (int32_t)(WARPS * 4);
+                    if (j < hi && p < P) {
+                        meta_half(make_int2(v[u].x, v[u].y), 2 * p, (uint64_t)j, K, topk, out_src, out_idx, out_w);
+                        meta_half(make_int2(v[u].z, v[u].w), 2 * p + 1, (uint64_t)j, K, topk, out_src, out_idx, out_w);
                     }
                 }
             }
-            if (out_src) out_src[j] = src;
-            if (TRACED) {
+        }
+    }
+    if (TRACED)
+        for (uint32_t s = 0; s < R; ++s)
+            for (int32_t j = s_lo[s] + (int32_t)tid; j < s_hi[s]; j += NT) {
                 const uint64_t row = ep_normal_dispatch_row(R, (uint64_t)j, a.drec);
                 TRACE_LOAD(me, row + meta_off, 4);
                 if (topk && K > 0) {
@@ -577,8 +654,6 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
                     TRACE_LOAD(me, row + w_off, 4ull * K);
                 }
             }
-        }
-    }
     // 5. Worst-token tail rows (num_recv <= row < num_worst_tokens): zero x and scales,
     //    src_idx -1, top-k -1 / 0.0, in the record and in the outputs.
     if (!cached && a.num_worst_tokens > 0) {

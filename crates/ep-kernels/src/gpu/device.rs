@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUdevice_attribute};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 
 use super::abi::ErrBlock;
@@ -174,6 +174,19 @@ pub(crate) fn load_function_eager(
         .result()
         .map_err(Error::cuda("cuFuncLoad"))?;
     Ok(f)
+}
+
+/// The fault of `stream`'s work so far, if any: a kernel that faulted (a bad address, an illegal
+/// instruction) leaves the context's sticky error, which a host wait on device-written memory
+/// would otherwise only see as a timeout. Unfinished work is not a fault.
+pub(crate) fn stream_fault(stream: &CudaStream, op: &'static str) -> Result<()> {
+    // SAFETY: `stream` is a live stream of this process's context; the query only reads its state.
+    match unsafe { sys::cuStreamQuery(stream.cu_stream()) }.result() {
+        Err(e) if e.0 != sys::cudaError_enum::CUDA_ERROR_NOT_READY => {
+            Err(Error::Cuda { op, source: e })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The LL kernels size their shared memory per call (LlGroup checks it against the result):

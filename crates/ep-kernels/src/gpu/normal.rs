@@ -39,7 +39,7 @@ use ep_core::plan::intranode::DispatchOptions;
 use ep_core::protocol::layout::{NormalCtrl, NormalData, REGION_ALIGN, RowFormat, align128};
 
 use super::abi::{self, ErrBlock, Mailbox, NormalArgs};
-use super::device::Device;
+use super::device::{Device, stream_fault};
 use super::gate::{Gate, elapsed, record_ends};
 use super::mem::{DevBuf, HostMapped};
 use super::peers::{self, Peer, Shape};
@@ -1096,6 +1096,7 @@ impl NormalGroup {
         if args.num_worst_tokens == 0 {
             let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
             for (s, slot) in recv.iter_mut().enumerate() {
+                let mut polls = 0u32;
                 let v = loop {
                     let v = self.ranks[s].mailbox.word(0);
                     if v >> 32 == self.call {
@@ -1103,6 +1104,14 @@ impl NormalGroup {
                     }
                     if self.dev.err.read().status != 0 {
                         self.check_device_error()?;
+                    }
+                    polls = polls.wrapping_add(1);
+                    if polls.is_multiple_of(4096)
+                        && let Err(e) =
+                            stream_fault(&self.ranks[s].stream, "dispatch (a kernel faulted)")
+                    {
+                        self.poison = Some(format!("rank {}'s stream faulted: {e}", self.who(s)));
+                        return Err(e);
                     }
                     if Instant::now() > deadline {
                         self.poison = Some(format!(
