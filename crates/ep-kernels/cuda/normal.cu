@@ -176,17 +176,17 @@ extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) 
 
 // ---- dispatch ----------------------------------------------------------------------------------
 
-// Tokens per tile of the notify block's membership scan: their NOTIFY_TILE * MAXR bytes fill the
-// caller's 16 KiB shared tile (the send part's s_rows, unused until the table is known).
-#define NOTIFY_TILE (4 * NT)
+// Bytes of the notify block's shared tile for its membership scan (the send part's s_rows,
+// unused until the table is known).
+#define NOTIFY_TILE_BYTES (4 * NT * MAXR)
 // Experts per thread whose counts the notify block loads before its scan.
 #define NOTIFY_PE 4
 
 // The notify agent (§2.3) on block 0: count records to every rank, then rpm, the table, the
-// handle matrices, the expert list and num_recv. `tile`: NOTIFY_TILE * MAXR bytes of shared
-// memory. Returns false when a wait failed.
+// handle matrices, the expert list and num_recv. `tile`: NOTIFY_TILE_BYTES of shared memory,
+// 16-aligned. Returns false when a wait failed.
 __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, uint8_t *tile) {
-    const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
+    const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
     const uint32_t C = (uint32_t)a.num_channels, L = (uint32_t)a.num_local_experts;
     const uint64_t T = a.num_tokens, p = ep_parity(k);
     ep_err_block *err = (ep_err_block *)a.err;
@@ -212,63 +212,63 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
     }
     // Per (channel, d) counts. The membership bytes of a tile of tokens are staged in shared
     // memory with every load issued before any is used (one round trip per tile: a byte load
-    // per (token, d) in the counting loop waited for each in turn, 8.6 us at 4096 tokens).
-    // A warp then covers 32 consecutive tokens per step; when they share a channel one ballot
-    // per d counts them.
+    // per (token, d) in the counting loop waited for each in turn, 8.6 us at 4096 tokens). Each
+    // warp then counts a contiguous range of the tile, 32 tokens a step, one ballot per (channel
+    // in the step, d); lane d keeps the count to d of the current channel and adds it to shared
+    // memory when the channel changes (a few atomics per warp, not one per step and d).
+    const uint32_t tile_tokens = (NOTIFY_TILE_BYTES / R) & ~31u;  // t0 * R stays 16-aligned
     const bool vec = ((uintptr_t)in_rank & 15u) == 0;
-    for (uint64_t t0 = 0; t0 < T; t0 += NOTIFY_TILE) {
-        const uint32_t nt = (uint32_t)min((uint64_t)NOTIFY_TILE, T - t0);
+    for (uint64_t t0 = 0; t0 < T; t0 += tile_tokens) {
+        const uint32_t nt = (uint32_t)min((uint64_t)tile_tokens, T - t0);
         const uint32_t nbytes = nt * R;
-        const uint8_t *src = in_rank + t0 * R;  // 16-aligned when in_rank is: t0 * R % 16 == 0
+        const uint8_t *src = in_rank + t0 * R;
         __syncthreads();  // the previous tile is counted
         if (vec) {
-            int4 v[NOTIFY_TILE * MAXR / (16 * NT)];
+            int4 v[NOTIFY_TILE_BYTES / (16 * NT)];
 #pragma unroll
-            for (int u = 0; u < NOTIFY_TILE * MAXR / (16 * NT); ++u) {
+            for (int u = 0; u < NOTIFY_TILE_BYTES / (16 * NT); ++u) {
                 const uint32_t i = ((uint32_t)u * NT + tid) * 16u;
                 if (i + 16u <= nbytes) v[u] = *(const int4 *)(src + i);
             }
 #pragma unroll
-            for (int u = 0; u < NOTIFY_TILE * MAXR / (16 * NT); ++u) {
+            for (int u = 0; u < NOTIFY_TILE_BYTES / (16 * NT); ++u) {
                 const uint32_t i = ((uint32_t)u * NT + tid) * 16u;
                 if (i + 16u <= nbytes) *(int4 *)(tile + i) = v[u];
             }
             const uint32_t tail = nbytes & ~15u;
             if (tail + tid < nbytes) tile[tail + tid] = src[tail + tid];
         } else {
-            uint8_t v[NOTIFY_TILE * MAXR / NT];
-#pragma unroll
-            for (int u = 0; u < NOTIFY_TILE * MAXR / NT; ++u) {
-                const uint32_t i = (uint32_t)u * NT + tid;
-                v[u] = i < nbytes ? src[i] : 0;
-            }
-#pragma unroll
-            for (int u = 0; u < NOTIFY_TILE * MAXR / NT; ++u) {
-                const uint32_t i = (uint32_t)u * NT + tid;
-                if (i < nbytes) tile[i] = v[u];
-            }
+            for (uint32_t i = tid; i < nbytes; i += NT) tile[i] = src[i];  // a misaligned view
         }
         __syncthreads();
-#pragma unroll
-        for (int u = 0; u < NOTIFY_TILE / NT; ++u) {
-            const uint32_t j = (uint32_t)u * NT + tid;  // token t0 + j of the tile
-            const bool valid = j < nt;
+        const uint32_t per_warp = ((nt + WARPS - 1) / WARPS + 31u) & ~31u;
+        const uint32_t j0 = min(nt, warp * per_warp), j1 = min(nt, j0 + per_warp);
+        uint32_t cur = (uint32_t)(t0 + j0) / per;
+        int32_t cnt = 0;  // lane d < R: tokens of channel `cur` to d, not yet added
+        for (uint32_t j = j0; j < j1; j += 32) {
+            const uint32_t jj = j + lane;
+            const bool valid = jj < j1;
             uint32_t bits = 0;
             if (valid)
-                for (uint32_t d = 0; d < R; ++d) bits |= (uint32_t)(tile[j * R + d] != 0) << d;
-            const uint32_t c = valid ? (uint32_t)(t0 + j) / per : 0xffffffffu;
-            const uint32_t c0 = __shfl_sync(0xffffffffu, c, 0);
-            const bool same = __all_sync(0xffffffffu, !valid || c == c0);
-            for (uint32_t d = 0; d < R; ++d) {
-                const bool bit = (bits >> d) & 1u;
-                if (same) {
-                    const uint32_t n = __popc(__ballot_sync(0xffffffffu, bit));
-                    if ((tid & 31u) == 0 && n) atomicAdd(&s_cc[c0 * R + d], (int32_t)n);
-                } else if (bit) {
-                    atomicAdd(&s_cc[c * R + d], 1);
+                for (uint32_t d = 0; d < R; ++d) bits |= (uint32_t)(tile[jj * R + d] != 0) << d;
+            const uint32_t c = valid ? (uint32_t)(t0 + jj) / per : 0xffffffffu;
+            uint32_t todo = __ballot_sync(0xffffffffu, valid);
+            while (todo) {
+                const uint32_t cl = __shfl_sync(0xffffffffu, c, __ffs(todo) - 1);
+                const uint32_t in_c = __ballot_sync(0xffffffffu, valid && c == cl);
+                if (cl != cur) {
+                    if (lane < R && cnt) atomicAdd(&s_cc[cur * R + lane], cnt);
+                    cnt = 0;
+                    cur = cl;
                 }
+                for (uint32_t d = 0; d < R; ++d) {
+                    const uint32_t n = __popc(__ballot_sync(0xffffffffu, (bits >> d) & 1u) & in_c);
+                    if (lane == d) cnt += (int32_t)n;
+                }
+                todo &= ~in_c;
             }
         }
+        if (lane < R && cnt) atomicAdd(&s_cc[cur * R + lane], cnt);
     }
     __syncthreads();
     stamp(a, 9);
@@ -393,10 +393,15 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
     ep_mailbox *mb = (ep_mailbox *)a.mailbox;
     if (a.num_worst_tokens == 0) {
         for (uint32_t l = tid; l < L; l += NT) {
+            int32_t v[MAXR];  // every source's count loaded before any is added
+#pragma unroll
+            for (uint32_t s = 0; s < MAXR; ++s)
+                v[s] = s < R ? ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
+                                                            ep_count_record_experts(R) + 4u * l))
+                             : 0;
             int64_t sum = 0;
-            for (uint32_t s = 0; s < R; ++s)
-                sum += ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
-                                                    ep_count_record_experts(R) + 4u * l));
+#pragma unroll
+            for (uint32_t s = 0; s < MAXR; ++s) sum += v[s];
             int64_t al = (int64_t)a.expert_alignment;
             *(volatile uint64_t *)&mb->expert_counts[l] = (uint64_t)((sum + al - 1) / al * al);
         }
@@ -439,9 +444,11 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     __shared__ int32_t s_rowbase[MAXR]; // final row of that token on d
     __shared__ int32_t s_warp[WARPS][MAXR];
     __shared__ __align__(16) int32_t s_rows[NT][MAXR];
-    static_assert(sizeof(s_rows) >= NOTIFY_TILE * MAXR, "the notify tile lives in s_rows");
+    static_assert(sizeof(s_rows) >= NOTIFY_TILE_BYTES, "the notify tile lives in s_rows");
 
     __shared__ int32_t s_before[MAXR];  // tokens of the channel's first half going to d
+    __shared__ int32_t s_nrec[MAXR * MAXR];  // n_s[d] of every count record (non-cached)
+    __shared__ int32_t s_base[MAXR];         // Σ_{s < me} n_s[d]: this rank's block start on d
     uint32_t t0, t1, mid;
     block_tokens(a, c, h, &t0, &t1, &mid);
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
@@ -461,13 +468,38 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     // 1. Offsets: the count exchange, or the handle plus the ready handshake.
     if (!cached) {
         if (blockIdx.x == 0 && !notify(a, k, s_cc, s_n, (uint8_t *)s_rows) && tid == 0) s_ok = 0;
-        if (tid == 0 && s_ok) {
-            uint64_t off = ep_normal_table_ready(R, p);
-            // Second-order word (its writer waits on every rank first): twice the bound.
-            if (!ep_wait_eq(ctrl_word(a, me, off), k, err, 2 * a.timeout_ns, me, EP_KERNEL_DISPATCH, me, off))
+        __syncthreads();
+        // Sender step 1 (§2.3): notify[p][s'] of every s' (which also lets this call's rows into
+        // s'), then the first R counts of every record: this rank's block start on each d, and
+        // the rows each d receives (every block refuses an overflow alike; block 0's notify
+        // writes the error record). cpm, written by block 0 before its notify release, is
+        // visible with notify[p][me].
+        if (tid < R && s_ok) {
+            const uint64_t off = ep_normal_notify(R, p, tid);
+            if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off))
                 s_ok = 0;
             else
                 TRACE_ACQUIRE(me, off, k);
+        }
+        __syncthreads();
+        if (s_ok) {
+            if (tid < R * R)
+                s_nrec[tid] = ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, tid / R) + 4u * (tid % R)));
+            __syncthreads();
+            if (TRACED && tid == 0)
+                for (uint32_t s2 = 0; s2 < R; ++s2) TRACE_LOAD(me, ep_normal_count_record(R, p, s2), 4ull * R);
+            if (tid < R) {
+                int64_t b = 0, tot = 0;
+                for (uint32_t s2 = 0; s2 < R; ++s2) {
+                    const int32_t v = s_nrec[s2 * R + tid];
+                    if (s2 < me) b += v;
+                    tot += v;
+                }
+                s_base[tid] = (int32_t)b;
+                const uint64_t cap = a.num_worst_tokens > 0 && a.num_worst_tokens < a.capacity ? a.num_worst_tokens
+                                                                                            : a.capacity;
+                if ((uint64_t)tot > cap) s_ok = 0;
+            }
         }
     } else {
         if (blockIdx.x == 0 && tid < R) {
@@ -488,7 +520,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
 
     if (ok && tid < R) {
         const int32_t before = s_before[tid];
-        int32_t send_base = me == 0 ? 0 : __ldcg(&rpm[(me - 1) * R + tid]);
+        int32_t send_base = !cached ? s_base[tid] : me == 0 ? 0 : __ldcg(&rpm[(me - 1) * R + tid]);
         int32_t chan_start = c == 0 ? 0 : __ldcg(&cpm[tid * C + c - 1]);
         s_slot0[tid] = before;
         s_rowbase[tid] = (int32_t)ep_normal_final_row((uint32_t)send_base, (uint32_t)chan_start, (uint32_t)before);
@@ -585,8 +617,17 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     }
     stamp(a, 3);
 
-    // 4. Receive channel c: wait done[s][c] of every source, then copy the rows' meta out.
+    // 4. Receive channel c: wait done[s][c] of every source, then copy the rows' meta out. The
+    //    rows' offsets come from the handle matrices that block 0 wrote before table_ready.
     if (tid == 0) s_ok = ok ? 1 : 0;
+    if (ok && !cached && tid == 0) {
+        uint64_t off = ep_normal_table_ready(R, p);
+        // Second-order word (its writer waits on every rank first): twice the bound.
+        if (!ep_wait_eq(ctrl_word(a, me, off), k, err, 2 * a.timeout_ns, me, EP_KERNEL_DISPATCH, me, off))
+            s_ok = 0;
+        else
+            TRACE_ACQUIRE(me, off, k);
+    }
     __syncthreads();
     if (ok && tid < R) {
         uint64_t off = ep_normal_done(R, tid, c);

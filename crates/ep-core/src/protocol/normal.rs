@@ -174,24 +174,21 @@ pub(crate) fn take_slot<T>(m: &Mutex<Option<T>>, rank: usize, what: &str) -> Res
     })
 }
 
-/// The parsed table of a rank.
+/// The parsed table of a rank (its receiver's part: the senders take their block starts from
+/// the count records).
 struct Table {
-    send_base: Vec<u32>,
     recv_begin: Vec<u32>,
 }
 
 fn load_table(ctx: &mut dyn AgentCtx, arena: &NormalArena, rank: usize, p: u64) -> Result<Table> {
     let r = arena.num_ranks;
-    let (fb, fr, fc) = table_fields(r);
-    // `recv_chan` (after `fc`) is for kernels that place rows per channel; the receiver here
-    // loads whole blocks and does not need it.
-    let len = fc as usize;
-    let mut buf = vec![0u8; len];
-    ctx.load(rank, arena.at(arena.data_layout().table(p)), &mut buf)?;
-    let rd = |off: u64, i: usize| get_i32(&buf, off as usize + 4 * i) as u32;
+    let (_, fr, _) = table_fields(r);
+    // `recv_chan` (after `recv_begin`) is for kernels that place rows per channel; the receiver
+    // here loads whole blocks and does not need it.
+    let mut buf = vec![0u8; 4 * (r + 1)];
+    ctx.load(rank, arena.at(arena.data_layout().table(p) + fr), &mut buf)?;
     Ok(Table {
-        send_base: (0..r).map(|i| rd(fb, i)).collect(),
-        recv_begin: (0..=r).map(|i| rd(fr, i)).collect(),
+        recv_begin: (0..=r).map(|i| get_i32(&buf, 4 * i) as u32).collect(),
     })
 }
 
@@ -581,14 +578,32 @@ fn send(
     mutation: ProtocolMutation,
 ) -> Result<()> {
     let s = ctx.me().rank;
+    let r = arena.num_ranks;
     let p = parity(call);
-    wait_own_table(ctx, arena, call)?;
-    let table = load_table(ctx, arena, s, p)?;
+    // Step 1 (docs/protocol.md §2.3): every rank's count record, whose first `R` counts give
+    // this rank's block start on each destination, `send_base[d] = Σ_{s' < s} n_{s'}[d]`; the
+    // notify from every `d` is also what lets this call's rows into `d` (arena reuse).
+    let mut base = vec![0u32; r];
+    let mut n = vec![0u8; 4 * r];
+    for s2 in 0..r {
+        wait_eq(
+            ctx,
+            s,
+            arena.word(arena.ctrl_layout().notify(p, s2)),
+            call,
+            || format!("count record of rank {s2} for call {call}"),
+        )?;
+        if s2 < s {
+            ctx.load(s, arena.at(arena.data_layout().count_record(p, s2)), &mut n)?;
+            for (d, b) in base.iter_mut().enumerate() {
+                *b += get_i32(&n, 4 * d) as u32;
+            }
+        }
+    }
     let inp = &job.inputs[s];
     let itr = &job.layouts[s].is_token_in_rank;
     let range = channel_range(inp.num_tokens(), job.num_channels, c);
     let chan_start = counts_before(itr, range.start);
-    let base: Vec<u32> = (0..arena.num_ranks).map(|d| table.send_base[d]).collect();
     let topk = job.with_topk.then_some((&inp.topk_idx, &inp.topk_weights));
     send_rows(
         ctx,

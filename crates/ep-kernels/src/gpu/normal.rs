@@ -819,14 +819,23 @@ impl NormalGroup {
                 )));
             }
             self.keep(Some(t));
-            let per_rank = self.alloc(s, DType::I32, 1, r)?;
-            let per_expert = self.alloc(s, DType::I32, 1, num_experts)?;
-            let in_rank = self.alloc(s, DType::U8, t.rows(), r)?;
-            let st = &self.ranks[s].stream;
-            per_rank.buffer().memset_async(st, 0, 0, 4 * r)?;
-            per_expert
+            // Both counts in one allocation, zeroed by one memset (each stream operation before
+            // the kernel costs the call a launch gap).
+            let counts = self.alloc(s, DType::I32, 1, r + num_experts)?;
+            counts
                 .buffer()
-                .memset_async(st, 0, 0, 4 * num_experts)?;
+                .memset_async(&self.ranks[s].stream, 0, 0, 4 * (r + num_experts))?;
+            let buf = counts.buffer().clone();
+            let per_rank = DevTensor::strided(buf.clone(), 0, DType::I32, 1, r, 4 * r as u64)?;
+            let per_expert = DevTensor::strided(
+                buf,
+                4 * r as u64,
+                DType::I32,
+                1,
+                num_experts,
+                4 * num_experts as u64,
+            )?;
+            let in_rank = self.alloc(s, DType::U8, t.rows(), r)?;
             let mut a = self.base_args(s);
             a.num_tokens = t.rows() as u64;
             a.num_topk = t.cols() as u64;
