@@ -250,6 +250,11 @@ fn table() -> Vec<Row> {
             ],
         ),
         (
+            ProtocolMutation::SenderSkipsNotify,
+            normal_scenario,
+            &["read of poison", "data race", "oracle"],
+        ),
+        (
             ProtocolMutation::CombineSkipYReady,
             normal_scenario,
             &["read of poison", "data race", "store not published"],

@@ -16,6 +16,9 @@ pub enum ProtocolMutation {
     ReleaseBeforeLastRow,
     /// Normal dispatch: count records go to the other parity's slot.
     CountsWrongParity,
+    /// Normal dispatch: a sender loads the count records (its block start) without waiting for
+    /// every rank's `notify`.
+    SenderSkipsNotify,
     /// Normal combine: reducers pull without waiting for `y_ready`.
     CombineSkipYReady,
     /// Low-latency dispatch: the signal is posted with no fence after row puts on other QPs.

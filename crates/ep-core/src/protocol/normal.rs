@@ -586,13 +586,16 @@ fn send(
     let mut base = vec![0u32; r];
     let mut n = vec![0u8; 4 * r];
     for s2 in 0..r {
-        wait_eq(
-            ctx,
-            s,
-            arena.word(arena.ctrl_layout().notify(p, s2)),
-            call,
-            || format!("count record of rank {s2} for call {call}"),
-        )?;
+        // Planted bug: the counts are loaded without waiting for their notify.
+        if mutation != ProtocolMutation::SenderSkipsNotify {
+            wait_eq(
+                ctx,
+                s,
+                arena.word(arena.ctrl_layout().notify(p, s2)),
+                call,
+                || format!("count record of rank {s2} for call {call}"),
+            )?;
+        }
         if s2 < s {
             ctx.load(s, arena.at(arena.data_layout().count_record(p, s2)), &mut n)?;
             for (d, b) in base.iter_mut().enumerate() {
