@@ -69,6 +69,11 @@ __device__ __forceinline__ void stamp(const Args &a, uint32_t i) {
 // dispatch and combine kernel of a group has the same 2C blocks, so the words advance once per call.
 __device__ __forceinline__ uint64_t block_epoch(const Args &a) { return ep_block_epoch(a.call, a.epoch, true); }
 
+// The most rows a rank may receive: the arena's dispatch rows, or num_worst_tokens when smaller.
+__device__ __forceinline__ uint64_t recv_rows_cap(const Args &a) {
+    return a.num_worst_tokens > 0 && a.num_worst_tokens < a.capacity ? a.num_worst_tokens : a.capacity;
+}
+
 // Tokens [t0, t1) of block (c, h): half h of chan(T, C, c).
 __device__ __forceinline__ void block_tokens(const Args &a, uint32_t c, uint32_t h, uint32_t *t0,
                                              uint32_t *t1, uint32_t *mid_out) {
@@ -367,8 +372,7 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
     // Capacity: every rank sees the same rpm, so all refuse the call alike.
     if (tid < R) {
         uint64_t rows = (uint64_t)s_rpm[(R - 1) * R + tid];
-        uint64_t cap = a.num_worst_tokens > 0 && a.num_worst_tokens < a.capacity ? a.num_worst_tokens
-                                                                                  : a.capacity;
+        const uint64_t cap = recv_rows_cap(a);
         if (rows > cap) {
             ep_fail(err, EP_ERR_CAPACITY, me, EP_KERNEL_DISPATCH, tid, 0, cap, rows, rows);
             s_ok = 0;
@@ -496,9 +500,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
                     tot += v;
                 }
                 s_base[tid] = (int32_t)b;
-                const uint64_t cap = a.num_worst_tokens > 0 && a.num_worst_tokens < a.capacity ? a.num_worst_tokens
-                                                                                            : a.capacity;
-                if ((uint64_t)tot > cap) s_ok = 0;
+                if ((uint64_t)tot > recv_rows_cap(a)) s_ok = 0;
             }
         }
     } else {
