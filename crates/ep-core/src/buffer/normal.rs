@@ -15,11 +15,24 @@ use crate::plan::intranode::{
     check_same_activation_kind, handle_mismatch,
 };
 use crate::plan::layout::{DispatchLayout, get_dispatch_layout_for_rank};
-use crate::protocol::layout::{MAX_CHANNELS, RowFormat};
+use crate::protocol::layout::RowFormat;
 use crate::protocol::normal::{self, NormalArena, take_slot};
 use crate::routing::{Activations, ExpertIdx, RankInputs};
 use crate::tensor::Tensor2;
 use crate::transport::Transport;
+
+/// The shapes of a host handle, for the checks every backend shares.
+fn handle_shapes(h: &IntranodeHandle) -> super::check::HandleShapes {
+    super::check::HandleShapes {
+        rank_prefix_matrix: h.rank_prefix_matrix.shape(),
+        channel_prefix_matrix: h.channel_prefix_matrix.shape(),
+        recv_channel_prefix_matrix: h.recv_channel_prefix_matrix.shape(),
+        send_head: h.send_head.shape(),
+        is_token_in_rank: h.is_token_in_rank.shape(),
+        num_rows: h.recv_src_idx.len(),
+        num_recv: Some(h.num_recv_tokens),
+    }
+}
 
 fn rows_of(x: &Activations) -> RowFormat {
     match x {
@@ -243,19 +256,7 @@ impl<T: Transport> Buffer<T> {
         let mut max_rows = 0;
         for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
             check_same_activation_kind(xs[0], x, s)?;
-            let c = h.channel_prefix_matrix.cols();
-            if h.rank_prefix_matrix.shape() != (r, r)
-                || h.channel_prefix_matrix.rows() != r
-                || h.is_token_in_rank.shape() != (x.num_tokens(), r)
-                || c == 0
-                || c > MAX_CHANNELS
-                || h.num_recv_tokens > h.recv_src_idx.len()
-            {
-                return Err(handle_mismatch(
-                    s,
-                    "cached dispatch: handle shapes do not match x and the rank count".into(),
-                ));
-            }
+            super::check::normal_handle(s, r, Some(x.num_tokens()), None, &handle_shapes(h))?;
             max_rows = max_rows.max(h.recv_src_idx.len());
         }
         let fmt = rows_of(xs[0]);
@@ -333,15 +334,7 @@ impl<T: Transport> Buffer<T> {
     ) -> Result<()> {
         let r = handles.len();
         for (s, h) in handles.iter().enumerate() {
-            let c = h.channel_prefix_matrix.cols();
-            if h.rank_prefix_matrix.shape() != (r, r)
-                || h.channel_prefix_matrix.rows() != r
-                || h.send_head.cols() != r
-                || c == 0
-                || c > MAX_CHANNELS
-            {
-                return Err(handle_mismatch(s, "combine: handle shapes".into()));
-            }
+            let c = super::check::normal_handle(s, r, None, None, &handle_shapes(h))?;
             // Every pulled row must exist on its rank.
             for t in 0..h.send_head.rows() {
                 let ch = (0..c)

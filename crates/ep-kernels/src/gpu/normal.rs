@@ -35,6 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use ep_core::buffer::check::{HandleShapes, normal_handle};
 use ep_core::plan::intranode::DispatchOptions;
 use ep_core::protocol::layout::{NormalCtrl, NormalData, REGION_ALIGN, RowFormat, align128};
 
@@ -148,23 +149,45 @@ pub struct GpuHandle {
 impl GpuHandle {
     /// Checks every matrix's dtype and shape for rank `rank` of `num_ranks` with `num_channels`
     /// channels (a handle from another group or call shape is a typed error, not a bad read).
+    /// The dtypes here, the shapes by the rules every backend shares
+    /// (`ep_core::buffer::check::normal_handle`).
     pub fn check(&self, rank: usize, num_ranks: usize, num_channels: usize) -> Result<()> {
-        let (r, c, t) = (Some(num_ranks), Some(num_channels), Some(self.num_tokens));
         let what = |m: &str| format!("handle of rank {rank}: {m}");
-        self.rank_prefix_matrix
-            .expect(&what("rank_prefix_matrix"), DType::I32, r, r)?;
-        self.channel_prefix_matrix
-            .expect(&what("channel_prefix_matrix"), DType::I32, r, c)?;
-        self.recv_channel_prefix_matrix.expect(
-            &what("recv_channel_prefix_matrix"),
-            DType::I32,
-            r,
-            c,
+        for (name, t, dtype) in [
+            ("rank_prefix_matrix", &self.rank_prefix_matrix, DType::I32),
+            (
+                "channel_prefix_matrix",
+                &self.channel_prefix_matrix,
+                DType::I32,
+            ),
+            (
+                "recv_channel_prefix_matrix",
+                &self.recv_channel_prefix_matrix,
+                DType::I32,
+            ),
+            ("send_head", &self.send_head, DType::I32),
+            ("is_token_in_rank", &self.is_token_in_rank, DType::U8),
+        ] {
+            t.expect(&what(name), dtype, None, None)?;
+        }
+        let shape = |t: &DevTensor| (t.rows(), t.cols());
+        let shapes = HandleShapes {
+            rank_prefix_matrix: shape(&self.rank_prefix_matrix),
+            channel_prefix_matrix: shape(&self.channel_prefix_matrix),
+            recv_channel_prefix_matrix: shape(&self.recv_channel_prefix_matrix),
+            send_head: shape(&self.send_head),
+            is_token_in_rank: shape(&self.is_token_in_rank),
+            num_rows: self.num_rows,
+            num_recv: self.num_recv_tokens,
+        };
+        normal_handle(
+            rank,
+            num_ranks,
+            Some(self.num_tokens),
+            Some(num_channels),
+            &shapes,
         )?;
-        self.send_head
-            .expect(&what("send_head"), DType::I32, t, r)?;
-        self.is_token_in_rank
-            .expect(&what("is_token_in_rank"), DType::U8, t, r)
+        Ok(())
     }
 }
 
