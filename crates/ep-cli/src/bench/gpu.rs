@@ -1131,3 +1131,71 @@ fn plot(path: &Path, rows: &[SmRow], fp8: bool, ranks: usize) -> Result<(), Benc
     std::fs::write(path, s)
         .map_err(|e| BenchError::Usage(format!("writing {}: {e}", path.display())))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Stamps of one block: slot i at `base + at[i]` ns (0 = not reached).
+    fn block(base: u64, at: &[u64]) -> Vec<u64> {
+        let mut b = vec![0u64; 16];
+        for (i, &t) in at.iter().enumerate() {
+            b[i] = if t == u64::MAX { 0 } else { base + t };
+        }
+        b
+    }
+
+    #[test]
+    fn phases_are_medians_over_blocks_and_the_span_covers_every_rank() {
+        // Two ranks of two blocks; rank 1 starts 1 us later.
+        let stamps = vec![
+            vec![
+                block(10_000, &[0, 2_000, 9_000]),
+                block(10_000, &[0, 4_000, 11_000]),
+            ],
+            vec![
+                block(11_000, &[0, 2_000, 8_000]),
+                block(11_000, &[0, 2_000, 8_000]),
+            ],
+        ];
+        let p = phase_split(&stamps, &[1, 2]);
+        // Phase 1 durations 2, 4, 2, 2 us; phase 2: 7, 7, 6, 6.
+        assert_eq!(p.len(), 3);
+        assert!((p[0] - 2.0).abs() < 1e-9, "{p:?}");
+        assert!((p[1] - 6.5).abs() < 1e-9, "{p:?}");
+        // First start 10 us, last slot-2 stamp 21 us.
+        assert!((p[2] - 11.0).abs() < 1e-9, "{p:?}");
+    }
+
+    #[test]
+    fn the_critical_path_is_relative_to_the_first_start_of_any_rank() {
+        let mut b0 = block(5_000, &[0, 9_000, 20_000, 0, 0, 30_000, 4_000, 6_000]);
+        b0[3] = 0;
+        b0[4] = 0;
+        let stamps = vec![
+            vec![b0, block(5_000, &[500, 7_000, 19_000, 0, 0, 31_000])],
+            vec![block(
+                4_000,
+                &[0, 8_000, 18_000, 0, 0, 29_000, 3_000, 6_500],
+            )],
+        ];
+        let line = dispatch_path(&stamps);
+        let ranks: Vec<&str> = line.split(" | ").collect();
+        assert_eq!(ranks.len(), 2, "{line}");
+        // Rank 0 starts 1 us after rank 1; its notify block fenced its records at 5 us and saw
+        // every notify at 7 us; its blocks knew their offsets at 10 and 8 us (median 9).
+        assert!(ranks[0].contains("start 1.0..1.5"), "{line}");
+        assert!(
+            ranks[0].contains("records 5.0, notified 7.0, table 10.0"),
+            "{line}"
+        );
+        assert!(ranks[0].contains("offsets median 9.0 last 10.0"), "{line}");
+        assert!(ranks[0].contains("end 32.0"), "{line}");
+        assert!(
+            ranks[1].starts_with("rank 1 [block 0 stamps 0:0.0 1:8.0"),
+            "{line}"
+        );
+        // A rank with no stamps says so.
+        assert!(dispatch_path(&[vec![vec![0u64; 16]]]).contains("rank 0: no stamps"));
+    }
+}
