@@ -101,7 +101,7 @@ pub fn normal_handle(
         return bad(
             "send_head",
             h.send_head,
-            format!("{n}x{r} (the tokens of x)"),
+            format!("{n}x{r} (the call's tokens)"),
         );
     }
     for (what, found) in [
