@@ -1,6 +1,7 @@
 //! Errors of a `Buffer` say the truth: an agent that produced nothing is named with its own rank,
 //! a mode whose arena was never allocated says so (not "too small"), a combine bias of the wrong
-//! hidden width is refused on every combine path, and a simulator finding stays a typed
+//! hidden width is refused on every combine path, a handle of another call's shape is refused
+//! before any phase (the buffer stays usable), and a simulator finding stays a typed
 //! [`Violation`] when it crosses the Transport.
 
 mod protocol_support;
@@ -276,4 +277,84 @@ fn a_simulator_finding_crosses_the_transport_typed() {
         ),
         "{e:?}"
     );
+}
+
+/// Cached dispatch and combine refuse a handle of another call's shape with the handle error of
+/// the rank it belongs to (`buffer::check::normal_handle`, the rules the GPU shares), before any
+/// phase: the buffer stays usable and the next calls with the right handles equal the plan.
+#[test]
+fn a_handle_of_another_shape_is_refused_and_the_buffer_stays_usable() {
+    let inputs = gen_inputs(&case_gen(), 7, false);
+    let mut buf =
+        Buffer::new(sim(fabric(R, 4096, 4, 1), 7, policy(1)), normal_config()).expect("buffer");
+    let lay = layouts(&buf, &inputs);
+    let handles: Vec<IntranodeHandle> = buf
+        .dispatch(&inputs, &lay, case_gen().num_experts, &args())
+        .expect("dispatch")
+        .into_iter()
+        .map(|d| d.handle)
+        .collect();
+    let xs: Vec<_> = inputs.iter().map(|i| &i.x).collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let ys: Vec<_> = handles
+        .iter()
+        .map(|h| rand_bf16_tensor(&mut rng, h.recv_src_idx.len(), H))
+        .collect();
+    fn cargs(ys: &[Tensor2<half::bf16>]) -> Vec<CombineArgs<'_>> {
+        ys.iter()
+            .map(|y| CombineArgs {
+                x: y,
+                topk_weights: None,
+                bias: &[],
+            })
+            .collect()
+    }
+    let c = handles[1].channel_prefix_matrix.cols();
+    let t = handles[1].send_head.rows();
+    type Edit = fn(&mut IntranodeHandle, usize, usize);
+    // (the edit, what the combine's error names, what the cached dispatch's names): a combine
+    // takes its token count from send_head, a cached dispatch from x.
+    let edits: [(Edit, &str, &str); 4] = [
+        (
+            |h, _, _| h.rank_prefix_matrix = Tensor2::filled(R, R - 1, 0),
+            "rank_prefix_matrix",
+            "rank_prefix_matrix",
+        ),
+        (
+            |h, c, _| h.recv_channel_prefix_matrix = Tensor2::filled(R, c + 1, 0),
+            "recv_channel_prefix_matrix",
+            "recv_channel_prefix_matrix",
+        ),
+        (
+            |h, _, t| h.send_head = Tensor2::filled(t + 1, R, -1),
+            "is_token_in_rank",
+            "send_head",
+        ),
+        (
+            |h, _, _| h.num_recv_tokens = h.recv_src_idx.len() + 1,
+            "received rows",
+            "received rows",
+        ),
+    ];
+    for (edit, in_combine, in_cached) in edits {
+        let mut bad = handles.clone();
+        edit(&mut bad[1], c, t);
+        let names = |e: &Error, what: &str| matches!(e, Error::LayoutMismatch { rank: 1, field: "handle", detail } if detail.contains(what));
+        let e = buf.combine(&bad, &cargs(&ys)).expect_err(in_combine);
+        assert!(names(&e, in_combine), "combine, {in_combine}: {e:?}");
+        let e = buf.dispatch_cached(&xs, &bad).expect_err(in_cached);
+        assert!(names(&e, in_cached), "cached dispatch, {in_cached}: {e:?}");
+    }
+    // Still usable: the right handles give the plan's outputs.
+    let want: Vec<_> = (0..R)
+        .map(|d| ep_rs::core::plan::intranode::intranode_dispatch_cached(&xs, &handles, d))
+        .collect::<Result<_>>()
+        .expect("plan: cached dispatch");
+    assert_eq!(
+        buf.dispatch_cached(&xs, &handles).expect("cached dispatch"),
+        want
+    );
+    let want = ep_rs::core::plan::intranode::intranode_combine(&handles, &cargs(&ys))
+        .expect("plan: combine");
+    assert_eq!(buf.combine(&handles, &cargs(&ys)).expect("combine"), want);
 }
