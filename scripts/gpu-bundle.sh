@@ -5,6 +5,7 @@
 # self-spawning ones included (ep-kernels--gpu_normal_procs, ep-kernels--nvshmem_bringup start
 # copies of themselves as rank processes). Then, with the device tool:
 #   run(command: "bash scripts/gpu-run.sh", carry: ["bundle"], kind: "nvidia-h200-x2")
+# and, to compare with an earlier build copied to bundle/ep-A: bash scripts/gpu-ab.sh (its header).
 # nvcc must be reachable at build time for the kernels (see GPU.md: the pip toolchain in
 # .venv-cuda is found automatically).
 set -euo pipefail
