@@ -45,6 +45,19 @@ rm -f "$json"
 # The `ep` binary itself: `ep doctor` (live probes) and, later, `ep bench --backend gpu`.
 cargo build --release -p ep-cli
 cp "$CARGO_TARGET_DIR/release/ep" bundle/ep
+# The criterion bench over the GPU API (benches/gpu.rs): bundle/benches/gpu --bench there.
+mkdir -p bundle/benches
+cargo bench --no-run --bench gpu --message-format=json 2>/dev/null | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+        shutil.copy2(m["executable"], "bundle/benches/gpu")
+        print("bundle/benches/gpu")
+'
 if ! grep -q "Some(" "$(ls -t "$CARGO_TARGET_DIR"/release/build/ep-kernels-*/out/kernels.rs | head -1)"; then
   echo "WARNING: ep-kernels was built without nvcc: the GPU tests will fail (see GPU.md)" >&2
 fi

@@ -118,5 +118,12 @@ if [ -x bundle/ep ]; then
     | tee "$out/bench-gpu-ll-r2-logfmt.txt"
   echo "ep bench --backend gpu --mode low-latency --logfmt exited ${PIPESTATUS[0]}"
 fi
+if [ -x bundle/benches/gpu ]; then
+  # The criterion bench over the public GPU API (benches/gpu.rs; host wall-clock per call).
+  echo "=== cargo bench --bench gpu (bundle/benches/gpu)"
+  bundle/benches/gpu --bench --warm-up-time 1 --measurement-time 3 2>&1 | tee "$out/bench-criterion-gpu.txt" \
+    | grep -E "skipped|time:|thrpt:|^gpu_normal" | head -20
+  echo "benches/gpu exited ${PIPESTATUS[0]}"
+fi
 echo "$pass passed, $fail failed${skipped:+; skipped: $skipped}"
 [ $fail -eq 0 ]

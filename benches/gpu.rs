@@ -1,0 +1,167 @@
+//! The GPU data path over the public API: normal-mode dispatch and combine of two co-resident
+//! ranks on GPU 0 at DeepEP's shape (4096 tokens per rank, hidden 7168, top-8, 256 experts,
+//! 24 SMs per rank). Host wall-clock per call, launch and `sync` included; the event-timed
+//! medians beside the same-run ceiling come from `ep bench --backend gpu` (BENCHMARKS.md).
+//!
+//! `cargo bench --bench gpu -- --warm-up-time 1 --measurement-time 3` on a machine with a GPU
+//! (the GPU machine gets it as a binary from `scripts/gpu-bundle.sh`); without one it prints
+//! "skipped: no GPU" and measures nothing.
+//!
+//! Before timing, one dispatch and one in-place combine are compared with the plan bit for bit
+//! (the identity expert: the combine reads the received rows in place), so a broken kernel cannot
+//! produce a fast number.
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput};
+use ep_rs::core::plan::combine::CombineArgs;
+use ep_rs::core::plan::intranode::{DispatchOptions, intranode_combine, intranode_dispatch_all};
+use ep_rs::core::plan::layout::get_dispatch_layout_for_rank;
+use ep_rs::kernels::gpu::{CombineSource, GpuCombineArgs, GpuDispatchArgs, GpuRankInputs};
+use ep_rs::prelude::*;
+
+const RANKS: usize = 2;
+const TOKENS: usize = 4096;
+const HIDDEN: usize = 7168;
+const TOPK: usize = 8;
+const EXPERTS: usize = 256;
+const SMS: usize = 24;
+
+fn normal(c: &mut Criterion, dev: std::sync::Arc<Device>) {
+    let inputs = WorkloadSpec::new(RANKS, TOKENS, HIDDEN, TOPK, EXPERTS, 7)
+        .generate()
+        .expect("workload");
+    let arena = Buffer::<Sim>::normal_size_hint(RANKS, RANKS * TOKENS, HIDDEN, 2, TOPK);
+    let mut g = NormalGroup::new(dev.clone(), RANKS, SMS, arena).expect("group");
+    let xs: Vec<DevTensor> = inputs
+        .iter()
+        .map(|i| match &i.x {
+            Activations::Bf16(t) => DevTensor::upload(dev.context(), t).expect("upload x"),
+            Activations::Fp8 { .. } => unreachable!("BF16 workload"),
+        })
+        .collect();
+    let idx: Vec<DevTensor> = inputs
+        .iter()
+        .map(|i| DevTensor::upload(dev.context(), &i.topk_idx).expect("upload topk_idx"))
+        .collect();
+    let w: Vec<DevTensor> = inputs
+        .iter()
+        .map(|i| DevTensor::upload(dev.context(), &i.topk_weights).expect("upload weights"))
+        .collect();
+    let layouts = g
+        .layout(&idx.iter().collect::<Vec<_>>(), EXPERTS)
+        .expect("layout");
+    let rank_inputs: Vec<GpuRankInputs<'_>> = (0..RANKS)
+        .map(|r| GpuRankInputs {
+            x: &xs[r],
+            x_scales: None,
+            topk_idx: Some(&idx[r]),
+            topk_weights: Some(&w[r]),
+        })
+        .collect();
+    let args = GpuDispatchArgs::default();
+
+    // The plan: dispatch, then the identity expert's combine.
+    let host_layouts: Vec<_> = inputs
+        .iter()
+        .enumerate()
+        .map(|(s, i)| get_dispatch_layout_for_rank(s, &i.topk_idx, EXPERTS, RANKS).expect("layout"))
+        .collect();
+    let opts = DispatchOptions {
+        num_channels: SMS / 2,
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        with_topk: true,
+    };
+    let want = intranode_dispatch_all(&inputs, &host_layouts, EXPERTS, &opts).expect("plan");
+    let ys: Vec<Tensor2<half::bf16>> = want
+        .iter()
+        .map(|d| match &d.recv_x {
+            Activations::Bf16(x) => x.clone(),
+            Activations::Fp8 { .. } => unreachable!("BF16 workload"),
+        })
+        .collect();
+    let handles: Vec<_> = want.iter().map(|d| d.handle.clone()).collect();
+    let cargs: Vec<CombineArgs<'_>> = (0..RANKS)
+        .map(|d| CombineArgs {
+            x: &ys[d],
+            topk_weights: want[d].recv_topk_weights.as_ref(),
+            bias: &[],
+        })
+        .collect();
+    let want_combined = intranode_combine(&handles, &cargs).expect("plan combine");
+
+    // One checked round on the GPU.
+    let got = g
+        .dispatch(&rank_inputs, &layouts, EXPERTS, &args)
+        .expect("dispatch");
+    let comb_args: Vec<GpuCombineArgs<'_>> = got
+        .iter()
+        .map(|d| GpuCombineArgs {
+            handle: &d.handle,
+            with_weights: true,
+            bias: [None, None],
+        })
+        .collect();
+    let combined = g
+        .combine(CombineSource::InPlace, &comb_args)
+        .expect("combine");
+    g.sync().expect("sync");
+    for r in 0..RANKS {
+        let x: Tensor2<half::bf16> = got[r].recv_x.download().expect("download recv_x");
+        assert_eq!(
+            x, ys[r],
+            "rank {r}: recv_x must equal the plan's before it is timed"
+        );
+        let y: Tensor2<half::bf16> = combined[r].combined_x.download().expect("download");
+        assert_eq!(
+            y, want_combined[r].combined_x,
+            "rank {r}: the combine must equal the plan's before it is timed"
+        );
+    }
+
+    let rows: usize = want.iter().map(|d| d.handle.num_recv_tokens).sum();
+    let mut group = c.benchmark_group("gpu_normal_r2_24sms");
+    group.throughput(Throughput::Bytes((rows * HIDDEN * 2) as u64));
+    group.bench_function("dispatch", |b| {
+        b.iter(|| {
+            let out = g
+                .dispatch(&rank_inputs, &layouts, EXPERTS, &args)
+                .expect("dispatch");
+            g.sync().expect("sync");
+            black_box(out.len())
+        })
+    });
+    group.bench_function("dispatch + combine in place", |b| {
+        b.iter(|| {
+            let out = g
+                .dispatch(&rank_inputs, &layouts, EXPERTS, &args)
+                .expect("dispatch");
+            let ca: Vec<GpuCombineArgs<'_>> = out
+                .iter()
+                .map(|d| GpuCombineArgs {
+                    handle: &d.handle,
+                    with_weights: true,
+                    bias: [None, None],
+                })
+                .collect();
+            let y = g.combine(CombineSource::InPlace, &ca).expect("combine");
+            g.sync().expect("sync");
+            black_box(y.len())
+        })
+    });
+    group.finish();
+}
+
+fn main() {
+    let dev = match Device::open(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("skipped: no GPU ({e})");
+            return;
+        }
+    };
+    let mut c = Criterion::default().configure_from_args();
+    normal(&mut c, dev);
+    c.final_summary();
+}
