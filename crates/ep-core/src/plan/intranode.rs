@@ -155,14 +155,7 @@ pub(crate) fn check_dispatch(
     let first = &inputs[0];
     for (s, inp) in inputs.iter().enumerate() {
         validate_inputs(inp, num_experts, s)?;
-        check_same_activation_kind(&first.x, &inp.x, s)?;
-        if opts.with_topk && inp.num_topk() != first.num_topk() {
-            return Err(Error::ShapeMismatch {
-                what: "top-k (must agree across ranks)",
-                expected: format!("{} columns", first.num_topk()),
-                found: format!("{} columns on rank {s}", inp.num_topk()),
-            });
-        }
+        inp.shapes().agree(&first.shapes(), s, opts.with_topk)?;
         let want = get_dispatch_layout_for_rank(s, &inp.topk_idx, num_experts, num_ranks)?;
         check_layout(s, &layouts[s], &want)?;
     }
@@ -206,18 +199,7 @@ pub(crate) fn check_same_activation_kind(
     x: &Activations,
     rank: usize,
 ) -> Result<()> {
-    let kind = |a: &Activations| match a {
-        Activations::Bf16(_) => "BF16",
-        Activations::Fp8 { .. } => "FP8",
-    };
-    if kind(first) != kind(x) || first.hidden() != x.hidden() {
-        return Err(Error::ShapeMismatch {
-            what: "activations (dtype and hidden size must agree across ranks)",
-            expected: format!("{} x {}", kind(first), first.hidden()),
-            found: format!("{} x {} on rank {rank}", kind(x), x.hidden()),
-        });
-    }
-    Ok(())
+    x.shapes().agree(&first.shapes(), rank, false)
 }
 
 fn check_layout(rank: usize, got: &DispatchLayout, want: &DispatchLayout) -> Result<()> {

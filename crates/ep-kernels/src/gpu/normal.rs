@@ -38,6 +38,7 @@ use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 use ep_core::buffer::check::{HandleShapes, normal_handle};
 use ep_core::plan::intranode::DispatchOptions;
 use ep_core::protocol::layout::{NormalCtrl, NormalData, REGION_ALIGN, RowFormat, align128};
+use ep_core::routing::InputShapes;
 
 use super::abi::{self, ErrBlock, Mailbox, NormalArgs};
 use super::device::{Device, stream_fault};
@@ -897,6 +898,46 @@ impl NormalGroup {
                 });
             }
         };
+        let shape = |t: &DevTensor| (t.rows(), t.cols());
+        let shapes_of = |inp: &GpuRankInputs<'_>| InputShapes {
+            x: shape(inp.x),
+            fp8: inp.x.dtype() == DType::F8E4M3,
+            x_scales: inp.x_scales.map(shape),
+            topk_idx: inp.topk_idx.map(shape),
+            topk_weights: inp.topk_weights.map(shape),
+        };
+        let first_shapes = shapes_of(&inputs[0]);
+        let mut tokens = Vec::with_capacity(inputs.len());
+        for (i, inp) in inputs.iter().enumerate() {
+            let s = self.who(i);
+            // Dtypes, devices and layout here; shapes by the rules every backend shares.
+            inp.x
+                .expect(&format!("x of rank {s}"), first.dtype(), None, None)?;
+            check_device(inp.x, &self.dev, s)?;
+            if !inp.x.is_contiguous() {
+                return Err(Error::Unsupported(format!(
+                    "x of rank {s}: rows must be contiguous"
+                )));
+            }
+            let typed = |t: Option<&DevTensor>, name: &str, dtype: DType| -> Result<()> {
+                if let Some(x) = t {
+                    x.expect(&format!("{name} of rank {s}"), dtype, None, None)?;
+                    check_device(x, &self.dev, s)?;
+                }
+                Ok(())
+            };
+            if fp8 {
+                typed(inp.x_scales, "x_scales", DType::F32)?;
+            }
+            if with_topk {
+                typed(inp.topk_idx, "topk_idx", DType::I64)?;
+                typed(inp.topk_weights, "topk_weights", DType::F32)?;
+            }
+            let shapes = shapes_of(inp);
+            shapes.check(s, with_topk)?;
+            shapes.agree(&first_shapes, s, with_topk)?;
+            tokens.push(inp.x.rows());
+        }
         let hidden = first.cols();
         let num_scales = if fp8 { hidden.div_ceil(128) } else { 0 };
         let elem = if fp8 { 1 } else { 2 };
@@ -907,41 +948,10 @@ impl NormalGroup {
             )));
         }
         let num_topk = if with_topk {
-            inputs[0].topk_idx.map_or(0, DevTensor::cols)
+            first_shapes.topk_idx.map_or(0, |(_, k)| k)
         } else {
             0
         };
-        let mut tokens = Vec::with_capacity(inputs.len());
-        for (i, inp) in inputs.iter().enumerate() {
-            let s = self.who(i);
-            let t = inp.x.rows();
-            inp.x
-                .expect(&format!("x of rank {s}"), first.dtype(), None, Some(hidden))?;
-            check_device(inp.x, &self.dev, s)?;
-            if !inp.x.is_contiguous() {
-                return Err(Error::Unsupported(format!(
-                    "x of rank {s}: rows must be contiguous"
-                )));
-            }
-            let need = |t_opt: Option<&DevTensor>, name: &str, dtype: DType, cols: usize| {
-                let what = format!("{name} of rank {s}");
-                let x = t_opt.ok_or_else(|| Error::TensorMismatch {
-                    what: what.clone(),
-                    expected: format!("{dtype:?} [{t}, {cols}]"),
-                    found: "none".into(),
-                })?;
-                x.expect(&what, dtype, Some(t), Some(cols))?;
-                check_device(x, &self.dev, s)
-            };
-            if fp8 {
-                need(inp.x_scales, "x_scales", DType::F32, num_scales)?;
-            }
-            if with_topk {
-                need(inp.topk_idx, "topk_idx", DType::I64, num_topk)?;
-                need(inp.topk_weights, "topk_weights", DType::F32, num_topk)?;
-            }
-            tokens.push(t);
-        }
         if num_topk > MAX_TOPK {
             return Err(Error::Unsupported(format!(
                 "top-k {num_topk}: at most {MAX_TOPK}"
