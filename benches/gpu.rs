@@ -17,9 +17,7 @@ use criterion::{Criterion, Throughput};
 use ep_rs::core::plan::combine::CombineArgs;
 use ep_rs::core::plan::intranode::{DispatchOptions, intranode_combine, intranode_dispatch_all};
 use ep_rs::core::plan::layout::get_dispatch_layout_for_rank;
-use ep_rs::kernels::gpu::{
-    CombineSource, GpuCombineArgs, GpuDispatch, GpuDispatchArgs, GpuRankInputs,
-};
+use ep_rs::kernels::gpu::{CombineSource, GpuCombineArgs, GpuDispatchArgs, GpuRankInputs};
 use ep_rs::prelude::*;
 
 const RANKS: usize = 2;
@@ -28,17 +26,6 @@ const HIDDEN: usize = 7168;
 const TOPK: usize = 8;
 const EXPERTS: usize = 256;
 const SMS: usize = 24;
-
-/// The identity expert's combine of `out`: the received rows read in place, with weights.
-fn in_place_args(out: &[GpuDispatch]) -> Vec<GpuCombineArgs<'_>> {
-    out.iter()
-        .map(|d| GpuCombineArgs {
-            handle: &d.handle,
-            with_weights: true,
-            bias: [None, None],
-        })
-        .collect()
-}
 
 fn normal(c: &mut Criterion, dev: std::sync::Arc<Device>) {
     let inputs = WorkloadSpec::new(RANKS, TOKENS, HIDDEN, TOPK, EXPERTS, 7)
@@ -109,7 +96,7 @@ fn normal(c: &mut Criterion, dev: std::sync::Arc<Device>) {
         .dispatch(&rank_inputs, &layouts, EXPERTS, &args)
         .expect("dispatch");
     let combined = g
-        .combine(CombineSource::InPlace, &in_place_args(&got))
+        .combine(CombineSource::InPlace, &GpuCombineArgs::of_dispatch(&got))
         .expect("combine");
     g.sync().expect("sync");
     for r in 0..RANKS {
@@ -143,7 +130,7 @@ fn normal(c: &mut Criterion, dev: std::sync::Arc<Device>) {
                 .dispatch(&rank_inputs, &layouts, EXPERTS, &args)
                 .expect("dispatch");
             let y = g
-                .combine(CombineSource::InPlace, &in_place_args(&out))
+                .combine(CombineSource::InPlace, &GpuCombineArgs::of_dispatch(&out))
                 .expect("combine");
             g.sync().expect("sync");
             black_box(y.len())

@@ -108,18 +108,6 @@ impl Set {
     }
 }
 
-/// Every rank's combine of the dispatched rows with their weights and no bias (the identity
-/// expert's combine).
-fn identity_combine(out: &[GpuDispatch]) -> Vec<GpuCombineArgs<'_>> {
-    out.iter()
-        .map(|o| GpuCombineArgs {
-            handle: &o.handle,
-            with_weights: true,
-            bias: [None, None],
-        })
-        .collect()
-}
-
 /// The slowest rank's time of a call.
 pub(super) fn slowest(per_rank: &[f64]) -> f64 {
     per_rank.iter().copied().fold(0.0, f64::max)
@@ -389,7 +377,7 @@ fn verify_set(
     } else {
         CombineSource::InPlace
     };
-    let args = identity_combine(&out);
+    let args = GpuCombineArgs::of_dispatch(&out);
     let comb = g.combine(source, &args).map_err(gpu_err("combine"))?;
     g.sync().map_err(gpu_err("combine"))?;
     let mut host_comb = Vec::with_capacity(set.local.len());
@@ -814,7 +802,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                 .dispatch(&sets[i].inputs(), &layouts[i], e, &none)
                 .and_then(|o| g.sync().map(|()| o))
                 .map_err(gpu_err("dispatch before combine"))?;
-            let ca = identity_combine(&out);
+            let ca = GpuCombineArgs::of_dispatch(&out);
             timed(&mut g, "combine", |g| g.combine(source, &ca))
         })?;
         row.combine = figure(&s, bf16_bytes);
@@ -877,7 +865,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             sms,
             dispatch_path(&stamps)
         );
-        let ca = identity_combine(&out);
+        let ca = GpuCombineArgs::of_dispatch(&out);
         timed(&mut g, "measured combine", |g| g.combine(source, &ca))?;
         row.combine_phases_us = phase_split(
             &g.phase_times().map_err(gpu_err("phase stamps"))?,

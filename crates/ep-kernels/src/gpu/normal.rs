@@ -233,6 +233,20 @@ pub struct GpuCombineArgs<'a> {
     pub bias: [Option<&'a DevTensor>; 2],
 }
 
+impl<'a> GpuCombineArgs<'a> {
+    /// Every rank's combine of what `out` delivered, with its weights and no bias: the identity
+    /// expert's combine (the rows themselves with `CombineSource::InPlace`).
+    pub fn of_dispatch(out: &'a [GpuDispatch]) -> Vec<Self> {
+        out.iter()
+            .map(|d| Self {
+                handle: &d.handle,
+                with_weights: true,
+                bias: [None, None],
+            })
+            .collect()
+    }
+}
+
 /// What combine gives one rank.
 #[derive(Clone, Debug)]
 pub struct GpuCombined {
