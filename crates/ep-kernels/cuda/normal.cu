@@ -21,7 +21,7 @@
 #define WARPS (EP_GPU_THREADS / 32)
 #define MAXR EP_GPU_MAX_RANKS
 #define UNROLL 4
-#define META_U 4  // rows per lane in flight in the dispatch's meta copy-out
+#define META_U 4  // rows per thread in flight in the dispatch's src_idx copy-out
 
 typedef ep_normal_args Args;
 
@@ -106,24 +106,6 @@ __device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *co
             }
         }
     }
-}
-
-// One 8-byte half `h` of row j's meta part to the outputs: half 0 = src_idx (and its pad),
-// halves 1..K = the top-k ids, then the weights two per half (§2.1's record).
-__device__ __forceinline__ void meta_half(int2 x, uint32_t h, uint64_t j, uint32_t K, bool topk,
-                                          int32_t *out_src, int64_t *out_idx, float *out_w) {
-    if (h == 0) {
-        if (out_src) out_src[j] = x.x;
-        return;
-    }
-    if (!topk) return;
-    if (h <= K) {
-        out_idx[j * K + h - 1] = (int64_t)(((uint64_t)(uint32_t)x.y << 32) | (uint32_t)x.x);
-        return;
-    }
-    const uint32_t w = 2 * (h - 1 - K);
-    if (w < K) out_w[j * K + w] = __int_as_float(x.x);
-    if (w + 1 < K) out_w[j * K + w + 1] = __int_as_float(x.y);
 }
 
 // ---- layout ------------------------------------------------------------------------------------
@@ -642,8 +624,6 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     if (!s_ok) return;
     stamp(a, 4);
     int32_t *out_src = (int32_t *)a.recv_src_idx;
-    int64_t *out_idx = (int64_t *)a.recv_topk_idx;
-    float *out_w = (float *)a.recv_topk_weights;
     // This CTA's rows of each source: thread s computes them (one round trip for all s).
     __shared__ int32_t s_lo[MAXR], s_hi[MAXR];
     if (tid < R) {
@@ -657,48 +637,31 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         s_hi[s] = h == 0 ? m : e;
     }
     __syncthreads();
-    // The meta parts of those rows (src_idx, pad, top-k ids, weights: P 16-byte pieces each)
-    // copied out by groups of 8 lanes, a lane per piece, every piece of META_U rows in flight
-    // before any is stored. (One row per thread, with 1 + 2K loads each, cost a line request per
-    // load and lane: 7.2 us at 24 SMs, 21 us at 8.)
-    const uint32_t P = (uint32_t)((a.drec - meta_off) / 16);
-    const uint32_t g = lane & 7u, sub = lane >> 3;
-    for (uint32_t s = 0; s < R; ++s) {
+    // src_idx of those rows copied out (one 4-byte load per row, all of a thread's rows in
+    // flight before any is stored); the top-k ids and weights stay in the records, where the
+    // host's outputs view them (NormalGroup::dispatch; copying them out cost 3.8 us at 24 SMs).
+    for (uint32_t s = 0; out_src && s < R; ++s) {
         const int32_t lo = s_lo[s], hi = s_hi[s];
-        for (int32_t base = lo + (int32_t)(warp * 4 + sub); base < hi; base += (int32_t)(WARPS * 4 * META_U)) {
-            for (uint32_t p0 = 0; p0 < P; p0 += 8) {
-                const uint32_t p = p0 + g;
-                int4 v[META_U];
+        for (int32_t base = lo + (int32_t)tid; base < hi; base += (int32_t)(NT * META_U)) {
+            int32_t v[META_U];
 #pragma unroll
-                for (int u = 0; u < META_U; ++u) {
-                    const int32_t j = base + u * (int32_t)(WARPS * 4);
-                    if (j < hi && p < P)
-                        v[u] = ep_ld_cg((const int4 *)(data_at(a, me, ep_normal_dispatch_row(R, (uint64_t)j, a.drec)) +
-                                                       meta_off + 16u * p));
-                }
+            for (int u = 0; u < META_U; ++u) {
+                const int32_t j = base + u * (int32_t)NT;
+                if (j < hi) v[u] = ld_i32_cg(data_at(a, me, ep_normal_dispatch_row(R, (uint64_t)j, a.drec)) + meta_off);
+            }
 #pragma unroll
-                for (int u = 0; u < META_U; ++u) {
-                    const int32_t j = base + u * (int32_t)(WARPS * 4);
-                    if (j < hi && p < P) {
-                        meta_half(make_int2(v[u].x, v[u].y), 2 * p, (uint64_t)j, K, topk, out_src, out_idx, out_w);
-                        meta_half(make_int2(v[u].z, v[u].w), 2 * p + 1, (uint64_t)j, K, topk, out_src, out_idx, out_w);
-                    }
-                }
+            for (int u = 0; u < META_U; ++u) {
+                const int32_t j = base + u * (int32_t)NT;
+                if (j < hi) out_src[j] = v[u];
             }
         }
     }
-    if (TRACED)
+    if (TRACED && out_src)
         for (uint32_t s = 0; s < R; ++s)
-            for (int32_t j = s_lo[s] + (int32_t)tid; j < s_hi[s]; j += NT) {
-                const uint64_t row = ep_normal_dispatch_row(R, (uint64_t)j, a.drec);
-                TRACE_LOAD(me, row + meta_off, 4);
-                if (topk && K > 0) {
-                    TRACE_LOAD(me, row + idx_off, 8ull * K);
-                    TRACE_LOAD(me, row + w_off, 4ull * K);
-                }
-            }
+            for (int32_t j = s_lo[s] + (int32_t)tid; j < s_hi[s]; j += NT)
+                TRACE_LOAD(me, ep_normal_dispatch_row(R, (uint64_t)j, a.drec) + meta_off, 4);
     // 5. Worst-token tail rows (num_recv <= row < num_worst_tokens): zero x and scales,
-    //    src_idx -1, top-k -1 / 0.0, in the record and in the outputs.
+    //    src_idx -1, top-k -1 / 0.0, in the record (which the outputs view) and src_idx.
     if (!cached && a.num_worst_tokens > 0) {
         const uint64_t num_recv = (uint64_t)__ldcg(&rpm[(R - 1) * R + me]);
         for (uint64_t j = num_recv + blockIdx.x * WARPS + warp; j < a.num_worst_tokens; j += (uint64_t)gridDim.x * WARPS) {
@@ -714,8 +677,6 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
             if (topk && lane < K) {
                 *(int64_t *)(rec + idx_off + 8u * lane) = -1;
                 *(float *)(rec + w_off + 4u * lane) = 0.0f;
-                out_idx[j * K + lane] = -1;
-                out_w[j * K + lane] = 0.0f;
             }
             if (TRACED) {
                 __syncwarp();

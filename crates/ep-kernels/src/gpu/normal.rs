@@ -80,8 +80,9 @@ struct Rank {
     /// `[2 * MAX_CHANNELS]` u64: each block's last call number (the device-resident epoch a
     /// captured graph reads, docs/protocol.md §2.7); only this rank's kernels touch it.
     epoch: DevBuf,
-    /// `recv_src_idx`, `recv_topk_idx`, `recv_topk_weights` at capacity, reused per dispatch.
-    meta: Option<(usize, DevTensor, DevTensor, DevTensor)>,
+    /// `recv_src_idx` at capacity, reused per dispatch (the top-k ids and weights are views of
+    /// the records, [`NormalGroup::dispatch`]).
+    meta: Option<(usize, DevTensor)>,
 }
 
 /// What [`NormalGroup::layout`] gives one rank (spec §1.7), on the device.
@@ -199,9 +200,10 @@ pub struct GpuDispatch {
     pub recv_x: DevTensor,
     /// `[rows, S]` f32 view into the arena (FP8 only).
     pub recv_x_scales: Option<DevTensor>,
-    /// `[rows, K]` i64 local expert ids (with top-k).
+    /// `[rows, K]` i64 local expert ids (with top-k): a view into the arena's records (row
+    /// stride = the record), valid until the next dispatch, like `recv_x`.
     pub recv_topk_idx: Option<DevTensor>,
-    /// `[rows, K]` f32 (with top-k).
+    /// `[rows, K]` f32 (with top-k), a view like `recv_topk_idx`.
     pub recv_topk_weights: Option<DevTensor>,
     /// `[1, rows]` i32 source token of each row.
     pub recv_src_idx: DevTensor,
@@ -980,35 +982,59 @@ impl NormalGroup {
         Ok((fmt, tokens))
     }
 
-    fn meta_buffers(
-        &mut self,
-        rank: usize,
-        cap: usize,
-        k: usize,
-    ) -> Result<(DevTensor, DevTensor, DevTensor)> {
+    /// The `[1, cap]` i32 `recv_src_idx` buffer of local rank `rank`, reused while it is large
+    /// enough.
+    fn src_buffer(&mut self, rank: usize, cap: usize) -> Result<DevTensor> {
         let r = &mut self.ranks[rank];
-        let fits = r
-            .meta
-            .as_ref()
-            .is_some_and(|(c, _, idx, _)| *c >= cap && idx.cols() == k.max(1));
+        let fits = r.meta.as_ref().is_some_and(|(c, _)| *c >= cap);
         if !fits {
-            // The previous buffers may still be read by earlier work: drop them only after the
+            // The previous buffer may still be read by earlier work: drop it only after the
             // stream passed it (DevBuf::drop of cuMemAlloc memory waits for the device).
-            let ctx = self.dev.context();
             let old = r.meta.take();
-            if let (Some(cap), Some((_, a, b, c))) = (&mut self.capture, old) {
-                // No free while capturing (cuMemFree synchronises): the graph drops them.
-                cap.keep.extend([a, b, c].map(|t| t.buffer().clone()));
+            if let (Some(cap), Some((_, a))) = (&mut self.capture, old) {
+                // No free while capturing (cuMemFree synchronises): the graph drops it.
+                cap.keep.push(a.buffer().clone());
             }
             r.meta = Some((
                 cap,
-                DevTensor::empty(ctx, DType::I32, 1, cap)?,
-                DevTensor::empty(ctx, DType::I64, cap, k.max(1))?,
-                DevTensor::empty(ctx, DType::F32, cap, k.max(1))?,
+                DevTensor::empty(self.dev.context(), DType::I32, 1, cap)?,
             ));
         }
-        let (_, a, b, c) = r.meta.as_ref().expect("set above");
-        Ok((a.clone(), b.clone(), c.clone()))
+        let (_, a) = r.meta.as_ref().expect("set above");
+        Ok(a.clone())
+    }
+
+    /// The top-k ids (`[rows, K]` i64, local ids, -1 elsewhere) and weights (`[rows, K]` f32) of
+    /// local rank `rank`'s received rows: views of the dispatch records in the arena (row
+    /// stride = the record), valid until the next dispatch, like `recv_x`.
+    fn topk_views(
+        &self,
+        rank: usize,
+        fmt: RowFormat,
+        rows: usize,
+    ) -> Result<(DevTensor, DevTensor)> {
+        let data = &self.ranks[rank].data;
+        let base = self.data_layout().rows_base();
+        let drec = fmt.dispatch_record();
+        let k = fmt.num_topk;
+        Ok((
+            DevTensor::strided(
+                data.clone(),
+                base + fmt.topk_idx_offset(),
+                DType::I64,
+                rows,
+                k,
+                drec,
+            )?,
+            DevTensor::strided(
+                data.clone(),
+                base + fmt.topk_weights_offset(),
+                DType::F32,
+                rows,
+                k,
+                drec,
+            )?,
+        ))
     }
 
     /// Normal dispatch of every local rank (spec §1.8, docs/protocol.md §2.3): layout counts
@@ -1084,17 +1110,15 @@ impl NormalGroup {
         // Every allocation (and release) before the first launch: a synchronous one would
         // wait for kernels already launched, which wait for ranks not launched yet.
         for (s, &t) in tokens.iter().enumerate() {
-            let meta = self.meta_buffers(s, cap as usize, k)?;
+            let src = self.src_buffer(s, cap as usize)?;
             handles.push((
                 self.alloc(s, DType::I32, r, r)?,
                 self.alloc(s, DType::I32, r, c)?,
                 self.alloc(s, DType::I32, r, c)?,
                 self.alloc(s, DType::I32, t, r)?,
             ));
-            for t in [&meta.0, &meta.1, &meta.2] {
-                self.keep(Some(t));
-            }
-            metas.push(meta);
+            self.keep(Some(&src));
+            metas.push(src);
             let inp = inputs[s];
             for t in [Some(inp.x), inp.x_scales, inp.topk_idx, inp.topk_weights] {
                 self.keep(t);
@@ -1141,9 +1165,7 @@ impl NormalGroup {
             a.channel_prefix_matrix = cpm.ptr();
             a.recv_channel_prefix_matrix = rcpm.ptr();
             a.send_head = send_head.ptr();
-            a.recv_src_idx = meta.0.ptr();
-            a.recv_topk_idx = meta.1.ptr();
-            a.recv_topk_weights = meta.2.ptr();
+            a.recv_src_idx = meta.ptr();
             self.launch(s, Kernel::Dispatch, 2 * c as u32, &a)?;
         }
         self.last = Some(LastDispatch { fmt, num_topk: k });
@@ -1191,20 +1213,20 @@ impl NormalGroup {
             }
         }
         let mut out = Vec::with_capacity(n);
-        for (s, ((rpm, cpm, rcpm, send_head), (src, idx, w))) in
-            handles.into_iter().zip(metas).enumerate()
-        {
+        for (s, ((rpm, cpm, rcpm, send_head), src)) in handles.into_iter().zip(metas).enumerate() {
             let (num_recv, experts) = recv[s].clone();
             let rows = num_recv.unwrap_or(args.num_worst_tokens);
             let (recv_x, recv_x_scales) = self.recv_views(s, fmt, rows)?;
-            let cut = |t: &DevTensor, cols: usize| {
-                DevTensor::strided(t.buffer().clone(), 0, t.dtype(), rows, cols, t.row_stride())
-            };
+            let topk = with_topk
+                .then(|| self.topk_views(s, fmt, rows))
+                .transpose()?;
+            let (recv_topk_idx, recv_topk_weights) =
+                topk.map_or((None, None), |(i, w)| (Some(i), Some(w)));
             out.push(GpuDispatch {
                 recv_x,
                 recv_x_scales,
-                recv_topk_idx: with_topk.then(|| cut(&idx, k)).transpose()?,
-                recv_topk_weights: with_topk.then(|| cut(&w, k)).transpose()?,
+                recv_topk_idx,
+                recv_topk_weights,
                 recv_src_idx: DevTensor::strided(
                     src.buffer().clone(),
                     0,
@@ -1274,9 +1296,9 @@ impl NormalGroup {
         self.call += 1;
         let mut metas = Vec::with_capacity(n);
         for s in 0..n {
-            let meta = self.meta_buffers(s, cap as usize, 0)?;
-            self.keep(Some(&meta.0));
-            metas.push(meta);
+            let src = self.src_buffer(s, cap as usize)?;
+            self.keep(Some(&src));
+            metas.push(src);
             self.keep(Some(inputs[s].x));
             self.keep(inputs[s].x_scales);
             self.keep_handle(handles[s]);
@@ -1303,12 +1325,12 @@ impl NormalGroup {
             a.rank_prefix_matrix = h.rank_prefix_matrix.ptr();
             a.channel_prefix_matrix = h.channel_prefix_matrix.ptr();
             a.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix.ptr();
-            a.recv_src_idx = meta.0.ptr();
+            a.recv_src_idx = meta.ptr();
             self.launch(s, Kernel::Dispatch, 2 * c as u32, &a)?;
         }
         self.last = Some(LastDispatch { fmt, num_topk: 0 });
         let mut out = Vec::with_capacity(n);
-        for (s, (src, _, _)) in metas.into_iter().enumerate() {
+        for (s, src) in metas.into_iter().enumerate() {
             let h = handles[s];
             let rows = h.num_rows;
             let (recv_x, recv_x_scales) = self.recv_views(s, fmt, rows)?;
