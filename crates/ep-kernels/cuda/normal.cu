@@ -69,6 +69,17 @@ __device__ __forceinline__ void stamp(const Args &a, uint32_t i) {
 // dispatch and combine kernel of a group has the same 2C blocks, so the words advance once per call.
 __device__ __forceinline__ uint64_t block_epoch(const Args &a) { return ep_block_epoch(a.call, a.epoch, true); }
 
+// Fences and signals towards peers: GPU scope when every rank is on this GPU
+// (EP_FLAG_SAME_GPU, co-resident ranks), system scope otherwise (NVLink peers, other processes).
+__device__ __forceinline__ bool same_gpu(const Args &a) { return (a.flags & EP_FLAG_SAME_GPU) != 0; }
+__device__ __forceinline__ void peer_fence(const Args &a) {
+    if (same_gpu(a))
+        __threadfence();
+    else
+        __threadfence_system();
+}
+#define PEER_FENCE_SCOPE(a) (same_gpu(a) ? EP_TRACE_SCOPE_GPU : EP_TRACE_SCOPE_SYSTEM)
+
 // The most rows a rank may receive: the arena's dispatch rows, or num_worst_tokens when smaller.
 __device__ __forceinline__ uint64_t recv_rows_cap(const Args &a) {
     return a.num_worst_tokens > 0 && a.num_worst_tokens < a.capacity ? a.num_worst_tokens : a.capacity;
@@ -288,7 +299,7 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
     for (uint32_t i = NOTIFY_PE * NT + tid; i < R * L; i += NT)
         *(int32_t *)data_at(a, i / L, crec_me + ep_count_record_experts(R) + 4u * (i % L)) = per_expert[i];
     stamp(a, 11);
-    __threadfence_system();
+    peer_fence(a);
     if (TRACED && tid == 0) {
         // Before the barrier: the releases after it are recorded after these.
         for (uint32_t d = 0; d < R; ++d) {
@@ -296,12 +307,12 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
             TRACE_STORE(d, crec_me + ep_count_record_cpm(R), 4ull * C);
             TRACE_STORE(d, crec_me + ep_count_record_experts(R), 4ull * L);
         }
-        TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
+        TRACE_FENCE(PEER_FENCE_SCOPE(a));
     }
     __syncthreads();
     stamp(a, 6);
     if (tid < R) {
-        ep_st_release(ctrl_word(a, tid, ep_normal_notify(R, p, me)), k);
+        ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_notify(R, p, me)), k);
         TRACE_RELEASE(tid, ep_normal_notify(R, p, me), k);
     }
     if (tid < R) {
@@ -487,7 +498,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         }
     } else {
         if (blockIdx.x == 0 && tid < R) {
-            ep_st_release(ctrl_word(a, tid, ep_normal_ready(R, me)), k);
+            ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_ready(R, me)), k);
             TRACE_RELEASE(tid, ep_normal_ready(R, me), k);
         }
         if (tid < R) {
@@ -588,15 +599,15 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     stamp(a, 2);
     // Traced kernels only: a planted missing fence in the second CTA (the checker must catch it).
     const bool skip_fence = TRACED && h == 1 && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
-    if (!skip_fence) __threadfence_system();
+    if (!skip_fence) peer_fence(a);
     __syncthreads();
     if (TRACED && tid == 0) {
-        if (!skip_fence) TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
+        if (!skip_fence) TRACE_FENCE(PEER_FENCE_SCOPE(a));
         TRACE_CLUSTER();
     }
     ep_cluster_sync();
     if (ok && h == 0 && tid < R) {
-        ep_st_release(ctrl_word(a, tid, ep_normal_done(R, me, c)), k);
+        ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_done(R, me, c)), k);
         TRACE_RELEASE(tid, ep_normal_done(R, me, c), k);
     }
     stamp(a, 3);
@@ -759,7 +770,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     stamp(a, 0);
     if (tid == 0) s_ok = 1;
     if (blockIdx.x == 0 && tid < R) {
-        ep_st_release(ctrl_word(a, tid, ep_normal_y_ready(R, me)), k);
+        ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_y_ready(R, me)), k);
         TRACE_RELEASE(tid, ep_normal_y_ready(R, me), k);
     }
     __syncthreads();
@@ -813,15 +824,15 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     }
     // pulled[me][c] on every d, then wait until every owner pulled from this rank.
     stamp(a, 2);
-    __threadfence_system();
+    peer_fence(a);
     __syncthreads();
     if (TRACED && tid == 0) {
-        TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
+        TRACE_FENCE(PEER_FENCE_SCOPE(a));
         TRACE_CLUSTER();
     }
     ep_cluster_sync();
     if (ok && h == 0 && tid < R) {
-        ep_st_release(ctrl_word(a, tid, ep_normal_pulled(R, me, c)), k);
+        ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_pulled(R, me, c)), k);
         TRACE_RELEASE(tid, ep_normal_pulled(R, me, c), k);
     }
     if (ok && h == 0 && tid < R) {

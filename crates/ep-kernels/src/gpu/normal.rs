@@ -731,6 +731,13 @@ impl NormalGroup {
             mailbox: self.ranks[local].mailbox.dev_ptr(),
             peer_ctrl: self.table_ctrl,
             peer_data: self.table_data,
+            // Co-resident ranks: every peer is on this GPU, GPU-scope fences and signals
+            // suffice; ranks in other processes may be on other GPUs (system scope).
+            flags: if self.ranks.len() == self.num_ranks() {
+                abi::EP_FLAG_SAME_GPU
+            } else {
+                0
+            },
             ..NormalArgs::default()
         }
     }
@@ -1148,7 +1155,7 @@ impl NormalGroup {
             a.capacity = cap;
             a.expert_alignment = args.expert_alignment as u64;
             a.num_worst_tokens = args.num_worst_tokens as u64;
-            a.flags = if with_topk { abi::EP_FLAG_TOPK } else { 0 }
+            a.flags |= if with_topk { abi::EP_FLAG_TOPK } else { 0 }
                 | if fmt.elem_bytes == 1 {
                     abi::EP_FLAG_FP8
                 } else {
@@ -1313,7 +1320,7 @@ impl NormalGroup {
             a.hidden = fmt.hidden as u64;
             a.drec = drec;
             a.capacity = cap;
-            a.flags = abi::EP_FLAG_CACHED
+            a.flags |= abi::EP_FLAG_CACHED
                 | if fmt.elem_bytes == 1 {
                     abi::EP_FLAG_FP8
                 } else {
@@ -1513,7 +1520,7 @@ impl NormalGroup {
             g.hidden = hidden as u64;
             g.drec = last.fmt.dispatch_record();
             g.yrec = fmt.combine_record();
-            g.flags = if a.with_weights { abi::EP_FLAG_TOPK } else { 0 }
+            g.flags |= if a.with_weights { abi::EP_FLAG_TOPK } else { 0 }
                 | if source == CombineSource::InPlace {
                     abi::EP_FLAG_IN_PLACE
                 } else {
