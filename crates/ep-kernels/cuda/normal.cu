@@ -96,27 +96,177 @@ __device__ __forceinline__ void block_tokens(const Args &a, uint32_t c, uint32_t
     *mid_out = mid;
 }
 
-// One warp copies `bytes` (a multiple of 16) from src to every non-null dst[d], d < n: each 16
-// bytes loaded once, stored n times.
-__device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *const *dst,
-                                                 uint32_t n, uint64_t bytes, uint32_t lane) {
-    for (uint64_t base = (uint64_t)lane * 16; base < bytes; base += 32ull * 16 * UNROLL) {
-        int4 v[UNROLL];
+// Passes of a row copy: 16 bytes x UNROLL per lane (512 x UNROLL bytes per warp), loaded with
+// ld.global.nc (the source rows are read once), stored to every non-null dst[d], d < n.
+__device__ __forceinline__ void load_row_pass(int4 (&v)[UNROLL], const uint8_t *src, uint64_t base, uint64_t bytes) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const uint64_t off = base + (uint64_t)u * 32 * 16;
+        if (off < bytes) v[u] = ep_ld_nc((const int4 *)(src + off));
+    }
+}
+__device__ __forceinline__ void store_row_pass(const int4 (&v)[UNROLL], uint8_t *const (&dst)[MAXR], uint32_t n,
+                                               uint64_t base, uint64_t bytes) {
+#pragma unroll
+    for (uint32_t d = 0; d < MAXR; ++d) {  // constant indices: dst stays in registers
+        uint8_t *out = dst[d];
+        if (d >= n || out == nullptr) continue;
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            uint64_t off = base + (uint64_t)u * 32 * 16;
-            if (off < bytes) v[u] = ep_ld_nc((const int4 *)(src + off));
-        }
-        for (uint32_t d = 0; d < n; ++d) {
-            uint8_t *out = dst[d];
-            if (out == nullptr) continue;
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                uint64_t off = base + (uint64_t)u * 32 * 16;
-                if (off < bytes) *(int4 *)(out + off) = v[u];
-            }
+            const uint64_t off = base + (uint64_t)u * 32 * 16;
+            if (off < bytes) *(int4 *)(out + off) = v[u];
         }
     }
+}
+
+// One warp copies `bytes` (a multiple of 16) from src to every non-null dst[d], d < n: each 16
+// bytes loaded once, stored n times. Two passes in flight: pass i + 1's loads are issued before
+// pass i is stored, so the stores overlap the next loads' latency instead of following it.
+__device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *const (&dst)[MAXR],
+                                                 uint32_t n, uint64_t bytes, uint32_t lane) {
+    const uint64_t step = 32ull * 16 * UNROLL;
+    int4 va[UNROLL], vb[UNROLL];
+    uint64_t base = (uint64_t)lane * 16;
+    load_row_pass(va, src, base, bytes);
+    while (base < bytes) {
+        load_row_pass(vb, src, base + step, bytes);
+        store_row_pass(va, dst, n, base, bytes);
+        base += step;
+        if (base >= bytes) break;
+        load_row_pass(va, src, base + step, bytes);
+        store_row_pass(vb, dst, n, base, bytes);
+        base += step;
+    }
+}
+
+// ---- gathers (combine and its ceiling) ----------------------------------------------------------
+
+// A warp gathers the n <= NS source rows of a token, 16 bytes x U per lane and source a pass,
+// and stores op's combination of each pass to out. NS = 2 keeps two passes of U = 2 in flight
+// (as warp_copy_fanout: 8 loads per lane at n = 2); NS = MAXR one pass of n loads. Two variants
+// only, and no more than that: their registers add up in the kernel (with U = 2 at NS = MAXR, a
+// third variant NS = 4, or nine exact-n ones, the combine spilled).
+template <int NS> struct Gather {
+    static constexpr int U = NS <= 2 ? 2 : 1;
+    static constexpr bool TWO = NS <= 2;  // two passes in flight
+};
+
+template <int NS>
+__device__ __forceinline__ void gather_load(int4 (&v)[NS][Gather<NS>::U], const uint8_t *const (&src)[MAXR],
+                                            uint32_t n, uint64_t base, uint64_t bytes) {
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+        for (int u = 0; u < Gather<NS>::U; ++u) {
+            const uint64_t off = base + (uint64_t)u * 32 * 16;
+            if (i < (int)n && off < bytes) v[i][u] = ep_ld_cg((const int4 *)(src[i] + off));
+        }
+}
+
+template <int NS, class Op>
+__device__ __forceinline__ void gather_store(const int4 (&v)[NS][Gather<NS>::U], uint32_t n, uint8_t *out,
+                                             uint64_t base, uint64_t bytes, const Op &op) {
+#pragma unroll
+    for (int u = 0; u < Gather<NS>::U; ++u) {
+        const uint64_t off = base + (uint64_t)u * 32 * 16;
+        if (off < bytes) *(int4 *)(out + off) = op.template apply<NS>(v, n, u, off);
+    }
+}
+
+template <int NS, class Op>
+__device__ __forceinline__ void gather_token(const uint8_t *const (&src)[MAXR], uint32_t n, uint8_t *out,
+                                             uint64_t bytes, uint32_t lane, const Op &op) {
+    const uint64_t step = 32ull * 16 * Gather<NS>::U;
+    int4 va[NS][Gather<NS>::U];
+    uint64_t base = (uint64_t)lane * 16;
+    if constexpr (!Gather<NS>::TWO) {
+        for (; base < bytes; base += step) {
+            gather_load<NS>(va, src, n, base, bytes);
+            gather_store<NS>(va, n, out, base, bytes, op);
+        }
+        return;
+    }
+    int4 vb[NS][Gather<NS>::U];
+    gather_load<NS>(va, src, n, base, bytes);
+    while (base < bytes) {
+        gather_load<NS>(vb, src, n, base + step, bytes);
+        gather_store<NS>(va, n, out, base, bytes, op);
+        base += step;
+        if (base >= bytes) break;
+        gather_load<NS>(va, src, n, base + step, bytes);
+        gather_store<NS>(vb, n, out, base, bytes, op);
+        base += step;
+    }
+}
+
+// gather_token for a token held by n ranks (src[0..n), n <= MAXR).
+template <class Op>
+__device__ __forceinline__ void gather_n(const uint8_t *const (&src)[MAXR], uint32_t n, uint8_t *out,
+                                         uint64_t bytes, uint32_t lane, const Op &op) {
+    if (n <= 2)
+        gather_token<2>(src, n, out, bytes, lane, op);
+    else
+        gather_token<MAXR>(src, n, out, bytes, lane, op);
+}
+
+// The combine's reduction of a pass (§2.6): bf16(f32(b0) + f32(b1) + f32(src[0]) + ... +
+// f32(src[n-1])), element by element in that order (an absent bias reads as +0.0).
+struct SumBf16 {
+    const uint8_t *b0, *b1;  // this token's bias rows, or null
+    template <int NS>
+    __device__ __forceinline__ int4 apply(const int4 (&v)[NS][Gather<NS>::U], uint32_t n, int u, uint64_t off) const {
+        const int4 v0 = b0 ? *(const int4 *)(b0 + off) : make_int4(0, 0, 0, 0);
+        const int4 v1 = b1 ? *(const int4 *)(b1 + off) : make_int4(0, 0, 0, 0);
+        const __nv_bfloat16 *p0 = (const __nv_bfloat16 *)&v0, *p1 = (const __nv_bfloat16 *)&v1;
+        float acc[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = __bfloat162float(p0[q]) + __bfloat162float(p1[q]);
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+            if (i >= (int)n) break;
+            const __nv_bfloat16 *pv = (const __nv_bfloat16 *)&v[i][u];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[q] += __bfloat162float(pv[q]);
+        }
+        int4 o;
+        __nv_bfloat162 *po = (__nv_bfloat162 *)&o;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) po[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+        return o;
+    }
+};
+
+// The combine ceiling's pass: the bitwise XOR of the sources (the byte pattern, no arithmetic).
+struct XorRows {
+    template <int NS>
+    __device__ __forceinline__ int4 apply(const int4 (&v)[NS][Gather<NS>::U], uint32_t n, int u, uint64_t) const {
+        int4 o = make_int4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+            if (i >= (int)n) break;
+            o.x ^= v[i][u].x; o.y ^= v[i][u].y; o.z ^= v[i][u].z; o.w ^= v[i][u].w;
+        }
+        return o;
+    }
+};
+
+// The ranks holding a token, ascending, as pointers src[0..n): lane d < R holds the token's row
+// on d (-1: none); ptr(d, row) gives its address. Built with constant indices only, so src stays
+// in registers (a src[n++] store is an indexed local-memory array).
+template <class Ptr>
+__device__ __forceinline__ uint32_t holders(int32_t my_row, uint32_t R, const uint8_t *(&src)[MAXR], const Ptr &ptr) {
+    uint32_t n = 0;
+#pragma unroll
+    for (uint32_t d = 0; d < MAXR; ++d) {
+        const int32_t row = __shfl_sync(0xffffffffu, my_row, d);
+        if (d >= R || row < 0) continue;
+        const uint8_t *p = ptr(d, row);
+#pragma unroll
+        for (uint32_t j = 0; j <= d; ++j)
+            if (j == n) src[j] = p;
+        ++n;
+    }
+    return n;
 }
 
 // ---- layout ------------------------------------------------------------------------------------
@@ -198,7 +348,6 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
     __syncthreads();
     stamp(a, 8);
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
-    const uint32_t per = (uint32_t)((T + C - 1) / C);
     // This rank's per-expert counts for the records, loaded now so that their round trip
     // overlaps the scan's.
     const int32_t *per_expert = (const int32_t *)a.num_tokens_per_expert;
@@ -210,10 +359,8 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
     }
     // Per (channel, d) counts. The membership bytes of a tile of tokens are staged in shared
     // memory with every load issued before any is used (one round trip per tile: a byte load
-    // per (token, d) in the counting loop waited for each in turn, 8.6 us at 4096 tokens). Each
-    // warp then counts a contiguous range of the tile, 32 tokens a step, one ballot per (channel
-    // in the step, d); lane d keeps the count to d of the current channel and adds it to shared
-    // memory when the channel changes (a few atomics per warp, not one per step and d).
+    // per (token, d) in the counting loop waited for each in turn, 8.6 us at 4096 tokens), then
+    // counted from shared memory (below).
     const uint32_t tile_tokens = (NOTIFY_TILE_BYTES / R) & ~31u;  // t0 * R stays 16-aligned
     const bool vec = ((uintptr_t)in_rank & 15u) == 0;
     for (uint64_t t0 = 0; t0 < T; t0 += tile_tokens) {
@@ -239,45 +386,60 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
             for (uint32_t i = tid; i < nbytes; i += NT) tile[i] = src[i];  // a misaligned view
         }
         __syncthreads();
-        const uint32_t per_warp = ((nt + WARPS - 1) / WARPS + 31u) & ~31u;
-        const uint32_t j0 = min(nt, warp * per_warp), j1 = min(nt, j0 + per_warp);
-        uint32_t cur = (uint32_t)(t0 + j0) / per;
-        int32_t cnt = 0;  // lane d < R: tokens of channel `cur` to d, not yet added
-        for (uint32_t j = j0; j < j1; j += 32) {
-            const uint32_t jj = j + lane;
-            const bool valid = jj < j1;
-            uint32_t bits = 0;
-            if (valid)
-                for (uint32_t d = 0; d < R; ++d) bits |= (uint32_t)(tile[jj * R + d] != 0) << d;
-            const uint32_t c = valid ? (uint32_t)(t0 + jj) / per : 0xffffffffu;
-            uint32_t todo = __ballot_sync(0xffffffffu, valid);
-            while (todo) {
-                const uint32_t cl = __shfl_sync(0xffffffffu, c, __ffs(todo) - 1);
-                const uint32_t in_c = __ballot_sync(0xffffffffu, valid && c == cl);
-                if (cl != cur) {
-                    if (lane < R && cnt) atomicAdd(&s_cc[cur * R + lane], cnt);
-                    cnt = 0;
-                    cur = cl;
-                }
-                for (uint32_t d = 0; d < R; ++d) {
-                    const uint32_t n = __popc(__ballot_sync(0xffffffffu, (bits >> d) & 1u) & in_c);
-                    if (lane == d) cnt += (int32_t)n;
-                }
-                todo &= ~in_c;
+        // Counting: warp w takes pieces w, w + WARPS, ... of the C x split pieces (channel ch,
+        // part q: a split-th of the channel's tokens in this tile), lanes strided over its tokens
+        // (conflict-free bytes), one count per d in registers, one warp reduction per d, one
+        // shared atomic per (piece, d). Each lane's loads and adds are independent: the ballot
+        // and shuffle chain of a count per 32-token step (5.0 us at 4096 tokens) is gone.
+        const uint32_t split = C >= WARPS ? 1u : WARPS / C;
+        for (uint32_t piece = warp; piece < C * split; piece += WARPS) {
+            const uint32_t ch = piece / split, q = piece % split;
+            uint64_t cs, ce;
+            ep_channel_range(T, C, ch, &cs, &ce);
+            const uint64_t lo = max(cs, t0), hi = min(ce, t0 + nt);
+            if (lo >= hi) continue;  // warp-uniform
+            const uint64_t len = hi - lo;
+            const uint32_t j0 = (uint32_t)(lo - t0 + len * q / split), j1 = (uint32_t)(lo - t0 + len * (q + 1) / split);
+            int32_t cnt[MAXR];
+#pragma unroll
+            for (uint32_t d = 0; d < MAXR; ++d) cnt[d] = 0;
+            for (uint32_t j = j0 + lane; j < j1; j += 32) {
+                const uint8_t *m = tile + j * R;
+#pragma unroll
+                for (uint32_t d = 0; d < MAXR; ++d)
+                    if (d < R) cnt[d] += m[d] != 0;
+            }
+#pragma unroll
+            for (uint32_t d = 0; d < MAXR; ++d) {
+                if (d >= R) break;
+                const int32_t n = __reduce_add_sync(0xffffffffu, cnt[d]);
+                if (lane == 0 && n) atomicAdd(&s_cc[ch * R + d], n);
             }
         }
-        if (lane < R && cnt) atomicAdd(&s_cc[cur * R + lane], cnt);
     }
     __syncthreads();
     stamp(a, 9);
-    if (tid < R) {
-        int32_t run = 0;
-        for (uint32_t c = 0; c < C; ++c) {
-            run += s_cc[c * R + tid];
-            s_cc[c * R + tid] = run;  // now inclusive
-            cpm[tid * C + c] = run;
+    // The inclusive prefix over channels of each d: warp d scans 32 channels a step (a serial
+    // loop over C per d was 0.8 us).
+    if (warp < R) {
+        const uint32_t d = warp;
+        int32_t carry = 0;
+        for (uint32_t c0 = 0; c0 < C; c0 += 32) {
+            const uint32_t ch = c0 + lane;
+            int32_t v = ch < C ? s_cc[ch * R + d] : 0;
+#pragma unroll
+            for (uint32_t o = 1; o < 32; o <<= 1) {
+                const int32_t u = __shfl_up_sync(0xffffffffu, v, o);
+                if (lane >= o) v += u;
+            }
+            v += carry;
+            if (ch < C) {
+                s_cc[ch * R + d] = v;  // now inclusive
+                cpm[d * C + ch] = v;
+            }
+            carry = __shfl_sync(0xffffffffu, v, 31);
         }
-        s_n[tid] = run;
+        if (lane == 0) s_n[d] = carry;
     }
     __syncthreads();
     stamp(a, 10);
@@ -555,8 +717,9 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         for (uint32_t i = warp; i < n_chunk; i += WARPS) {
             const uint64_t tok = base + i;
             uint8_t *rec[MAXR];
-            for (uint32_t d = 0; d < R; ++d) {
-                int32_t row = s_rows[i][d];
+#pragma unroll
+            for (uint32_t d = 0; d < MAXR; ++d) {
+                const int32_t row = d < R ? s_rows[i][d] : -1;
                 rec[d] = row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
             }
             // The small parts' loads are issued before the row's, so their latency hides behind
@@ -570,8 +733,9 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
             if (lane < S) sc0 = ((const float *)a.x_scales)[tok * S + lane];
             if (lane + 32 < S) sc1 = ((const float *)a.x_scales)[tok * S + lane + 32];
             warp_copy_fanout((const uint8_t *)a.x + tok * a.x_bytes, rec, R, a.x_bytes, lane);
-            for (uint32_t d = 0; d < R; ++d) {
-                if (!rec[d]) continue;
+#pragma unroll
+            for (uint32_t d = 0; d < MAXR; ++d) {
+                if (!rec[d]) continue;  // null for d >= R too
                 if (lane < S) *(float *)(rec[d] + scales_off + 4u * lane) = sc0;
                 if (lane + 32 < S) *(float *)(rec[d] + scales_off + 4u * (lane + 32)) = sc1;
                 for (uint32_t j = lane + 64; j < S; j += 32)
@@ -701,51 +865,6 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
 
 // ---- combine -----------------------------------------------------------------------------------
 
-#define CU 2  // int4 (8 BF16) per lane per pass
-
-// One warp reduces a token: out = bf16(f32(b0) + f32(b1) + f32(src[0]) + ... + f32(src[n-1])),
-// element by element in that order (an absent bias reads as +0.0), `bytes` = 2H. Every source's
-// 16-byte pieces of a pass are loaded before any is added (n x CU loads in flight per lane: the
-// loop is latency-bound otherwise).
-__device__ __forceinline__ void reduce_token(const uint8_t *const *src, uint32_t n, const uint8_t *b0,
-                                             const uint8_t *b1, uint8_t *out, uint64_t bytes,
-                                             uint32_t lane) {
-    for (uint64_t base = (uint64_t)lane * 16; base < bytes; base += 32ull * 16 * CU) {
-        int4 v[MAXR][CU];
-#pragma unroll
-        for (uint32_t i = 0; i < MAXR; ++i) {
-#pragma unroll
-            for (int u = 0; u < CU; ++u) {
-                uint64_t off = base + (uint64_t)u * 32 * 16;
-                if (i < n && off < bytes) v[i][u] = ep_ld_cg((const int4 *)(src[i] + off));
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < CU; ++u) {
-            uint64_t off = base + (uint64_t)u * 32 * 16;
-            if (off >= bytes) continue;
-            int4 v0 = b0 ? *(const int4 *)(b0 + off) : make_int4(0, 0, 0, 0);
-            int4 v1 = b1 ? *(const int4 *)(b1 + off) : make_int4(0, 0, 0, 0);
-            const __nv_bfloat16 *p0 = (const __nv_bfloat16 *)&v0, *p1 = (const __nv_bfloat16 *)&v1;
-            float acc[8];
-#pragma unroll
-            for (int q = 0; q < 8; ++q) acc[q] = __bfloat162float(p0[q]) + __bfloat162float(p1[q]);
-#pragma unroll
-            for (uint32_t i = 0; i < MAXR; ++i) {
-                if (i >= n) break;
-                const __nv_bfloat16 *pv = (const __nv_bfloat16 *)&v[i][u];
-#pragma unroll
-                for (int q = 0; q < 8; ++q) acc[q] += __bfloat162float(pv[q]);
-            }
-            int4 o;
-            __nv_bfloat162 *po = (__nv_bfloat162 *)&o;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) po[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-            *(int4 *)(out + off) = o;
-        }
-    }
-}
-
 // Combine (§2.5, §2.6): pull each token's rows from every rank holding it, reduce in f32 after
 // the biases in ascending rank order, round once to BF16. Grid 2C blocks, clusters of 2.
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
@@ -790,25 +909,33 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     uint32_t t0, t1, mid;
     block_tokens(a, c, h, &t0, &t1, &mid);
     const __nv_bfloat16 *b0 = (const __nv_bfloat16 *)a.bias0, *b1 = (const __nv_bfloat16 *)a.bias1;
+    // Where rank d holds row `sh` of this channel's tokens.
+    auto row_at = [&](uint32_t d, int32_t sh) -> const uint8_t * {
+        const uint64_t row = (uint64_t)(s_rowbase[d] + sh);
+        return data_at(a, d, in_place ? ep_normal_dispatch_row(R, row, a.drec)
+                                      : ep_normal_combine_row(R, a.data_bytes, row, a.yrec));
+    };
+    // Lane d < R holds send_head[t][d] of the warp's next token, loaded while the current one is
+    // reduced (one round trip per token less).
+    int32_t next_sh = lane < R && t0 + warp < t1 ? send_head[(uint64_t)(t0 + warp) * R + lane] : -1;
     for (uint32_t t = t0 + warp; ok && t < t1; t += WARPS) {
-        // The ranks holding token t, ascending.
-        // Lane d loads send_head[t][d] (one round trip for all d, not R in a row).
-        const int32_t my_sh = lane < R ? send_head[(uint64_t)t * R + lane] : -1;
+        const int32_t my_sh = next_sh;
+        if (lane < R && t + WARPS < t1) next_sh = send_head[(uint64_t)(t + WARPS) * R + lane];
         const uint8_t *src[MAXR];
-        uint32_t n = 0;
-        for (uint32_t d = 0; d < R; ++d) {
-            int32_t sh = __shfl_sync(0xffffffffu, my_sh, d);
-            if (sh < 0) continue;
-            uint64_t row = (uint64_t)(s_rowbase[d] + sh);
-            src[n++] = data_at(a, d, in_place ? ep_normal_dispatch_row(R, row, a.drec)
-                                              : ep_normal_combine_row(R, a.data_bytes, row, a.yrec));
-        }
-        reduce_token(src, n, b0 ? (const uint8_t *)(b0 + (uint64_t)t * H) : nullptr,
-                     b1 ? (const uint8_t *)(b1 + (uint64_t)t * H) : nullptr,
-                     (uint8_t *)a.combined_x + (uint64_t)t * 2 * H, 2 * H, lane);
+        const uint32_t n = holders(my_sh, R, src, row_at);
+        // The weights' loads are issued before the rows' and summed after them (ascending rank).
+        float wv[MAXR];
+#pragma unroll
+        for (uint32_t i = 0; i < MAXR; ++i)
+            wv[i] = weights && lane < K && i < n ? __ldcg((const float *)(src[i] + w_off + 4u * lane)) : 0.0f;
+        const SumBf16 op{b0 ? (const uint8_t *)(b0 + (uint64_t)t * H) : nullptr,
+                         b1 ? (const uint8_t *)(b1 + (uint64_t)t * H) : nullptr};
+        gather_n(src, n, (uint8_t *)a.combined_x + (uint64_t)t * 2 * H, 2 * H, lane, op);
         if (weights && lane < K) {
             float w = 0.0f;
-            for (uint32_t i = 0; i < n; ++i) w += __ldcg((const float *)(src[i] + w_off + 4u * lane));
+#pragma unroll
+            for (uint32_t i = 0; i < MAXR; ++i)
+                if (i < n) w += wv[i];
             ((float *)a.combined_weights)[(uint64_t)t * K + lane] = w;
         }
         if (TRACED && lane == 0)
@@ -853,11 +980,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling(const Args a
     const int32_t *dst_rows = (const int32_t *)a.dst_rows;
     const uint64_t per = (a.num_tokens + gridDim.x - 1) / gridDim.x;
     const uint64_t t0 = per * blockIdx.x, t1 = min(a.num_tokens, t0 + per);
+    // Lane d < R holds the next token's row on d, loaded while the current token is copied.
+    int32_t next = lane < R && t0 + warp < t1 ? dst_rows[(t0 + warp) * R + lane] : -1;
     for (uint64_t t = t0 + warp; t < t1; t += WARPS) {
+        const int32_t mine = next;
+        if (lane < R && t + WARPS < t1) next = dst_rows[(t + WARPS) * R + lane];
         uint8_t *rec[MAXR];
-        for (uint32_t d = 0; d < R; ++d) {
-            int32_t row = dst_rows[t * R + d];
-            rec[d] = row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
+#pragma unroll
+        for (uint32_t d = 0; d < MAXR; ++d) {
+            const int32_t row = __shfl_sync(0xffffffffu, mine, d);
+            rec[d] = d >= R || row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
         }
         warp_copy_fanout((const uint8_t *)a.x + t * a.x_bytes, rec, R, a.x_bytes, lane);
     }
@@ -873,36 +1005,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling_gather(const
     const uint64_t per = (a.num_tokens + gridDim.x - 1) / gridDim.x;
     const uint64_t t0 = per * blockIdx.x, t1 = min(a.num_tokens, t0 + per);
     const uint64_t bytes = 2 * a.hidden;
+    auto row_at = [&](uint32_t d, int32_t row) -> const uint8_t * {
+        return data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
+    };
+    // The same token loop as the combine's: next token's rows prefetched, pipelined gather.
+    int32_t next = lane < R && t0 + warp < t1 ? dst_rows[(t0 + warp) * R + lane] : -1;
     for (uint64_t t = t0 + warp; t < t1; t += WARPS) {
+        const int32_t mine = next;
+        if (lane < R && t + WARPS < t1) next = dst_rows[(t + WARPS) * R + lane];
         const uint8_t *src[MAXR];
-        uint32_t n = 0;
-        for (uint32_t d = 0; d < R; ++d) {
-            int32_t row = dst_rows[t * R + d];
-            if (row >= 0) src[n++] = data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
-        }
-        uint8_t *out = (uint8_t *)a.combined_x + t * bytes;
-        for (uint64_t base = (uint64_t)lane * 16; base < bytes; base += 32ull * 16 * CU) {
-            int4 v[MAXR][CU];
-#pragma unroll
-            for (uint32_t i = 0; i < MAXR; ++i)
-#pragma unroll
-                for (int u = 0; u < CU; ++u) {
-                    uint64_t off = base + (uint64_t)u * 32 * 16;
-                    if (i < n && off < bytes) v[i][u] = ep_ld_cg((const int4 *)(src[i] + off));
-                }
-#pragma unroll
-            for (int u = 0; u < CU; ++u) {
-                uint64_t off = base + (uint64_t)u * 32 * 16;
-                if (off >= bytes) continue;
-                int4 o = make_int4(0, 0, 0, 0);
-#pragma unroll
-                for (uint32_t i = 0; i < MAXR; ++i) {
-                    if (i >= n) break;
-                    o.x ^= v[i][u].x; o.y ^= v[i][u].y; o.z ^= v[i][u].z; o.w ^= v[i][u].w;
-                }
-                *(int4 *)(out + off) = o;
-            }
-        }
+        const uint32_t n = holders(mine, R, src, row_at);
+        gather_n(src, n, (uint8_t *)a.combined_x + t * bytes, bytes, lane, XorRows{});
     }
 }
 
