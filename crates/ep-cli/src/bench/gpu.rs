@@ -972,18 +972,25 @@ fn print_row(row: &SmRow, fp8: bool) {
         row.cached.median_us,
         100.0 * ratio(row.ceiling_dispatch, row.cached),
     );
-    println!(
-        "[gpu {} SMs/rank] combine BF16: {:.1} GB/s per rank, {:.1} us ({:.0}% of the same-run ceiling {:.1} GB/s)",
-        row.sms_per_rank,
-        row.combine.gb_per_s,
-        row.combine.median_us,
-        if row.ceiling_combine.median_us > 0.0 {
-            100.0 * ratio(row.ceiling_combine, row.combine)
-        } else {
-            f64::NAN
-        },
-        row.ceiling_combine.gb_per_s,
+    println!("{}", combine_line(row));
+}
+
+/// The combine's figure line: its ratio to the same-run ceiling, or why there is none (after an
+/// FP8 dispatch the combine ceiling, which reads BF16 dispatch rows, is not measured).
+fn combine_line(row: &SmRow) -> String {
+    let head = format!(
+        "[gpu {} SMs/rank] combine BF16: {:.1} GB/s per rank, {:.1} us",
+        row.sms_per_rank, row.combine.gb_per_s, row.combine.median_us
     );
+    if row.ceiling_combine.median_us > 0.0 && row.combine.median_us > 0.0 {
+        format!(
+            "{head} ({:.0}% of the same-run ceiling {:.1} GB/s)",
+            100.0 * row.ceiling_combine.median_us / row.combine.median_us,
+            row.ceiling_combine.gb_per_s
+        )
+    } else {
+        format!("{head} (no same-run ceiling: it reads BF16 dispatch rows, this run's are FP8)")
+    }
 }
 
 /// GB/s per rank against SMs per rank: ep-rs's calls, the same-run ceilings (dashed) and
@@ -1153,6 +1160,31 @@ mod tests {
         assert!((p[1] - 6.5).abs() < 1e-9, "{p:?}");
         // First start 10 us, last slot-2 stamp 21 us.
         assert!((p[2] - 11.0).abs() < 1e-9, "{p:?}");
+    }
+
+    #[test]
+    fn the_combine_line_says_why_it_has_no_ratio() {
+        let fig = |us: f64, gbs: f64| Figure {
+            median_us: us,
+            gb_per_s: gbs,
+        };
+        let mut row = SmRow {
+            sms_per_rank: 24,
+            combine: fig(138.1, 847.3),
+            ..SmRow::default()
+        };
+        let line = combine_line(&row);
+        assert!(
+            line.contains("847.3 GB/s per rank, 138.1 us (no same-run ceiling"),
+            "{line}"
+        );
+        assert!(!line.contains("NaN"), "{line}");
+        row.ceiling_combine = fig(121.5, 963.0);
+        let line = combine_line(&row);
+        assert!(
+            line.ends_with("(88% of the same-run ceiling 963.0 GB/s)"),
+            "{line}"
+        );
     }
 
     #[test]
