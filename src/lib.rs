@@ -6,8 +6,9 @@
 //!
 //! This crate re-exports the workspace:
 //! - [`core`] (`ep-core`): the semantics (`plan`), the reference `oracle`, configuration and the
-//!   NVSHMEM environment plan (`config`), the `Transport` trait, the protocol agents and
-//!   [`core::Buffer`];
+//!   NVSHMEM environment plan (`config`), the `Transport` trait, the protocol agents,
+//!   [`core::Buffer`] and the `Executor` of its phases (the simulator's: every `RunsAgents`
+//!   transport);
 //! - [`setup`] (`ep-setup`): the logic of `ep doctor` (machine checks over a sysroot);
 //! - [`sim`] (`ep-sim`): the simulator backend — `Sim` (deterministic, checks every ordering
 //!   rule, injects faults) and `ThreadSim` (real threads, for throughput);
@@ -17,8 +18,10 @@
 //!   topology, the `__host__ __device__` protocol header;
 //! - [`prelude`]: what a user needs, from one place (`use ep_rs::prelude::*`).
 //!
-//! The simulator's [`core::Buffer`] and the GPU groups are still two APIs; their merging into
-//! one `Buffer` over every backend is planned in `docs/buffer-api.md`.
+//! [`core::Buffer`] is generic over its [`core::Executor`] and takes the local ranks' inputs;
+//! only the simulator implements the executor so far, and the GPU groups are still a second
+//! API: their move behind `Executor` (one `Buffer` over every backend) is step 3 of
+//! `docs/buffer-api.md`.
 //!
 //! ## Quick start (on the simulator)
 //!
@@ -174,7 +177,7 @@ pub mod prelude {
     pub use ep_core::plan::low_latency::LlHandle;
     pub use ep_core::transport::FabricParams;
     pub use ep_core::workload::WorkloadSpec;
-    pub use ep_core::{Activations, Buffer, ExpertIdx, RankInputs, Tensor2, Tensor3};
+    pub use ep_core::{Activations, Buffer, Executor, ExpertIdx, RankInputs, Tensor2, Tensor3};
     pub use ep_kernels::gpu::{
         DType, DevTensor, Device, LlConfig, LlGroup, LlVariant, NormalGroup,
     };

@@ -17,7 +17,7 @@ use ep_rs::core::transport::{
     AllocRequest, FabricParams, Phase, PhaseReport, Reach, SymAddr, SymAlloc, Team, Transport,
     Violation,
 };
-use ep_rs::core::{Buffer, Error, RankInputs, Result, Tensor2};
+use ep_rs::core::{Buffer, Error, Executor, RankInputs, Result, Tensor2};
 use ep_rs::sim::Sim;
 use protocol_support::*;
 use rand::SeedableRng;
@@ -34,6 +34,8 @@ struct Without {
     rank: usize,
     role: &'static str,
 }
+
+impl ep_rs::core::RunsAgents for Without {}
 
 impl Transport for Without {
     fn fabric(&self) -> &FabricParams {
@@ -82,7 +84,7 @@ fn args() -> NormalDispatchArgs {
     NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).expect("a valid config"))
 }
 
-fn layouts<T: Transport>(buf: &Buffer<T>, inputs: &[RankInputs]) -> Vec<DispatchLayout> {
+fn layouts<T: Executor>(buf: &Buffer<T>, inputs: &[RankInputs]) -> Vec<DispatchLayout> {
     let idx: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
     buf.get_dispatch_layout(&idx, case_gen().num_experts)
         .expect("layout")

@@ -19,12 +19,15 @@
 //! - [`digest`]: canonical, backend-independent digests of every output;
 //! - [`transport`]: the `Transport` trait (host face and protocol vocabulary);
 //! - [`protocol`]: ep-rs's protocol (docs/protocol.md): agents, layouts, signal encodings;
-//! - [`buffer`]: `Buffer`, DeepEP's API over any `Transport`.
+//! - [`executor`]: the `Executor` of a `Buffer`'s phases, and the simulator's (every
+//!   [`RunsAgents`] transport);
+//! - [`buffer`]: `Buffer`, DeepEP's API over any `Executor`.
 
 pub mod buffer;
 pub mod config;
 pub mod digest;
 pub mod error;
+pub mod executor;
 pub mod numerics;
 pub mod oracle;
 pub mod plan;
@@ -36,5 +39,6 @@ pub mod workload;
 
 pub use buffer::Buffer;
 pub use error::{Error, Result};
+pub use executor::{Executor, RunsAgents};
 pub use routing::{Activations, ExpertIdx, RankInputs, validate_inputs, validate_routing};
 pub use tensor::{Tensor2, Tensor3};

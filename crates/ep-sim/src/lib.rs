@@ -235,6 +235,10 @@ impl Sim {
     }
 }
 
+/// `Sim` runs every phase as the protocol's agents, every rank local: ep-core's simulator
+/// executor drives it.
+impl ep_core::RunsAgents for Sim {}
+
 impl Transport for Sim {
     fn fabric(&self) -> &FabricParams {
         &self.cfg.fabric

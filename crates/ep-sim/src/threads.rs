@@ -616,6 +616,10 @@ impl ThreadSim {
     }
 }
 
+/// `ThreadSim` runs every phase as the protocol's agents, every rank local: ep-core's simulator
+/// executor drives it.
+impl ep_core::RunsAgents for ThreadSim {}
+
 impl Transport for ThreadSim {
     fn fabric(&self) -> &FabricParams {
         &self.sh.fabric

@@ -1,8 +1,8 @@
-//! The backends `ep bench` runs on and what it needs from them beyond [`Transport`]: the traffic
+//! The backends `ep bench` runs on and what it needs from them beyond [`Executor`]: the traffic
 //! each phase moved, for the cost model.
 
 use clap::ValueEnum;
-use ep_core::transport::Transport;
+use ep_core::Executor;
 use ep_sim::cost::PhaseRecord;
 use ep_sim::{Sim, ThreadSim};
 
@@ -55,7 +55,7 @@ impl Backend {
 }
 
 /// A transport whose phases' traffic is recorded.
-pub(crate) trait Recorded: Transport + Sync {
+pub(crate) trait Recorded: Executor + Sync {
     /// Every phase run so far, in order.
     fn phase_records(&self) -> &[PhaseRecord];
 }

@@ -7,8 +7,8 @@
 
 use super::{Buffer, LlMem};
 use crate::error::{Error, Result};
-use crate::protocol::reset::reset_phase;
-use crate::transport::{Phase, PhaseReport, Team, Transport, is_fault};
+use crate::executor::{Executor, ResetJob};
+use crate::transport::{Team, is_fault};
 
 /// Why a `Buffer` is poisoned.
 #[derive(Clone, Debug)]
@@ -18,7 +18,7 @@ pub(super) struct Poison {
     cause: Error,
 }
 
-impl<T: Transport> Buffer<T> {
+impl<E: Executor> Buffer<E> {
     /// The error every call returns while the buffer is poisoned; `None` when it is usable.
     #[must_use]
     pub fn poisoned(&self) -> Option<Error> {
@@ -46,12 +46,9 @@ impl<T: Transport> Buffer<T> {
         e
     }
 
-    /// Runs a phase; a failure poisons the buffer.
-    pub(super) fn run(&mut self, phase: Phase<'_>) -> Result<PhaseReport> {
-        let call = phase.call;
-        self.transport
-            .run_phase(phase)
-            .map_err(|e| self.poison_with(call, e))
+    /// `res`, what the executor's phase of call `call` gave; a failure poisons the buffer.
+    pub(super) fn ran<R>(&mut self, call: u64, res: Result<R>) -> Result<R> {
+        res.map_err(|e| self.poison_with(call, e))
     }
 
     /// A host barrier of call `call`; a failure poisons the buffer.
@@ -76,6 +73,8 @@ impl<T: Transport> Buffer<T> {
     /// makes the reset fail with [`Error::ResetNeedsRank`] naming it, and the buffer stays
     /// poisoned; in shrink mode such a rank is masked instead and the reset covers the others.
     /// Harmless on a buffer that is not poisoned.
+    ///
+    /// [`Transport::recover`]: crate::transport::Transport::recover
     pub fn reset(&mut self) -> Result<()> {
         let r = self.num_ranks();
         let shrink = self.config.enable_shrink;
@@ -99,10 +98,15 @@ impl<T: Transport> Buffer<T> {
             .cloned()
             .collect();
         let word_refs: Vec<_> = words.iter().collect();
+        let job = ResetJob {
+            words: &word_refs,
+            call,
+            team: &team,
+        };
         if let Err(e) = self
             .transport
-            .run_phase(reset_phase(&word_refs, call, &team.ranks))
-            .and_then(|_| self.transport.barrier(&team))
+            .run_reset(&job)
+            .and_then(|()| self.transport.barrier(&team))
         {
             return Err(self.reset_error(e));
         }

@@ -8,6 +8,7 @@ use half::bf16;
 
 use super::{Buffer, NormalDispatchArgs};
 use crate::error::{Error, Result};
+use crate::executor::{Executor, ExpertJob};
 use crate::plan::combine::CombineOutput;
 use crate::plan::intranode::{InPlaceDispatch, IntranodeHandle};
 use crate::plan::layout::DispatchLayout;
@@ -16,7 +17,6 @@ use crate::protocol::layout::RowFormat;
 use crate::protocol::normal::{self, Expert, parse_x};
 use crate::routing::{Activations, RankInputs};
 use crate::tensor::Tensor2;
-use crate::transport::Transport;
 
 /// What the last in-place dispatch left in the arena.
 #[derive(Clone, Debug)]
@@ -32,7 +32,7 @@ pub(super) struct InPlaceRows {
 /// Record bytes moved per host write.
 const WRITE_CHUNK_BYTES: usize = 1 << 20;
 
-impl<T: Transport> Buffer<T> {
+impl<E: Executor> Buffer<E> {
     /// [`Buffer::dispatch`] with the received rows left in the arena (docs/protocol.md §2.6):
     /// the same outputs but `recv_x`, which stays readable with [`Buffer::read_recv_x`] until
     /// the next dispatch of any kind, and which [`Buffer::combine_in_place`] combines.
@@ -128,6 +128,8 @@ impl<T: Transport> Buffer<T> {
     /// ([`Transport::visit_local`]; a record split between two of its pieces is joined in a
     /// small buffer), and through `&self`, so that several host threads may scan different
     /// ranks at once.
+    ///
+    /// [`Transport::visit_local`]: crate::transport::Transport::visit_local
     pub fn scan_recv_rows(
         &self,
         rank: usize,
@@ -220,13 +222,13 @@ impl<T: Transport> Buffer<T> {
         let st = self.check_in_place_combine(handles, bias)?;
         Self::check_bf16_rows(st.fmt)?;
         let k = if st.with_topk { st.fmt.num_topk } else { 0 };
-        let job = normal::CombineJob {
+        let work = normal::CombineJob {
             handles,
             source: normal::CombineSource::DispatchRows { fmt: st.fmt, bias },
             hidden: st.fmt.hidden,
             num_topk: k,
         };
-        self.run_combine(&job, st.with_topk)
+        self.run_combine(work, st.with_topk)
     }
 
     /// The combine-row format that goes with the last in-place dispatch: BF16 rows of its
@@ -314,24 +316,18 @@ impl<T: Transport> Buffer<T> {
         let out = Self::combine_rows_format(&st);
         let max = st.rows.iter().copied().max().unwrap_or(0);
         Self::check_capacity(&arena, max, out.combine_record(), false)?;
-        let like = match st.fmt.elem_bytes {
-            2 => Activations::Bf16(Tensor2::zeros(0, st.fmt.hidden)),
-            _ => Activations::Fp8 {
-                data: Tensor2::filled(0, st.fmt.hidden, 0u8),
-                scales: Tensor2::filled(0, st.fmt.num_scales, 0.0f32),
-            },
-        };
         let call = self.next_call();
-        let job = normal::ExpertJob {
+        let job = ExpertJob {
+            arena,
+            call,
             fmt: st.fmt,
             out,
             rows: &st.rows,
             with_topk: st.with_topk,
-            like: &like,
             expert,
         };
-        let phase = normal::expert_phase(&arena, job, call);
-        self.run(phase)?;
+        let res = self.transport.run_expert(&job);
+        self.ran(call, res)?;
         Ok(())
     }
 
@@ -352,13 +348,13 @@ impl<T: Transport> Buffer<T> {
             ));
         }
         let fmt = Self::combine_rows_format(&st);
-        let job = normal::CombineJob {
+        let work = normal::CombineJob {
             handles,
             source: normal::CombineSource::CombineRows { fmt, bias },
             hidden: fmt.hidden,
             num_topk: if with_weights { fmt.num_topk } else { 0 },
         };
-        self.run_combine(&job, with_weights)
+        self.run_combine(work, with_weights)
     }
 
     /// The checks both in-place combines share: rank counts, handles that match the last
@@ -369,15 +365,7 @@ impl<T: Transport> Buffer<T> {
         bias: &[&[Tensor2<bf16>]],
     ) -> Result<InPlaceRows> {
         let st = self.in_place_rows(0)?.clone();
-        let r = self.num_ranks();
-        for len in [handles.len(), bias.len()] {
-            if len != r {
-                return Err(Error::RankCountMismatch {
-                    expected: r,
-                    found: len,
-                });
-            }
-        }
+        self.check_local(&[handles.len(), bias.len()])?;
         for (s, (h, b)) in handles.iter().zip(bias).enumerate() {
             if h.recv_src_idx.len() != st.rows[s] {
                 return Err(crate::plan::intranode::handle_mismatch(
@@ -411,7 +399,7 @@ impl<T: Transport> Buffer<T> {
                 }
             }
         }
-        Self::check_combine_handles(handles, &st.rows)?;
+        self.check_combine_handles(handles, &st.rows)?;
         Ok(st)
     }
 }

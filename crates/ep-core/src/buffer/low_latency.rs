@@ -1,22 +1,24 @@
 //! Low-latency calls of [`Buffer`] (docs/protocol.md §3): the send and receive halves of
-//! dispatch and combine, the hooks, and the clean. Every phase runs through
-//! [`Buffer::ll_settle`] (`mask`), which masks failed peers in shrink mode and poisons otherwise.
-
-use std::sync::Mutex;
+//! dispatch and combine, the hooks, and the clean. Every attempt of the executor's phases goes
+//! through [`Buffer::ll_settle`] (`mask`), which masks failed peers in shrink mode and poisons
+//! otherwise.
 
 use half::bf16;
 
 use super::{Buffer, LlMem};
 use crate::error::{Error, Result};
-use crate::plan::low_latency::{LlDispatchOutput, LlParams, validate_dispatch};
+use crate::executor::{
+    Executor, LlAttempt, LlCleanJob, LlCombineCheck, LlCombineRecvJob, LlCombineSendJob,
+    LlDispatchRecvJob, LlDispatchSendJob, LlExpertOutputJob,
+};
+use crate::plan::low_latency::{LlDispatchOutput, LlParams};
 use crate::protocol::LlRoutes;
 use crate::protocol::ProtocolMutation;
 use crate::protocol::layout::{LlLayout, ll_half};
-use crate::protocol::low_latency::{self as ll, ExpertOut, Expired, LlArena, LlOp, LlRows};
-use crate::protocol::normal::take_slot;
+use crate::protocol::low_latency::{ExpertOut, LlArena, LlOp, LlRows};
 use crate::routing::{Activations, ExpertIdx, RankInputs};
 use crate::tensor::{Tensor2, Tensor3};
-use crate::transport::{Phase, Team, Transport};
+use crate::transport::Team;
 
 /// What a low-latency dispatch returns: the plan's per-rank outputs (`None` for masked ranks)
 /// and the routes its combine needs.
@@ -62,7 +64,7 @@ impl LlCombineHook {
     }
 }
 
-impl<T: Transport> Buffer<T> {
+impl<E: Executor> Buffer<E> {
     fn ll_arena(&self) -> Result<LlArena> {
         if !self.config.low_latency_mode {
             return Err(Error::NotLowLatencyMode);
@@ -146,6 +148,17 @@ impl<T: Transport> Buffer<T> {
             .collect()
     }
 
+    /// Settles one attempt ([`Buffer::ll_settle`]): `Some(outputs)` when it is final, `None`
+    /// when the phase runs again under `op`'s grown mask.
+    fn ll_settled<X>(
+        &mut self,
+        op: &mut LlOp,
+        att: LlAttempt<X>,
+    ) -> Result<Option<Vec<Option<Result<X>>>>> {
+        let again = self.ll_settle(op, att.result, att.gave_up)?;
+        Ok((!again).then_some(att.out))
+    }
+
     /// Low-latency dispatch send half (docs/protocol.md §3.3). `inputs[s].topk_weights` travel
     /// with the rows. Returns the hook; run [`Buffer::low_latency_dispatch_recv`] before the next
     /// low-latency operation.
@@ -156,7 +169,8 @@ impl<T: Transport> Buffer<T> {
     ) -> Result<LlDispatchHook> {
         self.check_poison()?;
         let params = params.clone().with_masked_ranks(self.mask.clone());
-        let shape = validate_dispatch(inputs, &params)?;
+        // `params` carry one mask entry per rank: the inputs' count is checked against it.
+        let shape = self.transport.check_ll_dispatch(inputs, &params)?;
         self.ll_precheck()?;
         let arena = self.ll_arena()?;
         let layout = LlLayout {
@@ -183,14 +197,22 @@ impl<T: Transport> Buffer<T> {
             .map(|i| (&i.topk_idx, &i.topk_weights))
             .collect();
         let mut op = self.ll_op(layout, params.num_experts)?;
-        let mut zero = self.fresh_ranks();
+        let mut fresh = self.fresh_ranks();
         self.ll_used();
         loop {
-            let expired = Expired::new(self.num_ranks());
-            let phase = ll::dispatch_send_phase(&arena, &op, &xs, &topk, rows, self.mutation);
-            let phase = assume_zero(phase, &arena, &mut zero);
-            let res = self.transport.run_phase(phase);
-            if !self.ll_settle(&mut op, res, &expired)? {
+            let job = LlDispatchSendJob {
+                arena: &arena,
+                op: &op,
+                xs: &xs,
+                topk: &topk,
+                rows,
+                mutation: self.mutation,
+                fresh: &fresh,
+            };
+            let att = self.transport.run_ll_dispatch_send(&job);
+            // Zero only at the first attempt: a re-run sees this call's own signals.
+            fresh.fill(false);
+            if self.ll_settled(&mut op, att)?.is_some() {
                 break;
             }
         }
@@ -237,42 +259,38 @@ impl<T: Transport> Buffer<T> {
         let r = self.num_ranks();
         let LlDispatchHook { mut op, rows, topk } = hook;
         self.apply_mask(&mut op);
-        let mut spare: Vec<Mutex<Option<LlDispatchOutput>>> =
-            (0..r).map(|_| Mutex::new(None)).collect();
+        let mut spare: Vec<Option<LlDispatchOutput>> = vec![None; r];
         if let Some(old) = reuse {
             for (m, o) in spare.iter_mut().zip(old.outputs) {
-                *m.get_mut()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) = o;
+                *m = o;
             }
         }
         let out = loop {
-            let out: Vec<Mutex<Option<ll::LlRecvOut>>> = (0..r).map(|_| Mutex::new(None)).collect();
-            let expired = Expired::new(r);
-            let phase = ll::dispatch_recv_phase(
-                &arena,
-                &op,
+            let job = LlDispatchRecvJob {
+                arena: &arena,
+                op: &op,
                 rows,
-                &topk,
-                self.mutation,
-                &out,
-                &spare,
-                &expired,
-            );
-            let res = self.transport.run_phase(phase);
-            if !self.ll_settle(&mut op, res, &expired)? {
+                topk: &topk,
+                mutation: self.mutation,
+            };
+            let att = self.transport.run_ll_dispatch_recv(&job, &mut spare);
+            if let Some(out) = self.ll_settled(&mut op, att)? {
                 break out;
             }
         };
         let mut outputs = Vec::with_capacity(r);
         let mut routes = Vec::with_capacity(r);
-        for (d, o) in out.iter().enumerate() {
-            if op.masked[d] {
-                outputs.push(None);
-                routes.push(None);
-            } else {
-                let (a, b) = take_slot(o, d, "ll-receiver")?;
-                outputs.push(Some(a));
-                routes.push(Some(b));
+        for o in out {
+            match o {
+                None => {
+                    outputs.push(None);
+                    routes.push(None);
+                }
+                Some(res) => {
+                    let (a, b) = res?;
+                    outputs.push(Some(a));
+                    routes.push(Some(b));
+                }
             }
         }
         Ok(LlDispatched { outputs, routes })
@@ -314,30 +332,15 @@ impl<T: Transport> Buffer<T> {
     ) -> Result<LlCombineHook> {
         self.check_poison()?;
         let r = self.num_ranks();
-        for len in [routes.len(), expert_out.len(), inputs.len()] {
-            if len != r {
-                return Err(Error::RankCountMismatch {
-                    expected: r,
-                    found: len,
-                });
-            }
-        }
+        self.check_local(&[routes.len(), expert_out.len(), inputs.len()])?;
         let mut layout = None;
         for s in (0..r).filter(|&s| !self.mask[s]) {
-            let rt = routes[s].as_ref().ok_or(Error::ShapeMismatch {
-                what: "low-latency combine routes",
-                expected: format!("routes for unmasked rank {s}"),
-                found: "None".into(),
-            })?;
-            if rt.topk_idx != inputs[s].topk_idx
-                || rt
-                    .topk_weights
-                    .data()
-                    .iter()
-                    .map(|w| w.to_bits())
-                    .ne(inputs[s].topk_weights.data().iter().map(|w| w.to_bits()))
-            {
-                return Err(Error::LowLatencyRoutingChanged { rank: s });
+            if routes[s].is_none() {
+                return Err(Error::ShapeMismatch {
+                    what: "low-latency combine routes",
+                    expected: format!("routes for unmasked rank {s}"),
+                    found: "None".into(),
+                });
             }
             let y = expert_out[s].as_ref().ok_or(Error::ShapeMismatch {
                 what: "low-latency combine expert outputs",
@@ -367,6 +370,11 @@ impl<T: Transport> Buffer<T> {
             }
             layout = Some(lay);
         }
+        self.transport.check_ll_combine(&LlCombineCheck {
+            routes,
+            inputs,
+            masked: &self.mask,
+        })?;
         self.ll_precheck()?;
         let arena = self.ll_arena()?;
         let layout = layout.unwrap_or(LlLayout {
@@ -376,14 +384,17 @@ impl<T: Transport> Buffer<T> {
             num_max_tokens: 1,
         });
         let mut op = self.ll_op(layout, layout.num_local_experts * r)?;
-        let mut zero = self.fresh_ranks();
+        let mut fresh = self.fresh_ranks();
         self.ll_used();
         let y = if zero_copy {
             loop {
-                let expired = Expired::new(r);
-                let phase = ll::expert_output_phase(&arena, &op, expert_out);
-                let res = self.transport.run_phase(phase);
-                if !self.ll_settle(&mut op, res, &expired)? {
+                let job = LlExpertOutputJob {
+                    arena: &arena,
+                    op: &op,
+                    expert_out,
+                };
+                let att = self.transport.run_ll_expert_output(&job);
+                if self.ll_settled(&mut op, att)?.is_some() {
                     break;
                 }
             }
@@ -392,11 +403,16 @@ impl<T: Transport> Buffer<T> {
             ExpertOut::Host(expert_out)
         };
         loop {
-            let expired = Expired::new(r);
-            let phase = ll::combine_send_phase(&arena, &op, routes, y);
-            let phase = assume_zero(phase, &arena, &mut zero);
-            let res = self.transport.run_phase(phase);
-            if !self.ll_settle(&mut op, res, &expired)? {
+            let job = LlCombineSendJob {
+                arena: &arena,
+                op: &op,
+                routes,
+                expert_out: y,
+                fresh: &fresh,
+            };
+            let att = self.transport.run_ll_combine_send(&job);
+            fresh.fill(false);
+            if self.ll_settled(&mut op, att)?.is_some() {
                 break;
             }
         }
@@ -416,27 +432,20 @@ impl<T: Transport> Buffer<T> {
         self.check_poison()?;
         self.take_hook(hook.op.call)?;
         let arena = self.ll_arena()?;
-        let r = self.num_ranks();
         let LlCombineHook { mut op, topk } = hook;
         self.apply_mask(&mut op);
         let out = loop {
-            let out: Vec<Mutex<Option<Tensor2<bf16>>>> = (0..r).map(|_| Mutex::new(None)).collect();
-            let expired = Expired::new(r);
-            let phase = ll::combine_recv_phase(&arena, &op, &topk, &out, &expired);
-            let res = self.transport.run_phase(phase);
-            if !self.ll_settle(&mut op, res, &expired)? {
+            let job = LlCombineRecvJob {
+                arena: &arena,
+                op: &op,
+                topk: &topk,
+            };
+            let att = self.transport.run_ll_combine_recv(&job);
+            if let Some(out) = self.ll_settled(&mut op, att)? {
                 break out;
             }
         };
-        (0..r)
-            .map(|s| {
-                if op.masked[s] {
-                    Ok(None)
-                } else {
-                    take_slot(&out[s], s, "ll-reducer").map(Some)
-                }
-            })
-            .collect()
+        out.into_iter().map(Option::transpose).collect()
     }
 
     /// Low-latency combine without hook: send then receive.
@@ -461,7 +470,12 @@ impl<T: Transport> Buffer<T> {
         let arena = self.ll_arena()?;
         let call = self.next_call();
         let mask = self.mask.clone();
-        self.run(ll::clean_phase(&arena, call, &mask))?;
+        let res = self.transport.run_ll_clean(&LlCleanJob {
+            arena: &arena,
+            call,
+            masked: &mask,
+        });
+        self.ran(call, res)?;
         let team = Team {
             ranks: (0..self.num_ranks()).filter(|&d| !mask[d]).collect(),
         };
@@ -480,20 +494,16 @@ impl<T: Transport> Buffer<T> {
         self.check_poison()?;
         let arena = self.ll_arena()?;
         let call = self.next_call();
-        let garbage = crate::protocol::signal::ll_encode(call + 1_000, 7);
-        self.run(ll::scribble_phase(&arena, call, garbage))?;
+        let value = crate::protocol::signal::ll_encode(call + 1_000, 7);
+        let res = self.transport.run_foreign_use_of_low_latency(
+            &crate::executor::jobs::LlForeignUseJob {
+                arena: &arena,
+                call,
+                value,
+            },
+        );
+        self.ran(call, res)?;
         self.ll_mem.iter_mut().for_each(|m| *m = LlMem::Dirty);
         Ok(())
     }
-}
-
-/// Declares the signal words of the ranks in `zero` zero at the phase's start, once: a phase run
-/// again after a peer was masked sees this call's own signals (`zero` is cleared).
-fn assume_zero<'a>(mut phase: Phase<'a>, arena: &LlArena, zero: &mut [bool]) -> Phase<'a> {
-    for (d, z) in zero.iter_mut().enumerate() {
-        if std::mem::take(z) {
-            phase = phase.assume_zero(d, arena.signals.region);
-        }
-    }
-    phase
 }

@@ -4,10 +4,11 @@
 
 use super::{Buffer, LlMem};
 use crate::error::{Error, Result};
-use crate::protocol::low_latency::{Expired, LlOp};
-use crate::transport::{PhaseReport, Team, Transport, is_fault};
+use crate::executor::Executor;
+use crate::protocol::low_latency::LlOp;
+use crate::transport::{Team, is_fault};
 
-impl<T: Transport> Buffer<T> {
+impl<E: Executor> Buffer<E> {
     fn check_shrink(&self) -> Result<()> {
         if self.config.enable_shrink {
             Ok(())
@@ -66,7 +67,7 @@ impl<T: Transport> Buffer<T> {
     /// `op`'s (grown) mask.
     ///
     /// - Success with no peer given up on: done.
-    /// - Shrink mode, receive agents gave up on peers (`expired`): they are masked and the phase
+    /// - Shrink mode, receive agents gave up on peers (`gave_up`): they are masked and the phase
     ///   runs again, so every rank computes its result under the same mask — the plan's result
     ///   with those ranks masked, exactly, whatever some receivers had already taken from them.
     /// - Shrink mode, the phase failed with a fault naming an unmasked rank ([`Buffer::suspect`]:
@@ -77,17 +78,15 @@ impl<T: Transport> Buffer<T> {
     /// - Anything else poisons the buffer and returns the error.
     ///
     /// Bounded: every re-run masks at least one more rank.
+    ///
+    /// [`Transport::recover`]: crate::transport::Transport::recover
     pub(super) fn ll_settle(
         &mut self,
         op: &mut LlOp,
-        res: Result<PhaseReport>,
-        expired: &Expired,
+        res: Result<()>,
+        gave_up: Vec<usize>,
     ) -> Result<bool> {
-        let gave_up: Vec<usize> = expired
-            .ranks()
-            .into_iter()
-            .filter(|&r| !op.masked[r])
-            .collect();
+        let gave_up: Vec<usize> = gave_up.into_iter().filter(|&r| !op.masked[r]).collect();
         let e = match res {
             Ok(_) if gave_up.is_empty() => return Ok(false),
             Ok(_) => {
@@ -114,6 +113,8 @@ impl<T: Transport> Buffer<T> {
 
     /// [`Transport::recover`] over the unmasked ranks; a recovery that fails naming another
     /// unmasked rank masks it too and tries again (bounded by the rank count).
+    ///
+    /// [`Transport::recover`]: crate::transport::Transport::recover
     fn recover_survivors(&mut self, op: &mut LlOp) -> Result<()> {
         loop {
             let team = Team {

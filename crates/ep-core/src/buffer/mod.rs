@@ -1,9 +1,15 @@
-//! `Buffer`: DeepEP's `deep_ep.Buffer` (spec §1) over any [`Transport`], driving the protocol's
+//! `Buffer`: DeepEP's `deep_ep.Buffer` (spec §1) over any [`Executor`], driving the protocol's
 //! phases (docs/protocol.md).
 //!
-//! The API is collective, like the simulator: one call handles every rank's inputs and returns
-//! every rank's outputs (`Vec` indexed by rank). On the GPU each process drives its own rank with
-//! the same sequence of calls.
+//! Each call takes the inputs of the executor's local ranks ([`Executor::local_ranks`]) and
+//! returns their outputs, in that order. On the simulator every rank is local, so a call handles
+//! every rank's inputs and returns every rank's outputs (`Vec` indexed by rank); a process that
+//! drives one rank passes one-element slices.
+//!
+//! The `Buffer` runs the host logic that reads no tensor contents, once for every backend (the
+//! shape-level checks of `check`, sizing, the call and low-latency operation counters, hooks,
+//! poisoning and reset, the shrink-mode mask); the executor runs the per-token checks and the
+//! phases (`crate::executor`).
 //!
 //! | DeepEP | ep-rs |
 //! |---|---|
@@ -32,7 +38,8 @@
 //! checks every backend runs (the GPU groups too); `normal` the normal-mode
 //! calls; `in_place` the normal calls whose rows stay in the arena; `low_latency` the
 //! low-latency calls and hooks; `mask` the shrink-mode mask and how a
-//! failed peer gets masked; `fault` poisoning and reset.
+//! failed peer gets masked; `fault` poisoning and reset. The phases themselves, and the
+//! per-token checks, are the executor's (`crate::executor`).
 
 pub mod check;
 mod fault;
@@ -43,13 +50,14 @@ mod normal;
 
 use crate::config::{BufferConfig, Config};
 use crate::error::{Error, Result};
+use crate::executor::Executor;
 use crate::protocol::ProtocolMutation;
 use crate::protocol::layout::{
     LlLayout, NormalCtrl, NormalData, REGION_ALIGN, RowFormat, align128, ll_signal_bytes,
 };
 use crate::protocol::low_latency::LlArena;
 use crate::protocol::normal::NormalArena;
-use crate::transport::{AllocRequest, Init, Transport};
+use crate::transport::{AllocRequest, Init};
 
 pub use crate::plan::intranode::InPlaceDispatch;
 pub use crate::protocol::normal::Expert;
@@ -92,9 +100,9 @@ enum LlMem {
     Dirty,
 }
 
-/// DeepEP's `Buffer` over a [`Transport`] (module docs).
-pub struct Buffer<T: Transport> {
-    transport: T,
+/// DeepEP's `Buffer` over an [`Executor`] (module docs).
+pub struct Buffer<E: Executor> {
+    transport: E,
     config: BufferConfig,
     last_call: u64,
     normal: Option<NormalArena>,
@@ -111,7 +119,7 @@ pub struct Buffer<T: Transport> {
     in_place: Option<in_place::InPlaceRows>,
 }
 
-impl<T: Transport> std::fmt::Debug for Buffer<T> {
+impl<E: Executor> std::fmt::Debug for Buffer<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Buffer")
             .field("config", &self.config)
@@ -123,11 +131,11 @@ impl<T: Transport> std::fmt::Debug for Buffer<T> {
     }
 }
 
-impl<T: Transport> Buffer<T> {
+impl<E: Executor> Buffer<E> {
     /// Validates `config` (DeepEP's constructor checks) and allocates the arenas collectively:
     /// normal mode when `num_nvl_bytes > 0`, low-latency when `low_latency_mode` and
     /// `num_rdma_bytes > 0` (docs/protocol.md §2.1, §3.1).
-    pub fn new(mut transport: T, config: BufferConfig) -> Result<Self> {
+    pub fn new(mut transport: E, config: BufferConfig) -> Result<Self> {
         config.validate()?;
         let r = config.num_ranks;
         if transport.fabric().num_ranks != r {
@@ -217,13 +225,13 @@ impl<T: Transport> Buffer<T> {
         })
     }
 
-    /// The transport.
-    pub fn transport(&self) -> &T {
+    /// The executor (its transport face: fabric, memory, statistics).
+    pub fn transport(&self) -> &E {
         &self.transport
     }
 
-    /// The transport, mutably (e.g. to read simulator statistics).
-    pub fn transport_mut(&mut self) -> &mut T {
+    /// The executor, mutably (e.g. to read simulator statistics).
+    pub fn transport_mut(&mut self) -> &mut E {
         &mut self.transport
     }
 
@@ -235,6 +243,16 @@ impl<T: Transport> Buffer<T> {
     /// Number of ranks.
     pub fn num_ranks(&self) -> usize {
         self.config.num_ranks
+    }
+
+    /// `Err(RankCountMismatch)` unless every length in `lens` is the number of local ranks (the
+    /// per-rank slices a call takes).
+    fn check_local(&self, lens: &[usize]) -> Result<()> {
+        let n = self.transport.local_ranks().len();
+        match lens.iter().find(|&&len| len != n) {
+            Some(&found) => Err(Error::RankCountMismatch { expected: n, found }),
+            None => Ok(()),
+        }
     }
 
     /// The number of the last call made (calls number from 1; both modes share the counter).

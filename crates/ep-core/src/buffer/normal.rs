@@ -1,25 +1,24 @@
 //! Normal-mode calls of [`Buffer`] (docs/protocol.md §2): layout, dispatch, cached dispatch,
-//! combine. Each is one phase; a failed phase poisons the buffer (`fault`).
-
-use std::sync::Mutex;
-
-use half::bf16;
+//! combine. Each is one phase of the executor; a failed phase poisons the buffer (`fault`).
 
 use super::in_place::InPlaceRows;
 use super::{Buffer, NormalDispatchArgs};
 use crate::error::{Error, Result};
+use crate::executor::{
+    CachedDispatchJob, Executor, NormalCombineCheck, NormalCombineJob, NormalDispatchCheck,
+    NormalDispatchJob,
+};
 use crate::plan::combine::{CombineArgs, CombineOutput, check_combine_args};
 use crate::plan::intranode::InPlaceDispatch;
 use crate::plan::intranode::{
-    DispatchOptions, IntranodeDispatch, IntranodeHandle, check_dispatch,
-    check_same_activation_kind, handle_mismatch,
+    DispatchOptions, IntranodeDispatch, IntranodeHandle, check_dispatch_shapes,
+    check_same_activation_kind,
 };
 use crate::plan::layout::{DispatchLayout, get_dispatch_layout_for_rank};
 use crate::protocol::layout::RowFormat;
-use crate::protocol::normal::{self, NormalArena, take_slot};
+use crate::protocol::normal::{self, NormalArena};
 use crate::routing::{Activations, ExpertIdx, RankInputs};
 use crate::tensor::Tensor2;
-use crate::transport::Transport;
 
 /// The shapes of a host handle, for the checks every backend shares.
 fn handle_shapes(h: &IntranodeHandle) -> super::check::HandleShapes {
@@ -51,24 +50,20 @@ fn rows_of(x: &Activations) -> RowFormat {
     }
 }
 
-impl<T: Transport> Buffer<T> {
-    /// `get_dispatch_layout` of every rank (spec §1.7).
+impl<E: Executor> Buffer<E> {
+    /// `get_dispatch_layout` of every local rank (spec §1.7): `topk_idx[i]` is local rank
+    /// `i`'s routing.
     pub fn get_dispatch_layout(
         &self,
         topk_idx: &[Tensor2<ExpertIdx>],
         num_experts: usize,
     ) -> Result<Vec<DispatchLayout>> {
         let r = self.num_ranks();
-        if topk_idx.len() != r {
-            return Err(Error::RankCountMismatch {
-                expected: r,
-                found: topk_idx.len(),
-            });
-        }
+        self.check_local(&[topk_idx.len()])?;
         topk_idx
             .iter()
-            .enumerate()
-            .map(|(s, t)| get_dispatch_layout_for_rank(s, t, num_experts, r))
+            .zip(self.transport.local_ranks())
+            .map(|(t, s)| get_dispatch_layout_for_rank(s, t, num_experts, r))
             .collect()
     }
 
@@ -116,8 +111,9 @@ impl<T: Transport> Buffer<T> {
         Ok(())
     }
 
-    /// Normal dispatch of every rank (spec §1.8, docs/protocol.md §2.3): one phase, rows written
-    /// directly at their final place. Outputs equal `plan::intranode::intranode_dispatch_all`.
+    /// Normal dispatch of every local rank (spec §1.8, docs/protocol.md §2.3): one phase, rows
+    /// written directly at their final place. Outputs equal
+    /// `plan::intranode::intranode_dispatch_all`.
     pub fn dispatch(
         &mut self,
         inputs: &[RankInputs],
@@ -156,74 +152,46 @@ impl<T: Transport> Buffer<T> {
             num_worst_tokens: args.num_worst_tokens,
             with_topk: args.with_topk,
         };
-        if inputs.len() != self.num_ranks() {
-            return Err(Error::RankCountMismatch {
-                expected: self.num_ranks(),
-                found: inputs.len(),
-            });
-        }
-        // The data-level checks (routing in range, layouts equal to it), then the shape-level
-        // ones every backend runs (`check`).
-        let shape = check_dispatch(inputs, layouts, num_experts, &opts)?;
+        self.check_local(&[inputs.len()])?;
+        // The shape-level checks (inputs, options, protocol limits), then the executor's
+        // per-token ones (routing in range, layouts equal to it, worst-token rows).
+        let shapes: Vec<_> = inputs.iter().map(RankInputs::shapes).collect();
+        let shape = check_dispatch_shapes(&shapes, layouts.len(), num_experts, &opts)?;
         super::check::normal_dispatch(self.num_ranks(), num_experts, &opts)?;
-        let r = self.num_ranks();
-        let mut fmt = rows_of(&inputs[0].x);
-        fmt.num_topk = shape.num_topk;
-        let mut max_rows = 0usize;
-        for d in 0..r {
-            let recv: usize = layouts
-                .iter()
-                .map(|l| l.num_tokens_per_rank[d] as usize)
-                .sum();
-            if opts.num_worst_tokens > 0 && recv > opts.num_worst_tokens {
-                return Err(Error::WorstTokensTooSmall {
-                    rank: d,
-                    num_worst_tokens: opts.num_worst_tokens,
-                    needed: recv,
-                });
-            }
-            max_rows = max_rows.max(recv.max(opts.num_worst_tokens));
-        }
-        let call = self.next_call();
-        let mutation = self.mutation;
-        let arena = self.normal_arena()?.clone();
-        Self::check_capacity(&arena, max_rows, fmt.dispatch_record(), true)?;
-        let job = normal::DispatchJob {
+        let max_rows = self.transport.check_normal_dispatch(&NormalDispatchCheck {
             inputs,
             layouts,
-            num_local_experts: shape.num_local_experts,
-            num_channels: opts.num_channels,
-            expert_alignment: opts.expert_alignment,
+            num_experts,
             num_worst_tokens: opts.num_worst_tokens,
-            with_topk: opts.with_topk,
-            fmt,
-            in_place,
+        })?;
+        let mut fmt = rows_of(&inputs[0].x);
+        fmt.num_topk = shape.num_topk;
+        let call = self.next_call();
+        let arena = self.normal_arena()?.clone();
+        // The worst-token rows are a shape-level bound; the exact rows only the executor knows.
+        if let Some(rows) =
+            max_rows.or((opts.num_worst_tokens > 0).then_some(opts.num_worst_tokens))
+        {
+            Self::check_capacity(&arena, rows, fmt.dispatch_record(), true)?;
+        }
+        let job = NormalDispatchJob {
+            arena,
+            call,
+            mutation: self.mutation,
+            work: normal::DispatchJob {
+                inputs,
+                layouts,
+                num_local_experts: shape.num_local_experts,
+                num_channels: opts.num_channels,
+                expert_alignment: opts.expert_alignment,
+                num_worst_tokens: opts.num_worst_tokens,
+                with_topk: opts.with_topk,
+                fmt,
+                in_place,
+            },
         };
-        let slots = normal::DispatchSlots::new(r);
-        let phase = normal::dispatch_phase(&arena, &job, call, mutation, &slots);
-        self.run(phase)?;
-        let out: Vec<_> = (0..r)
-            .map(|d| {
-                let n = take_slot(&slots.notify[d], d, "notify")?;
-                let v = take_slot(&slots.recv[d], d, "receiver")?;
-                let disp = InPlaceDispatch {
-                    num_rows: v.src_idx.len(),
-                    recv_topk_idx: v.topk_idx,
-                    recv_topk_weights: v.topk_weights,
-                    num_recv_tokens_per_expert_list: n.expert_list,
-                    handle: IntranodeHandle {
-                        rank_prefix_matrix: n.rank_prefix_matrix,
-                        channel_prefix_matrix: n.channel_prefix_matrix,
-                        recv_channel_prefix_matrix: n.recv_channel_prefix_matrix,
-                        recv_src_idx: v.src_idx,
-                        is_token_in_rank: layouts[d].is_token_in_rank.clone(),
-                        send_head: n.send_head,
-                        num_recv_tokens: n.num_recv,
-                    },
-                };
-                Ok((disp, v.recv_x))
-            })
-            .collect::<Result<_>>()?;
+        let res = self.transport.run_normal_dispatch(&job);
+        let out = self.ran(call, res)?;
         if in_place {
             self.in_place = Some(InPlaceRows {
                 call,
@@ -235,8 +203,8 @@ impl<T: Transport> Buffer<T> {
         Ok(out)
     }
 
-    /// Cached dispatch (handle given, no top-k, spec §1.8; docs/protocol.md §2.4). Equals
-    /// `plan::intranode::intranode_dispatch_cached`.
+    /// Cached dispatch of every local rank (handle given, no top-k, spec §1.8;
+    /// docs/protocol.md §2.4). Equals `plan::intranode::intranode_dispatch_cached`.
     pub fn dispatch_cached(
         &mut self,
         xs: &[&Activations],
@@ -244,14 +212,7 @@ impl<T: Transport> Buffer<T> {
     ) -> Result<Vec<Activations>> {
         self.check_poison()?;
         let r = self.num_ranks();
-        for len in [xs.len(), handles.len()] {
-            if len != r {
-                return Err(Error::RankCountMismatch {
-                    expected: r,
-                    found: len,
-                });
-            }
-        }
+        self.check_local(&[xs.len(), handles.len()])?;
         self.in_place = None;
         let mut max_rows = 0;
         for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
@@ -261,30 +222,20 @@ impl<T: Transport> Buffer<T> {
         }
         let fmt = rows_of(xs[0]);
         let call = self.next_call();
-        let mutation = self.mutation;
         let arena = self.normal_arena()?.clone();
         Self::check_capacity(&arena, max_rows, fmt.dispatch_record(), true)?;
-        let job = normal::CachedJob { xs, handles, fmt };
-        let out: Vec<Mutex<Option<normal::RecvResult>>> =
-            (0..r).map(|_| Mutex::new(None)).collect();
-        let phase = normal::cached_phase(&arena, &job, call, mutation, &out);
-        self.run(phase)?;
-        out.iter()
-            .enumerate()
-            .map(|(rank, o)| {
-                take_slot(o, rank, "receiver")?
-                    .recv_x
-                    .ok_or_else(|| Error::AgentFailed {
-                        rank,
-                        agent: "receiver".into(),
-                        detail: "the receiver returned no rows".into(),
-                    })
-            })
-            .collect()
+        let job = CachedDispatchJob {
+            arena,
+            call,
+            mutation: self.mutation,
+            work: normal::CachedJob { xs, handles, fmt },
+        };
+        let res = self.transport.run_cached_dispatch(&job);
+        self.ran(call, res)
     }
 
-    /// Normal combine of every rank (spec §1.8, docs/protocol.md §2.5): each rank publishes its
-    /// expert outputs in its combine rows, owners pull and reduce. Equals
+    /// Normal combine of every local rank (spec §1.8, docs/protocol.md §2.5): each rank
+    /// publishes its expert outputs in its combine rows, owners pull and reduce. Equals
     /// `plan::intranode::intranode_combine` bit for bit.
     pub fn combine(
         &mut self,
@@ -292,19 +243,11 @@ impl<T: Transport> Buffer<T> {
         args: &[CombineArgs<'_>],
     ) -> Result<Vec<CombineOutput>> {
         self.check_poison()?;
-        let r = self.num_ranks();
-        for len in [handles.len(), args.len()] {
-            if len != r {
-                return Err(Error::RankCountMismatch {
-                    expected: r,
-                    found: len,
-                });
-            }
-        }
+        self.check_local(&[handles.len(), args.len()])?;
         let num_tokens: Vec<usize> = handles.iter().map(|h| h.send_head.rows()).collect();
         let num_recv: Vec<usize> = handles.iter().map(|h| h.recv_src_idx.len()).collect();
         let (hidden, num_topk) = check_combine_args(args, &num_tokens, &num_recv)?;
-        Self::check_combine_handles(handles, &num_recv)?;
+        self.check_combine_handles(handles, &num_recv)?;
         let k = num_topk.unwrap_or(0);
         let fmt = RowFormat {
             hidden,
@@ -318,102 +261,45 @@ impl<T: Transport> Buffer<T> {
             fmt.combine_record(),
             false,
         )?;
-        let job = normal::CombineJob {
+        let work = normal::CombineJob {
             handles,
             source: normal::CombineSource::Host(args),
             hidden,
             num_topk: k,
         };
-        self.run_combine(&job, num_topk.is_some())
+        self.run_combine(work, num_topk.is_some())
     }
 
-    /// Every row a handle pulls exists on its rank (`num_recv[d]` rows on `d`).
+    /// The handles of a combine: their shapes (`check::normal_handle`), then the executor's
+    /// check that every row a handle pulls exists on its rank (`num_recv[d]` rows on `d`).
     pub(super) fn check_combine_handles(
+        &self,
         handles: &[IntranodeHandle],
         num_recv: &[usize],
     ) -> Result<()> {
         let r = handles.len();
         for (s, h) in handles.iter().enumerate() {
-            let c = super::check::normal_handle(s, r, None, None, &handle_shapes(h))?;
-            // Every pulled row must exist on its rank.
-            for t in 0..h.send_head.rows() {
-                let ch = (0..c)
-                    .find(|&ch| {
-                        crate::plan::layout::channel_range(h.send_head.rows(), c, ch).contains(&t)
-                    })
-                    .unwrap_or(0);
-                for d in 0..r {
-                    let slot = h.send_head.get(t, d);
-                    if slot < 0 {
-                        continue;
-                    }
-                    let j = h.rank_start(s, d) + h.channel_start(d, ch) + slot;
-                    if j < 0 || j as usize >= handles[d].num_recv_tokens.min(num_recv[d]) {
-                        return Err(handle_mismatch(
-                            s,
-                            format!(
-                                "token {t} maps to row {j} of rank {d}, past its received rows"
-                            ),
-                        ));
-                    }
-                }
-            }
+            super::check::normal_handle(s, r, None, None, &handle_shapes(h))?;
         }
-        Ok(())
+        self.transport
+            .check_normal_combine(&NormalCombineCheck { handles, num_recv })
     }
 
     /// The combine phase of a checked job; the outputs assembled per rank.
     pub(super) fn run_combine(
         &mut self,
-        job: &normal::CombineJob<'_>,
+        work: normal::CombineJob<'_>,
         with_weights: bool,
     ) -> Result<Vec<CombineOutput>> {
-        let (handles, hidden, k) = (job.handles, job.hidden, job.num_topk);
-        let num_tokens: Vec<usize> = handles.iter().map(|h| h.send_head.rows()).collect();
         let call = self.next_call();
-        let mutation = self.mutation;
-        let arena = self.normal_arena()?.clone();
-        // Each reducer writes its channel's rows (a contiguous token range) in place.
-        let mut xs: Vec<Tensor2<bf16>> = num_tokens
-            .iter()
-            .map(|&t| Tensor2::zeros(t, hidden))
-            .collect();
-        let mut ws: Vec<Tensor2<f32>> = num_tokens
-            .iter()
-            .map(|&t| Tensor2::filled(t, k, 0.0f32))
-            .collect();
-        {
-            let out: Vec<Vec<normal::ReducedRows<'_>>> = xs
-                .iter_mut()
-                .zip(ws.iter_mut())
-                .zip(handles)
-                .map(|((x, w), h)| {
-                    let c_count = h.channel_prefix_matrix.cols();
-                    let t = h.send_head.rows();
-                    let (mut rx, mut rw) = (x.data_mut(), w.data_mut());
-                    (0..c_count)
-                        .map(|c| {
-                            let n = crate::plan::layout::channel_range(t, c_count, c).len();
-                            let (a, b) = std::mem::take(&mut rx).split_at_mut(n * hidden);
-                            let (c2, d2) = std::mem::take(&mut rw).split_at_mut(n * k);
-                            rx = b;
-                            rw = d2;
-                            Mutex::new(Some((a, c2)))
-                        })
-                        .collect()
-                })
-                .collect();
-            let phase = normal::combine_phase(&arena, job, call, mutation, &out);
-            self.run(phase)?;
-        }
-        let res = xs
-            .into_iter()
-            .zip(ws)
-            .map(|(x, w)| CombineOutput {
-                combined_x: x,
-                combined_topk_weights: with_weights.then_some(w),
-            })
-            .collect();
-        Ok(res)
+        let job = NormalCombineJob {
+            arena: self.normal_arena()?.clone(),
+            call,
+            mutation: self.mutation,
+            work,
+            with_weights,
+        };
+        let res = self.transport.run_normal_combine(&job);
+        self.ran(call, res)
     }
 }

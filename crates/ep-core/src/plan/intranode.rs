@@ -22,7 +22,7 @@ use crate::plan::combine::{
 };
 use crate::plan::layout::{DispatchLayout, channel_range, get_dispatch_layout_for_rank};
 use crate::plan::layout::{check_num_ranks, local_experts};
-use crate::routing::{Activations, ExpertIdx, RankInputs, validate_inputs};
+use crate::routing::{Activations, ExpertIdx, InputShapes, RankInputs, validate_routing};
 use crate::tensor::Tensor2;
 
 /// Options of a normal-mode dispatch (spec §1.8).
@@ -135,35 +135,70 @@ pub(crate) struct DispatchShape {
 }
 
 /// Validates a non-cached dispatch: rank count, `E % R`, options, each rank's inputs, one
-/// dtype/hidden/top-k across ranks, and each layout equal to the routing's (§1.7).
+/// dtype/hidden/top-k across ranks, and each layout equal to the routing's (§1.7): the
+/// shape-level rules ([`check_dispatch_shapes`]) first, then the per-token ones
+/// ([`check_dispatch_routing`]).
 pub(crate) fn check_dispatch(
     inputs: &[RankInputs],
     layouts: &[DispatchLayout],
     num_experts: usize,
     opts: &DispatchOptions,
 ) -> Result<DispatchShape> {
-    let num_ranks = inputs.len();
+    let shapes: Vec<InputShapes> = inputs.iter().map(RankInputs::shapes).collect();
+    let shape = check_dispatch_shapes(&shapes, layouts.len(), num_experts, opts)?;
+    check_dispatch_routing(inputs, layouts, num_experts)?;
+    Ok(shape)
+}
+
+/// The shape-level half of [`check_dispatch`], over each rank's input shapes and the number of
+/// layouts given: rank count, `E % R`, options, each rank's input shapes and their agreement
+/// with rank 0's (dtype, hidden, top-k). Reads no tensor contents.
+pub(crate) fn check_dispatch_shapes(
+    shapes: &[InputShapes],
+    num_layouts: usize,
+    num_experts: usize,
+    opts: &DispatchOptions,
+) -> Result<DispatchShape> {
+    let num_ranks = shapes.len();
     check_num_ranks(num_ranks)?;
-    if layouts.len() != num_ranks {
+    if num_layouts != num_ranks {
         return Err(Error::RankCountMismatch {
             expected: num_ranks,
-            found: layouts.len(),
+            found: num_layouts,
         });
     }
     let num_local_experts = local_experts(num_experts, num_ranks)?;
     check_dispatch_options(opts)?;
-    let first = &inputs[0];
-    for (s, inp) in inputs.iter().enumerate() {
-        validate_inputs(inp, num_experts, s)?;
-        inp.shapes().agree(&first.shapes(), s, opts.with_topk)?;
-        let want = get_dispatch_layout_for_rank(s, &inp.topk_idx, num_experts, num_ranks)?;
-        check_layout(s, &layouts[s], &want)?;
+    let first = &shapes[0];
+    for (s, sh) in shapes.iter().enumerate() {
+        sh.check(s, true)?;
+        sh.agree(first, s, opts.with_topk)?;
     }
     Ok(DispatchShape {
         num_ranks,
         num_local_experts,
-        num_topk: if opts.with_topk { first.num_topk() } else { 0 },
+        num_topk: if opts.with_topk {
+            first.topk_idx.map_or(0, |(_, k)| k)
+        } else {
+            0
+        },
     })
+}
+
+/// The per-token half of [`check_dispatch`]: every expert id in `[-1, E)` and each rank's
+/// layout equal to its routing's (§1.7). Call after [`check_dispatch_shapes`].
+pub(crate) fn check_dispatch_routing(
+    inputs: &[RankInputs],
+    layouts: &[DispatchLayout],
+    num_experts: usize,
+) -> Result<()> {
+    let num_ranks = inputs.len();
+    for (s, inp) in inputs.iter().enumerate() {
+        validate_routing(&inp.topk_idx, num_experts, s)?;
+        let want = get_dispatch_layout_for_rank(s, &inp.topk_idx, num_experts, num_ranks)?;
+        check_layout(s, &layouts[s], &want)?;
+    }
+    Ok(())
 }
 
 /// The options of a dispatch (spec §1.8): at least one channel, alignment >= 1, worst-token
