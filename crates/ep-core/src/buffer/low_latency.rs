@@ -11,7 +11,7 @@ use crate::executor::{
     Executor, LlAttempt, LlCleanJob, LlCombineCheck, LlCombineRecvJob, LlCombineSendJob,
     LlDispatchRecvJob, LlDispatchSendJob, LlExpertOutputJob,
 };
-use crate::plan::low_latency::{LlDispatchOutput, LlParams};
+use crate::plan::low_latency::{LlDispatchOutput, LlParams, validate_dispatch_shapes};
 use crate::protocol::LlRoutes;
 use crate::protocol::ProtocolMutation;
 use crate::protocol::layout::{LlLayout, ll_half};
@@ -170,7 +170,9 @@ impl<E: Executor> Buffer<E> {
         self.check_poison()?;
         let params = params.clone().with_masked_ranks(self.mask.clone());
         // `params` carry one mask entry per rank: the inputs' count is checked against it.
-        let shape = self.transport.check_ll_dispatch(inputs, &params)?;
+        let shapes: Vec<_> = inputs.iter().map(RankInputs::shapes).collect();
+        let shape = validate_dispatch_shapes(&shapes, &params)?;
+        self.transport.check_ll_dispatch(inputs, &params)?;
         self.ll_precheck()?;
         let arena = self.ll_arena()?;
         let layout = LlLayout {

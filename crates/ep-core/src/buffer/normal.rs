@@ -191,7 +191,11 @@ impl<E: Executor> Buffer<E> {
             },
         };
         let res = self.transport.run_normal_dispatch(&job);
-        let out = self.ran(call, res)?;
+        // A rank's missing outputs, after a phase that succeeded, do not poison.
+        let out = self
+            .ran(call, res)?
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?;
         if in_place {
             self.in_place = Some(InPlaceRows {
                 call,
@@ -231,7 +235,7 @@ impl<E: Executor> Buffer<E> {
             work: normal::CachedJob { xs, handles, fmt },
         };
         let res = self.transport.run_cached_dispatch(&job);
-        self.ran(call, res)
+        self.ran(call, res)?.into_iter().collect()
     }
 
     /// Normal combine of every local rank (spec §1.8, docs/protocol.md §2.5): each rank

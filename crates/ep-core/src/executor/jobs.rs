@@ -6,14 +6,14 @@
 use half::bf16;
 
 use crate::error::Result;
-use crate::plan::intranode::IntranodeHandle;
+use crate::plan::intranode::{InPlaceDispatch, IntranodeHandle};
 use crate::plan::layout::DispatchLayout;
 use crate::plan::low_latency::LlDispatchOutput;
 use crate::protocol::layout::RowFormat;
 use crate::protocol::low_latency::{ExpertOut, LlArena, LlOp, LlRows};
 use crate::protocol::normal::{self, Expert, NormalArena};
 use crate::protocol::{LlRoutes, ProtocolMutation};
-use crate::routing::{ExpertIdx, RankInputs};
+use crate::routing::{Activations, ExpertIdx, RankInputs};
 use crate::tensor::{Tensor2, Tensor3};
 use crate::transport::{SymAlloc, Team};
 
@@ -153,6 +153,10 @@ pub struct LlAttempt<X> {
     /// Per rank, when the attempt is final; empty otherwise and for the send halves.
     pub out: Vec<Option<Result<X>>>,
 }
+
+/// What a normal dispatch phase gives one rank: its outputs but `recv_x`, and `recv_x` unless
+/// the rows stay in the arena.
+pub type NormalDispatched = (InPlaceDispatch, Option<Activations>);
 
 /// What a low-latency dispatch hook produced on one rank.
 pub type LlRecvOut = (LlDispatchOutput, LlRoutes);

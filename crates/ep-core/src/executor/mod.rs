@@ -6,13 +6,15 @@
 //! Each call has up to two entry points: `check_*` (`&self`, no side effect: the per-token
 //! input checks — expert ids, layouts equal to the routing — whose error leaves the `Buffer`
 //! usable) and `run_*` (`&mut self`: the phase itself, under the call number the `Buffer` took
-//! between the two; its error poisons the `Buffer`). A low-latency `run_*` is one attempt
-//! ([`LlAttempt`]); the `Buffer` decides whether a peer is masked and the phase runs again.
+//! between the two; its error poisons the `Buffer`, while a rank whose agent finished without
+//! its outputs, after a phase that succeeded, is an error of that rank's entry, returned as
+//! is). A low-latency `run_*` is one attempt ([`LlAttempt`]); the `Buffer` decides whether a
+//! peer is masked and the phase runs again.
 //!
 //! - [`jobs`]: what each phase is handed;
 //! - `agents`: the simulator's executor, for every [`RunsAgents`] transport: it builds the
-//!   protocol's agents (`protocol::normal`, `protocol::low_latency`) and runs them with
-//!   [`Transport::run_phase`].
+//!   protocol's agents (`protocol::normal`, `protocol::low_latency`, `protocol::reset`) and runs
+//!   them with [`Transport::run_phase`].
 //!
 //! The inputs and outputs are those of the executor's local ranks ([`Executor::local_ranks`]),
 //! in that order. A [`RunsAgents`] executor holds every rank, so there they are indexed by rank.
@@ -24,15 +26,15 @@ mod agents;
 pub use jobs::{
     CachedDispatchJob, ExpertJob, LlAttempt, LlCleanJob, LlCombineCheck, LlCombineRecvJob,
     LlCombineSendJob, LlDispatchRecvJob, LlDispatchSendJob, LlExpertOutputJob, LlRecvOut,
-    NormalCombineCheck, NormalCombineJob, NormalDispatchCheck, NormalDispatchJob, ResetJob,
+    NormalCombineCheck, NormalCombineJob, NormalDispatchCheck, NormalDispatchJob, NormalDispatched,
+    ResetJob,
 };
 
 use half::bf16;
 
 use crate::error::Result;
 use crate::plan::combine::CombineOutput;
-use crate::plan::intranode::InPlaceDispatch;
-use crate::plan::low_latency::{LlDispatchOutput, LlParams, LlShape};
+use crate::plan::low_latency::{LlDispatchOutput, LlParams};
 use crate::routing::{Activations, RankInputs};
 use crate::tensor::Tensor2;
 use crate::transport::Transport;
@@ -55,15 +57,20 @@ pub trait Executor: Transport {
     /// arena's capacity itself).
     fn check_normal_dispatch(&self, job: &NormalDispatchCheck<'_>) -> Result<Option<usize>>;
 
-    /// The normal dispatch phase: per local rank its outputs but `recv_x`, and `recv_x` unless
-    /// the rows stay in the arena (`in_place`).
+    /// The normal dispatch phase (its error poisons the `Buffer`): per local rank its outputs
+    /// but `recv_x`, and `recv_x` unless the rows stay in the arena (`in_place`), or the error
+    /// of an agent that finished without them (returned as is).
     fn run_normal_dispatch(
         &mut self,
         job: &NormalDispatchJob<'_>,
-    ) -> Result<Vec<(InPlaceDispatch, Option<Activations>)>>;
+    ) -> Result<Vec<Result<NormalDispatched>>>;
 
-    /// The cached normal dispatch phase: per local rank its received rows.
-    fn run_cached_dispatch(&mut self, job: &CachedDispatchJob<'_>) -> Result<Vec<Activations>>;
+    /// The cached normal dispatch phase: per local rank its received rows, or the error of an
+    /// agent that finished without them (as in [`Executor::run_normal_dispatch`]).
+    fn run_cached_dispatch(
+        &mut self,
+        job: &CachedDispatchJob<'_>,
+    ) -> Result<Vec<Result<Activations>>>;
 
     /// The per-token checks of a normal combine's handles.
     fn check_normal_combine(&self, job: &NormalCombineCheck<'_>) -> Result<()>;
@@ -74,9 +81,10 @@ pub trait Executor: Transport {
     /// The expert phase over the in-place rows ([`Buffer::apply_expert`](crate::Buffer::apply_expert)).
     fn run_expert(&mut self, job: &ExpertJob<'_>) -> Result<()>;
 
-    /// The checks of a low-latency dispatch's inputs (`plan::low_latency::validate_dispatch`:
-    /// shapes and routing); returns its dimensions.
-    fn check_ll_dispatch(&self, inputs: &[RankInputs], params: &LlParams) -> Result<LlShape>;
+    /// The per-token checks of a low-latency dispatch whose shapes the `Buffer` checked
+    /// (`plan::low_latency::validate_dispatch_routing`: expert ids in range, at most `N`
+    /// entries of a rank to one expert).
+    fn check_ll_dispatch(&self, inputs: &[RankInputs], params: &LlParams) -> Result<()>;
 
     /// One attempt of the low-latency dispatch send half.
     fn run_ll_dispatch_send(&mut self, job: &LlDispatchSendJob<'_>) -> LlAttempt<()>;

@@ -36,7 +36,7 @@ use half::bf16;
 
 use crate::error::{Error, Result};
 use crate::numerics::{fp8, logfmt};
-use crate::routing::{Activations, RankInputs, validate_inputs, validate_routing};
+use crate::routing::{Activations, InputShapes, RankInputs, validate_routing};
 use crate::tensor::{Tensor2, Tensor3};
 
 /// Largest top-k low-latency kernels support (spec §0, `kNumMaxTopK`).
@@ -343,32 +343,60 @@ pub struct LlDispatchOutput {
 }
 
 /// Checks a low-latency dispatch's arguments (the API-level asserts of spec §1.9, plus what
-/// makes the outputs well defined) and returns its dimensions.
+/// makes the outputs well defined) and returns its dimensions: the shape-level rules
+/// ([`validate_dispatch_shapes`]) of every rank first, then the per-token ones
+/// ([`validate_dispatch_routing`]).
 ///
 /// Checked: at least one rank; `masked_ranks` empty or one per rank; `E` a positive multiple
 /// of `R`; `use_ue8m0 ⇒ round_scale`; `R·N % 4 == 0`; per rank: BF16 `x`, consistent shapes
-/// ([`validate_inputs`]), expert ids in `[-1, E)`, `T ≤ N`, `K ≤ 11`, the same `H` everywhere,
-/// `H` a positive multiple of 128 (512 with FP8), and at most `N` entries to any one expert.
+/// ([`InputShapes::check`]), expert ids in `[-1, E)`, `T ≤ N`, `K ≤ 11`, the same `H`
+/// everywhere, `H` a positive multiple of 128 (512 with FP8), and at most `N` entries to any
+/// one expert.
 /// Not checked here: the kernels' list of compiled `H` values, the QP depth and `N ≤ 1024`
 /// (configuration checks, `crate::config`).
 pub fn validate_dispatch(inputs: &[RankInputs], params: &LlParams) -> Result<LlShape> {
-    validate_params(inputs.len(), params)?;
-    let hidden = inputs[0].x.hidden();
+    let shapes: Vec<InputShapes> = inputs.iter().map(RankInputs::shapes).collect();
+    let shape = validate_dispatch_shapes(&shapes, params)?;
+    validate_dispatch_routing(inputs, params)?;
+    Ok(shape)
+}
+
+/// The shape-level half of [`validate_dispatch`], over each rank's input shapes (whatever holds
+/// the tensors): the call's scalars, `H`, and per rank BF16 `x` of that `H`, consistent shapes,
+/// `T ≤ N` and `K ≤ 11`. Reads no tensor contents.
+pub fn validate_dispatch_shapes(shapes: &[InputShapes], params: &LlParams) -> Result<LlShape> {
+    validate_params(shapes.len(), params)?;
+    let hidden = shapes[0].x.1;
     validate_hidden(hidden, params.use_fp8)?;
     let n = params.num_max_dispatch_tokens_per_rank;
-    for (rank, inp) in inputs.iter().enumerate() {
-        let Activations::Bf16(x) = &inp.x else {
+    for (rank, sh) in shapes.iter().enumerate() {
+        if sh.fp8 {
             return Err(Error::LlExpectsBf16 { rank });
-        };
-        if x.cols() != hidden {
+        }
+        if sh.x.1 != hidden {
             return Err(Error::ShapeMismatch {
                 what: "hidden size across ranks",
                 expected: format!("{hidden} (rank 0)"),
-                found: format!("{} (rank {rank})", x.cols()),
+                found: format!("{} (rank {rank})", sh.x.1),
             });
         }
-        validate_inputs(inp, params.num_experts, rank)?;
-        validate_rank(inp, rank, n)?;
+        sh.check(rank, true)?;
+        validate_rank(sh, rank, n)?;
+    }
+    Ok(LlShape {
+        num_ranks: shapes.len(),
+        num_local_experts: params.num_experts / shapes.len(),
+        hidden,
+        num_max_dispatch_tokens_per_rank: n,
+    })
+}
+
+/// The per-token half of [`validate_dispatch`]: every expert id in `[-1, E)`, and at most `N`
+/// entries of a rank to any one expert. Call after [`validate_dispatch_shapes`].
+pub fn validate_dispatch_routing(inputs: &[RankInputs], params: &LlParams) -> Result<()> {
+    let n = params.num_max_dispatch_tokens_per_rank;
+    for (rank, inp) in inputs.iter().enumerate() {
+        validate_routing(&inp.topk_idx, params.num_experts, rank)?;
         // A rank sends each of its (t, k) entries for expert e into one of e's N slots for it.
         let mut per_expert = vec![0usize; params.num_experts];
         for &e in inp.topk_idx.data() {
@@ -385,12 +413,7 @@ pub fn validate_dispatch(inputs: &[RankInputs], params: &LlParams) -> Result<LlS
             });
         }
     }
-    Ok(LlShape {
-        num_ranks: inputs.len(),
-        num_local_experts: params.num_experts / inputs.len(),
-        hidden,
-        num_max_dispatch_tokens_per_rank: n,
-    })
+    Ok(())
 }
 
 /// Checks of the call's scalars, shared by dispatch and combine (and by the GPU backend, which
@@ -457,17 +480,19 @@ pub fn validate_hidden(hidden: usize, use_fp8: bool) -> Result<()> {
 }
 
 /// Per-rank checks shared by dispatch and combine: `T ≤ N`, `K ≤ 11`.
-fn validate_rank(inp: &RankInputs, rank: usize, n: usize) -> Result<()> {
-    if inp.num_tokens() > n {
+fn validate_rank(sh: &InputShapes, rank: usize, n: usize) -> Result<()> {
+    let (num_tokens, _) = sh.x;
+    let num_topk = sh.topk_idx.map_or(0, |(_, k)| k);
+    if num_tokens > n {
         return Err(Error::LlTooManyTokens {
             rank,
-            num_tokens: inp.num_tokens(),
+            num_tokens,
             num_max_dispatch_tokens_per_rank: n,
         });
     }
-    if inp.num_topk() > LL_MAX_TOPK {
+    if num_topk > LL_MAX_TOPK {
         return Err(Error::TopkTooLarge {
-            num_topk: inp.num_topk(),
+            num_topk,
             max: LL_MAX_TOPK,
             mode: "low-latency",
         });
@@ -881,7 +906,7 @@ fn validate_combine(
             });
         }
         validate_routing(&inp.topk_idx, params.num_experts, rank)?;
-        validate_rank(inp, rank, n)?;
+        validate_rank(&inp.shapes(), rank, n)?;
     }
     let l_count = params.num_experts / r;
     let rows = r * n;

@@ -13,13 +13,13 @@ use half::bf16;
 use super::jobs::{
     CachedDispatchJob, ExpertJob, LlAttempt, LlCleanJob, LlCombineCheck, LlCombineRecvJob,
     LlCombineSendJob, LlDispatchRecvJob, LlDispatchSendJob, LlExpertOutputJob, LlRecvOut,
-    NormalCombineCheck, NormalCombineJob, NormalDispatchCheck, NormalDispatchJob, ResetJob,
+    NormalCombineCheck, NormalCombineJob, NormalDispatchCheck, NormalDispatchJob, NormalDispatched,
+    ResetJob,
 };
 use super::{Executor, RunsAgents};
 use crate::error::Result;
 use crate::plan::combine::CombineOutput;
-use crate::plan::intranode::InPlaceDispatch;
-use crate::plan::low_latency::{LlDispatchOutput, LlParams, LlShape, validate_dispatch};
+use crate::plan::low_latency::{LlDispatchOutput, LlParams, validate_dispatch_routing};
 use crate::protocol::reset::reset_phase;
 use crate::routing::{Activations, RankInputs};
 use crate::tensor::Tensor2;
@@ -36,11 +36,14 @@ impl<T: RunsAgents> Executor for T {
     fn run_normal_dispatch(
         &mut self,
         job: &NormalDispatchJob<'_>,
-    ) -> Result<Vec<(InPlaceDispatch, Option<Activations>)>> {
+    ) -> Result<Vec<Result<NormalDispatched>>> {
         normal::dispatch(self, job)
     }
 
-    fn run_cached_dispatch(&mut self, job: &CachedDispatchJob<'_>) -> Result<Vec<Activations>> {
+    fn run_cached_dispatch(
+        &mut self,
+        job: &CachedDispatchJob<'_>,
+    ) -> Result<Vec<Result<Activations>>> {
         normal::cached(self, job)
     }
 
@@ -56,8 +59,8 @@ impl<T: RunsAgents> Executor for T {
         normal::expert(self, job)
     }
 
-    fn check_ll_dispatch(&self, inputs: &[RankInputs], params: &LlParams) -> Result<LlShape> {
-        validate_dispatch(inputs, params)
+    fn check_ll_dispatch(&self, inputs: &[RankInputs], params: &LlParams) -> Result<()> {
+        validate_dispatch_routing(inputs, params)
     }
 
     fn run_ll_dispatch_send(&mut self, job: &LlDispatchSendJob<'_>) -> LlAttempt<()> {

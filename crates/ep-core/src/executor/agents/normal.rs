@@ -8,7 +8,7 @@ use half::bf16;
 use crate::error::{Error, Result};
 use crate::executor::jobs::{
     CachedDispatchJob, ExpertJob, NormalCombineCheck, NormalCombineJob, NormalDispatchCheck,
-    NormalDispatchJob,
+    NormalDispatchJob, NormalDispatched,
 };
 use crate::plan::combine::CombineOutput;
 use crate::plan::intranode::{
@@ -45,16 +45,17 @@ pub(super) fn check_dispatch(job: &NormalDispatchCheck<'_>) -> Result<usize> {
     Ok(max_rows)
 }
 
-/// The dispatch phase; each rank's outputs from its notify and receiver agents.
+/// The dispatch phase; each rank's outputs from its notify and receiver agents (or the error
+/// naming the one that left none).
 pub(super) fn dispatch(
     t: &mut impl Transport,
     job: &NormalDispatchJob<'_>,
-) -> Result<Vec<(InPlaceDispatch, Option<Activations>)>> {
+) -> Result<Vec<Result<NormalDispatched>>> {
     let r = job.arena.num_ranks;
     let slots = normal::DispatchSlots::new(r);
     let phase = normal::dispatch_phase(&job.arena, &job.work, job.call, job.mutation, &slots);
     t.run_phase(phase)?;
-    (0..r)
+    Ok((0..r)
         .map(|d| {
             let n = take_slot(&slots.notify[d], d, "notify")?;
             let v = take_slot(&slots.recv[d], d, "receiver")?;
@@ -75,19 +76,20 @@ pub(super) fn dispatch(
             };
             Ok((disp, v.recv_x))
         })
-        .collect()
+        .collect())
 }
 
-/// The cached dispatch phase; each rank's received rows.
+/// The cached dispatch phase; each rank's received rows (or the error naming its receiver).
 pub(super) fn cached(
     t: &mut impl Transport,
     job: &CachedDispatchJob<'_>,
-) -> Result<Vec<Activations>> {
+) -> Result<Vec<Result<Activations>>> {
     let r = job.arena.num_ranks;
     let out: Vec<Mutex<Option<normal::RecvResult>>> = (0..r).map(|_| Mutex::new(None)).collect();
     let phase = normal::cached_phase(&job.arena, &job.work, job.call, job.mutation, &out);
     t.run_phase(phase)?;
-    out.iter()
+    Ok(out
+        .iter()
         .enumerate()
         .map(|(rank, o)| {
             take_slot(o, rank, "receiver")?
@@ -98,7 +100,7 @@ pub(super) fn cached(
                     detail: "the receiver returned no rows".into(),
                 })
         })
-        .collect()
+        .collect())
 }
 
 /// Every row a handle pulls exists on its rank (`num_recv[d]` rows on `d`): `send_head`'s
