@@ -360,3 +360,110 @@ fn a_handle_of_another_shape_is_refused_and_the_buffer_stays_usable() {
         .expect("plan: combine");
     assert_eq!(buf.combine(&handles, &cargs(&ys)).expect("combine"), want);
 }
+
+/// The executor's per-token input checks (`Executor::check_*`) run before the call number is
+/// taken: a bad routing, a layout that is not the routing's, too few worst-token rows, or a
+/// low-latency combine whose routing changed is a typed error, and the buffer stays usable
+/// (not poisoned, no call taken); the next valid call runs.
+#[test]
+fn per_token_input_errors_take_no_call_and_leave_the_buffer_usable() {
+    let g = case_gen();
+    let inputs = gen_inputs(&g, 7, false);
+    let mut buf =
+        Buffer::new(sim(fabric(R, 4096, 4, 1), 7, policy(1)), normal_config()).expect("buffer");
+    let lay = layouts(&buf, &inputs);
+    let refused = |buf: &Buffer<Sim>, err: Error, before: u64| {
+        assert!(buf.poisoned().is_none(), "{err:?} poisoned the buffer");
+        assert_eq!(buf.last_call(), before, "{err:?} took a call number");
+        err
+    };
+
+    let mut bad = inputs.clone();
+    bad[1].topk_idx.set(0, 0, g.num_experts as i64);
+    let err = buf
+        .dispatch(&bad, &lay, g.num_experts, &args())
+        .expect_err("expert id out of range");
+    let err = refused(&buf, err, 0);
+    assert!(
+        matches!(
+            err,
+            Error::ExpertOutOfRange {
+                rank: 1,
+                token: 0,
+                slot: 0,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    let mut off = lay.clone();
+    off[2].num_tokens_per_rank[0] += 1;
+    let err = buf
+        .dispatch_in_place(&inputs, &off, g.num_experts, &args())
+        .expect_err("a layout that is not the routing's");
+    let err = refused(&buf, err, 0);
+    assert!(
+        matches!(err, Error::LayoutMismatch { rank: 2, .. }),
+        "{err:?}"
+    );
+
+    let worst = NormalDispatchArgs {
+        num_worst_tokens: 1,
+        ..args()
+    };
+    let err = buf
+        .dispatch(&inputs, &lay, g.num_experts, &worst)
+        .expect_err("one worst-token row for several received");
+    let err = refused(&buf, err, 0);
+    assert!(
+        matches!(
+            err,
+            Error::WorstTokensTooSmall {
+                num_worst_tokens: 1,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    buf.dispatch(&inputs, &lay, g.num_experts, &args())
+        .expect("the valid dispatch runs");
+    assert_eq!(buf.last_call(), 1);
+
+    // Low latency: a combine whose weights differ from its dispatch's.
+    let ll_g = Gen { hidden: 128, ..g };
+    let ll_inputs = gen_inputs(&ll_g, 8, false);
+    let (n, e) = (8, ll_g.num_experts);
+    let mut ll = ll_buffer(sim(fabric(R, 1 << 20, 8, 2), 8, policy(0)), n, 128, R, e, 2);
+    let got = ll
+        .low_latency_dispatch(&ll_inputs, &LlParams::new(n, e))
+        .expect("dispatch");
+    let y: Vec<_> = got
+        .outputs
+        .iter()
+        .map(|o| {
+            o.as_ref().map(|o| {
+                ep_rs::core::plan::low_latency::map_rows(o, |_, x| {
+                    x.iter().map(|&v| half::bf16::from_f32(v)).collect()
+                })
+                .expect("identity expert")
+            })
+        })
+        .collect();
+    let mut changed = ll_inputs.clone();
+    let w = changed[0].topk_weights.get(0, 0);
+    changed[0].topk_weights.set(0, 0, w + 1.0);
+    let before = ll.last_call();
+    let err = ll
+        .low_latency_combine(&got.routes, &y, &changed, false)
+        .expect_err("routing changed since dispatch");
+    let err = refused(&ll, err, before);
+    assert!(
+        matches!(err, Error::LowLatencyRoutingChanged { rank: 0 }),
+        "{err:?}"
+    );
+    ll.low_latency_combine(&got.routes, &y, &ll_inputs, false)
+        .expect("the valid combine runs");
+    assert_eq!(ll.last_call(), before + 1);
+}
