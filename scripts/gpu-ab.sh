@@ -21,7 +21,7 @@ for i in $(seq 1 "$rounds"); do
     log="$out/ab-$b-$i.log"
     timeout 300 "bundle/$b" bench "$@" >"$log" 2>&1 || rc=1
     echo "== $b (round $i)"
-    grep -E "^ep bench: |\] (dispatch|combine) (BF16|FP8)|critical path|^verified|MISMATCH|rror" "$log" \
+    grep -E "^ep bench: |\] (dispatch|combine) (BF16|FP8)|critical path|dispatch tail|^verified|MISMATCH|rror" "$log" \
       | sed -E 's/\[block 0 stamps[^]]*\]//g' | cut -c1-300
   done
 done

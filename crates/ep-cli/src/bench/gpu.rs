@@ -514,6 +514,67 @@ pub(super) fn dispatch_path(stamps: &[Vec<Vec<u64>>]) -> String {
         .join(" | ")
 }
 
+/// Where a measured dispatch's last blocks spend their time, per rank: the quantiles over blocks
+/// of the rows phase (stamp 1 to 2) and of the receive wait (3 to 4), then the rank's
+/// last-ending block (stamp 5) split into its start, offsets known, rows stored, done released,
+/// done acquired and end, in microseconds from the earliest block start of any rank. Says
+/// whether the blocks' spread comes from their row work, from waiting for another rank's
+/// channel, or from a late start.
+pub(super) fn dispatch_tail(stamps: &[Vec<Vec<u64>>]) -> String {
+    let t0 = stamps
+        .iter()
+        .flatten()
+        .map(|b| b[0])
+        .filter(|&v| v != 0)
+        .min()
+        .unwrap_or(0);
+    let us = |v: u64| v.saturating_sub(t0) as f64 * 1e-3;
+    let q = |v: &mut Vec<f64>, f: f64| -> f64 {
+        if v.is_empty() {
+            return 0.0;
+        }
+        v.sort_by(f64::total_cmp);
+        v[((v.len() - 1) as f64 * f).round() as usize]
+    };
+    stamps
+        .iter()
+        .enumerate()
+        .map(|(r, blocks)| {
+            let live: Vec<(usize, &Vec<u64>)> = blocks
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b[0] != 0 && b[5] != 0)
+                .collect();
+            let Some(&(last, lb)) = live.iter().max_by_key(|(_, b)| b[5]) else {
+                return format!("rank {r}: no stamps");
+            };
+            let span = |a: usize, b: usize| -> Vec<f64> {
+                live.iter()
+                    .filter(|(_, x)| x[b] >= x[a] && x[a] != 0)
+                    .map(|(_, x)| (x[b] - x[a]) as f64 * 1e-3)
+                    .collect()
+            };
+            let (mut rows, mut wait) = (span(1, 2), span(3, 4));
+            format!(
+                "rank {r}: rows took p10 {:.1} p50 {:.1} p90 {:.1} max {:.1}, done wait p50 {:.1} max {:.1}; last block {last}: start {:.1}, offsets {:.1}, rows {:.1}, released {:.1}, acquired {:.1}, end {:.1}",
+                q(&mut rows, 0.1),
+                q(&mut rows, 0.5),
+                q(&mut rows, 0.9),
+                q(&mut rows, 1.0),
+                q(&mut wait, 0.5),
+                q(&mut wait, 1.0),
+                us(lb[0]),
+                us(lb[1]),
+                us(lb[2]),
+                us(lb[3]),
+                us(lb[4]),
+                us(lb[5]),
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
 /// Runs `ep bench --backend gpu` (module docs). Returns the exit code: 0 verified, 1 mismatch.
 pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let started = Instant::now();
@@ -865,6 +926,11 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             sms,
             dispatch_path(&stamps)
         );
+        println!(
+            "[gpu {} SMs/rank] dispatch tail (us from the first block's start): {}",
+            sms,
+            dispatch_tail(&stamps)
+        );
         let ca = GpuCombineArgs::of_dispatch(&out);
         timed(&mut g, "measured combine", |g| g.combine(source, &ca))?;
         row.combine_phases_us = phase_split(
@@ -1160,6 +1226,27 @@ mod tests {
         assert!((p[1] - 6.5).abs() < 1e-9, "{p:?}");
         // First start 10 us, last slot-2 stamp 21 us.
         assert!((p[2] - 11.0).abs() < 1e-9, "{p:?}");
+    }
+
+    #[test]
+    fn the_tail_names_the_last_block_and_splits_it() {
+        // Rank 0: block 1 ends last (25 us) because it waited 12 us for done; block 0's rows
+        // took 8 us, block 1's 4 us. Times in us from the first start (rank 0, block 0).
+        let ranks = vec![vec![
+            block(1_000, &[0, 2_000, 10_000, 11_000, 12_000, 14_000]),
+            block(1_000, &[1_000, 3_000, 7_000, 8_000, 20_000, 25_000]),
+        ]];
+        let line = dispatch_tail(&ranks);
+        assert!(
+            line.contains("rows took p10 4.0 p50 8.0 p90 8.0 max 8.0"),
+            "{line}"
+        );
+        assert!(line.contains("done wait p50 12.0 max 12.0"), "{line}");
+        assert!(
+            line.contains("last block 1: start 1.0, offsets 3.0, rows 7.0, released 8.0, acquired 20.0, end 25.0"),
+            "{line}"
+        );
+        assert!(dispatch_tail(&[vec![vec![0u64; 16]]]).contains("rank 0: no stamps"));
     }
 
     #[test]
