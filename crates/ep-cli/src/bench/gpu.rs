@@ -468,11 +468,8 @@ pub(super) fn phase_split(stamps: &[Vec<Vec<u64>>], slots: &[usize]) -> Vec<f64>
     out
 }
 
-/// Where a measured dispatch's offsets become known, per rank, in microseconds from the
-/// earliest block start of any rank: the rank's first block start, its notify block's count
-/// records stored (stamp 6), every notify acquired (7) and table ready (1), then over its blocks
-/// the median and last "offsets known" (1), the median "rows stored" (2) and the last end (5).
-pub(super) fn dispatch_path(stamps: &[Vec<Vec<u64>>]) -> String {
+/// Microseconds from the earliest block start (stamp 0) of any rank to a stamp.
+fn since_first_start(stamps: &[Vec<Vec<u64>>]) -> impl Fn(u64) -> f64 {
     let t0 = stamps
         .iter()
         .flatten()
@@ -480,7 +477,15 @@ pub(super) fn dispatch_path(stamps: &[Vec<Vec<u64>>]) -> String {
         .filter(|&v| v != 0)
         .min()
         .unwrap_or(0);
-    let us = |v: u64| v.saturating_sub(t0) as f64 * 1e-3;
+    move |v: u64| v.saturating_sub(t0) as f64 * 1e-3
+}
+
+/// Where a measured dispatch's offsets become known, per rank, in microseconds from the
+/// earliest block start of any rank: the rank's first block start, its notify block's count
+/// records stored (stamp 6), every notify acquired (7) and table ready (1), then over its blocks
+/// the median and last "offsets known" (1), the median "rows stored" (2) and the last end (5).
+pub(super) fn dispatch_path(stamps: &[Vec<Vec<u64>>]) -> String {
+    let us = since_first_start(stamps);
     stamps
         .iter()
         .enumerate()
@@ -521,14 +526,7 @@ pub(super) fn dispatch_path(stamps: &[Vec<Vec<u64>>]) -> String {
 /// whether the blocks' spread comes from their row work, from waiting for another rank's
 /// channel, or from a late start.
 pub(super) fn dispatch_tail(stamps: &[Vec<Vec<u64>>]) -> String {
-    let t0 = stamps
-        .iter()
-        .flatten()
-        .map(|b| b[0])
-        .filter(|&v| v != 0)
-        .min()
-        .unwrap_or(0);
-    let us = |v: u64| v.saturating_sub(t0) as f64 * 1e-3;
+    let us = since_first_start(stamps);
     let q = |v: &mut Vec<f64>, f: f64| -> f64 {
         if v.is_empty() {
             return 0.0;
