@@ -439,18 +439,7 @@ fn per_token_input_errors_take_no_call_and_leave_the_buffer_usable() {
     let got = ll
         .low_latency_dispatch(&ll_inputs, &LlParams::new(n, e))
         .expect("dispatch");
-    let y: Vec<_> = got
-        .outputs
-        .iter()
-        .map(|o| {
-            o.as_ref().map(|o| {
-                ep_rs::core::plan::low_latency::map_rows(o, |_, x| {
-                    x.iter().map(|&v| half::bf16::from_f32(v)).collect()
-                })
-                .expect("identity expert")
-            })
-        })
-        .collect();
+    let y = ll_identity_outputs(&got.outputs);
     let mut changed = ll_inputs.clone();
     let w = changed[0].topk_weights.get(0, 0);
     changed[0].topk_weights.set(0, 0, w + 1.0);

@@ -243,18 +243,7 @@ fn combine_within_deepep_tolerance() {
         let mut buf = ll_buffer(sim, n, h, r, e, 2);
         let got = buf.low_latency_dispatch(&inputs, &p).unwrap();
         // Identity expert: y = received x.
-        let y: Vec<_> = got
-            .outputs
-            .iter()
-            .map(|o| {
-                o.as_ref().map(|o| {
-                    ep_rs::core::plan::low_latency::map_rows(o, |_, x| {
-                        x.iter().map(|&v| bf16::from_f32(v)).collect()
-                    })
-                    .unwrap()
-                })
-            })
-            .collect();
+        let y = ll_identity_outputs(&got.outputs);
         let handles: Vec<_> = got
             .outputs
             .iter()

@@ -202,3 +202,21 @@ pub(crate) fn two_channel_dispatch() -> (
     };
     (args, opts)
 }
+
+/// An identity expert's outputs for low-latency dispatch outputs: each received row as BF16
+/// (masked ranks: `None`).
+pub(crate) fn ll_identity_outputs(
+    outputs: &[Option<ep_rs::core::plan::low_latency::LlDispatchOutput>],
+) -> Vec<Option<Tensor3<bf16>>> {
+    outputs
+        .iter()
+        .map(|o| {
+            o.as_ref().map(|o| {
+                ep_rs::core::plan::low_latency::map_rows(o, |_, x| {
+                    x.iter().map(|&v| bf16::from_f32(v)).collect()
+                })
+                .expect("identity expert")
+            })
+        })
+        .collect()
+}
