@@ -177,7 +177,9 @@ pub mod prelude {
     pub use ep_core::plan::low_latency::LlHandle;
     pub use ep_core::transport::FabricParams;
     pub use ep_core::workload::WorkloadSpec;
-    pub use ep_core::{Activations, Buffer, Executor, ExpertIdx, RankInputs, Tensor2, Tensor3};
+    pub use ep_core::{
+        Activations, Buffer, Executor, ExpertIdx, Host, RankInputs, Tensor2, Tensor3, Tensors,
+    };
     pub use ep_kernels::gpu::{
         DType, DevTensor, Device, LlConfig, LlGroup, LlVariant, NormalGroup,
     };

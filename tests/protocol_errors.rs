@@ -17,7 +17,7 @@ use ep_rs::core::transport::{
     AllocRequest, FabricParams, Phase, PhaseReport, Reach, SymAddr, SymAlloc, Team, Transport,
     Violation,
 };
-use ep_rs::core::{Buffer, Error, Executor, RankInputs, Result, Tensor2};
+use ep_rs::core::{Buffer, Error, Executor, Host, RankInputs, Result, Tensor2};
 use ep_rs::sim::Sim;
 use protocol_support::*;
 use rand::SeedableRng;
@@ -84,7 +84,7 @@ fn args() -> NormalDispatchArgs {
     NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).expect("a valid config"))
 }
 
-fn layouts<T: Executor>(buf: &Buffer<T>, inputs: &[RankInputs]) -> Vec<DispatchLayout> {
+fn layouts<T: Executor<T = Host>>(buf: &mut Buffer<T>, inputs: &[RankInputs]) -> Vec<DispatchLayout> {
     let idx: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
     buf.get_dispatch_layout(&idx, case_gen().num_experts)
         .expect("layout")
@@ -110,7 +110,7 @@ fn without_receiver(seed: u64, rank: usize) -> Buffer<Without> {
 fn a_dispatch_receiver_that_left_nothing_is_named_by_its_rank() {
     let mut buf = without_receiver(1, 1);
     let inputs = gen_inputs(&case_gen(), 3, false);
-    let lay = layouts(&buf, &inputs);
+    let lay = layouts(&mut buf, &inputs);
     let err = buf
         .dispatch(&inputs, &lay, case_gen().num_experts, &args())
         .expect_err("rank 1's receiver did not run");
@@ -125,7 +125,7 @@ fn a_cached_dispatch_receiver_that_left_nothing_is_named_by_its_rank() {
     let inputs = gen_inputs(&case_gen(), 4, false);
     let mut plain =
         Buffer::new(sim(fabric(R, 4096, 4, 1), 2, policy(2)), normal_config()).expect("buffer");
-    let lay = layouts(&plain, &inputs);
+    let lay = layouts(&mut plain, &inputs);
     let handles: Vec<IntranodeHandle> = plain
         .dispatch(&inputs, &lay, case_gen().num_experts, &args())
         .expect("dispatch")
@@ -152,7 +152,7 @@ fn a_missing_arena_is_reported_missing_not_too_small() {
         BufferConfig::new(R),
     )
     .expect("buf");
-    let lay = layouts(&buf, &inputs);
+    let lay = layouts(&mut buf, &inputs);
     let err = buf
         .dispatch(&inputs, &lay, case_gen().num_experts, &args())
         .expect_err("no normal arena");
@@ -195,7 +195,7 @@ fn wrong_width_case() -> WrongWidthCase {
     let inputs = gen_inputs(&case_gen(), 6, false);
     let mut buf =
         Buffer::new(sim(fabric(R, 4096, 4, 1), 4, policy(0)), normal_config()).expect("buffer");
-    let lay = layouts(&buf, &inputs);
+    let lay = layouts(&mut buf, &inputs);
     let handles: Vec<IntranodeHandle> = buf
         .dispatch_in_place(&inputs, &lay, case_gen().num_experts, &args())
         .expect("dispatch")
@@ -260,7 +260,7 @@ fn a_simulator_finding_crosses_the_transport_typed() {
         .expect("buffer");
         buf.set_mutation_for_test(ProtocolMutation::ReleaseBeforeLastRow);
         let inputs = gen_inputs(&case_gen(), seed, false);
-        let lay = layouts(&buf, &inputs);
+        let lay = layouts(&mut buf, &inputs);
         buf.dispatch(&inputs, &lay, case_gen().num_experts, &args())
             .err()
             .filter(|e| e.violation().is_some())
@@ -289,7 +289,7 @@ fn a_handle_of_another_shape_is_refused_and_the_buffer_stays_usable() {
     let inputs = gen_inputs(&case_gen(), 7, false);
     let mut buf =
         Buffer::new(sim(fabric(R, 4096, 4, 1), 7, policy(1)), normal_config()).expect("buffer");
-    let lay = layouts(&buf, &inputs);
+    let lay = layouts(&mut buf, &inputs);
     let handles: Vec<IntranodeHandle> = buf
         .dispatch(&inputs, &lay, case_gen().num_experts, &args())
         .expect("dispatch")
@@ -371,7 +371,7 @@ fn per_token_input_errors_take_no_call_and_leave_the_buffer_usable() {
     let inputs = gen_inputs(&g, 7, false);
     let mut buf =
         Buffer::new(sim(fabric(R, 4096, 4, 1), 7, policy(1)), normal_config()).expect("buffer");
-    let lay = layouts(&buf, &inputs);
+    let lay = layouts(&mut buf, &inputs);
     let refused = |buf: &Buffer<Sim>, err: Error, before: u64| {
         assert!(buf.poisoned().is_none(), "{err:?} poisoned the buffer");
         assert_eq!(buf.last_call(), before, "{err:?} took a call number");

@@ -18,7 +18,7 @@ use ep_rs::core::plan::low_latency::{
     LlParams, PartialPrecision, combine_reduced_on_expert_rank, dispatch,
 };
 use ep_rs::core::transport::{FabricParams, QpIndex, fault_rank, is_fault};
-use ep_rs::core::{Buffer, Error, Executor, RankInputs, Tensor2, Tensor3};
+use ep_rs::core::{Buffer, Error, Executor, Host, RankInputs, Tensor2, Tensor3};
 use ep_rs::sim::{Fault, Sim, SimConfig, ThreadSim, Trigger};
 use half::bf16;
 use protocol_support::*;
@@ -88,7 +88,7 @@ struct NormalDone {
     handles: Vec<ep_rs::core::plan::intranode::IntranodeHandle>,
 }
 
-fn normal_dispatch<T: Executor>(
+fn normal_dispatch<T: Executor<T = Host>>(
     buf: &mut Buffer<T>,
     inputs: &[RankInputs],
 ) -> Result<NormalDone, Error> {
@@ -105,7 +105,7 @@ fn normal_dispatch<T: Executor>(
     })
 }
 
-fn normal_combine<T: Executor>(
+fn normal_combine<T: Executor<T = Host>>(
     buf: &mut Buffer<T>,
     done: &NormalDone,
     rng: &mut ChaCha8Rng,
@@ -128,7 +128,7 @@ fn normal_combine<T: Executor>(
     Ok(())
 }
 
-fn normal_round<T: Executor>(buf: &mut Buffer<T>, rng: &mut ChaCha8Rng) -> Result<(), Error> {
+fn normal_round<T: Executor<T = Host>>(buf: &mut Buffer<T>, rng: &mut ChaCha8Rng) -> Result<(), Error> {
     let inputs = inputs_of(rng, false);
     let d = normal_dispatch(buf, &inputs)?;
     normal_combine(buf, &d, rng)
@@ -144,7 +144,7 @@ struct LlDone {
 
 /// Low-latency dispatch; the outputs must equal the plan under the buffer's mask *after* the
 /// call (ranks masked by the call included).
-fn ll_dispatch<T: Executor>(buf: &mut Buffer<T>, inputs: Vec<RankInputs>) -> Result<LlDone, Error> {
+fn ll_dispatch<T: Executor<T = Host>>(buf: &mut Buffer<T>, inputs: Vec<RankInputs>) -> Result<LlDone, Error> {
     let p = LlParams::new(N, R * L).with_masked_ranks(buf.masked_ranks().to_vec());
     let got = buf.low_latency_dispatch(&inputs, &p)?;
     let params = LlParams::new(N, R * L).with_masked_ranks(buf.masked_ranks().to_vec());
@@ -157,7 +157,7 @@ fn ll_dispatch<T: Executor>(buf: &mut Buffer<T>, inputs: Vec<RankInputs>) -> Res
 }
 
 /// Low-latency combine of a dispatch; equal to the plan under the mask after the call.
-fn ll_combine<T: Executor>(
+fn ll_combine<T: Executor<T = Host>>(
     buf: &mut Buffer<T>,
     d: &LlDone,
     rng: &mut ChaCha8Rng,
@@ -187,7 +187,7 @@ fn ll_combine<T: Executor>(
     Ok(())
 }
 
-fn ll_round<T: Executor>(buf: &mut Buffer<T>, rng: &mut ChaCha8Rng) -> Result<(), Error> {
+fn ll_round<T: Executor<T = Host>>(buf: &mut Buffer<T>, rng: &mut ChaCha8Rng) -> Result<(), Error> {
     let d = ll_dispatch(buf, inputs_of(rng, true))?;
     let zc = rng.random_bool(0.5);
     ll_combine(buf, &d, rng, zc)

@@ -672,9 +672,80 @@ pub enum Error {
         /// Why.
         cause: Box<Error>,
     },
+
+    // ---- backends ---------------------------------------------------------------------------
+    /// A backend's own failure (the GPU's: a CUDA call, a device wait that timed out naming
+    /// the word and its writer, NVSHMEM), kept typed: [`BackendError::downcast_ref`].
+    #[error("{source}")]
+    Backend {
+        /// The backend's error.
+        source: BackendError,
+    },
+    /// A backend refused an input: before any launch (a dtype, a device, a shape its kernels
+    /// cannot take), or on the device in an earlier call (an expert id out of range, rows past
+    /// the arena's capacity — that call's outputs are not valid). The buffer stays usable.
+    #[error("input refused: {source}; fix the input and call again")]
+    InputRefused {
+        /// The backend's error, naming the rank and the value.
+        source: BackendError,
+    },
+}
+
+/// A backend's typed error inside an [`Error`]: shared (cheap to clone), compared by message.
+#[derive(Clone)]
+pub struct BackendError(std::sync::Arc<dyn std::error::Error + Send + Sync>);
+
+impl BackendError {
+    /// Wraps `e`.
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(e))
+    }
+
+    /// The backend's error as its own type, when it is one.
+    #[must_use]
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.0.downcast_ref::<E>()
+    }
+}
+
+impl std::fmt::Debug for BackendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl std::fmt::Display for BackendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for BackendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for BackendError {
+    fn eq(&self, other: &Self) -> bool {
+        self.to_string() == other.to_string()
+    }
 }
 
 impl Error {
+    /// The backend's typed error of a [`Error::Backend`] or [`Error::InputRefused`], also
+    /// inside a [`Error::BufferPoisoned`] that one caused.
+    #[must_use]
+    pub fn backend<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            Error::Backend { source } | Error::InputRefused { source } => {
+                source.downcast_ref()
+            }
+            Error::BufferPoisoned { cause, .. } => cause.backend(),
+            _ => None,
+        }
+    }
+
     /// The checker's typed finding, when this is a [`Error::ProtocolViolation`] — also inside a
     /// [`Error::BufferPoisoned`] that one caused.
     #[must_use]

@@ -39,6 +39,6 @@ pub mod workload;
 
 pub use buffer::Buffer;
 pub use error::{Error, Result};
-pub use executor::{Executor, RunsAgents};
+pub use executor::{Executor, Host, RunsAgents, Tensors};
 pub use routing::{Activations, ExpertIdx, RankInputs, validate_inputs, validate_routing};
 pub use tensor::{Tensor2, Tensor3};

@@ -3,6 +3,7 @@
 
 use clap::ValueEnum;
 use ep_core::Executor;
+use ep_core::executor::Host;
 use ep_sim::cost::PhaseRecord;
 use ep_sim::{Sim, ThreadSim};
 
@@ -55,7 +56,7 @@ impl Backend {
 }
 
 /// A transport whose phases' traffic is recorded.
-pub(crate) trait Recorded: Executor + Sync {
+pub(crate) trait Recorded: Executor<T = Host> + Sync {
     /// Every phase run so far, in order.
     fn phase_records(&self) -> &[PhaseRecord];
 }

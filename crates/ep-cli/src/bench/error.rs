@@ -34,6 +34,15 @@ pub enum BenchError {
         /// Where the run was (`before iteration 3`, `after the workload`).
         where_: String,
     },
+    /// A `Buffer<Gpu>` call failed (ep-core's error, the GPU's own inside when it is one).
+    #[error("GPU: {what}")]
+    GpuBuffer {
+        /// What was being done.
+        what: &'static str,
+        /// ep-core's error.
+        #[source]
+        source: Box<ep_core::Error>,
+    },
     /// The GPU backend failed (no GPU, kernels not built, a device error).
     #[error("GPU: {what}")]
     Gpu {

@@ -42,10 +42,12 @@ use ep_core::plan::intranode::{
 use ep_core::plan::layout::{DispatchLayout, channel_range, get_dispatch_layout_for_rank};
 use ep_core::protocol::layout::{NormalCtrl, NormalData, RowFormat, align128};
 use ep_core::routing::Activations;
-use ep_core::{RankInputs, Tensor2};
+use ep_core::buffer::NormalDispatchArgs;
+use ep_core::config::BufferConfig;
+use ep_core::{Buffer, RankInputs, Tensor2};
 use ep_kernels::gpu::{
-    CombineSource, DType, DevTensor, Device, GpuCombineArgs, GpuDispatch, GpuDispatchArgs,
-    GpuLayout, GpuRankInputs, NormalGroup,
+    CombineSource, DType, DevTensor, Device, Gpu, GpuCombineArgs, GpuCombineIn, GpuDispatch,
+    GpuDispatchArgs, GpuInputs, GpuLayout, GpuRankInputs, NormalGroup,
 };
 use half::bf16;
 
@@ -63,6 +65,21 @@ const DEEPEP_ONE_GPU: [(usize, f64, f64, f64); 4] = [
     (48, 445.0, 351.0, 367.0),
     (64, 463.0, 398.0, 428.0),
 ];
+
+/// A `Buffer<Gpu>` call's error, with the GPU's own inside when there is one.
+fn core_err(what: &'static str) -> impl FnOnce(ep_core::Error) -> BenchError {
+    move |e| BenchError::GpuBuffer {
+        what,
+        source: Box::new(e),
+    }
+}
+
+/// The kernels' group of a `Buffer<Gpu>` (its arena is made with the `Buffer`).
+fn group(buf: &mut Buffer<Gpu>) -> Result<&mut NormalGroup, BenchError> {
+    buf.transport_mut().normal_mut().ok_or(BenchError::Usage(
+        "the GPU buffer has no normal-mode arena".into(),
+    ))
+}
 
 pub(super) fn gpu_err(what: &'static str) -> impl FnOnce(ep_kernels::Error) -> BenchError {
     move |e| BenchError::Gpu {
@@ -92,6 +109,18 @@ impl Set {
                 topk_idx: None,
                 topk_weights: None,
                 ..i
+            })
+            .collect()
+    }
+
+    /// The inputs as the `Buffer` takes them.
+    fn buffer_inputs(&self) -> Vec<GpuInputs> {
+        (0..self.x.len())
+            .map(|r| GpuInputs {
+                x: self.x[r].clone(),
+                x_scales: self.scales[r].clone(),
+                topk_idx: Some(self.idx[r].clone()),
+                topk_weights: Some(self.w[r].clone()),
             })
             .collect()
     }
@@ -296,17 +325,19 @@ struct Verified {
     plan_comb: Vec<CombineOutput>,
 }
 
-/// Dispatch + identity combine of `set` on `g`, compared with the plan.
+/// Dispatch + identity combine of `set` through the public API (`Buffer<Gpu>`: the same
+/// `Buffer` as the simulator's), compared with the plan.
 fn verify_set(
-    g: &mut NormalGroup,
+    buf: &mut Buffer<Gpu>,
     set: &Set,
     num_experts: usize,
     verdict: &mut Verdict,
     what: &str,
 ) -> Result<Verified, BenchError> {
-    let r = g.num_ranks();
+    let r = buf.num_ranks();
+    let sms = buf.transport().num_sms();
     let opts = DispatchOptions {
-        num_channels: g.num_channels(),
+        num_channels: sms / 2,
         expert_alignment: 1,
         num_worst_tokens: 0,
         with_topk: true,
@@ -332,19 +363,22 @@ fn verify_set(
         source: Box::new(e),
     })?;
 
-    g.fill_arenas_for_test(0xa5)
+    group(buf)?
+        .fill_arenas_for_test(0xa5)
         .map_err(gpu_err("poison arenas"))?;
-    let idx: Vec<&DevTensor> = set.idx.iter().collect();
-    let lay = g.layout(&idx, num_experts).map_err(gpu_err("layout"))?;
-    let out = g
+    let lay = buf
+        .get_dispatch_layout(&set.idx, num_experts)
+        .map_err(core_err("layout"))?;
+    let config = ep_core::config::Config::new(sms, 8, 256, 6, 128).map_err(core_err("config"))?;
+    let out = buf
         .dispatch(
-            &set.inputs(),
+            &set.buffer_inputs(),
             &lay,
             num_experts,
-            &GpuDispatchArgs::default(),
+            &NormalDispatchArgs::new(config),
         )
-        .map_err(gpu_err("dispatch"))?;
-    g.sync().map_err(gpu_err("dispatch"))?;
+        .map_err(core_err("dispatch"))?;
+    buf.sync().map_err(core_err("dispatch"))?;
     let mut host = Vec::with_capacity(set.local.len());
     for (l, &s) in lay.iter().zip(&set.local) {
         verdict.checked += 1;
@@ -364,22 +398,33 @@ fn verify_set(
         }
         host.push(h);
     }
+    // The identity expert: BF16 rows are combined where they lie (x = recv_x), FP8 rows'
+    // BF16 expert outputs are copied into the combine rows by the Buffer's executor.
     let fp8 = matches!(set.host[0].x, Activations::Fp8 { .. });
-    let source = if fp8 {
-        let ctx = g.device().context().clone();
-        for (i, &s) in set.local.iter().enumerate() {
-            let dy = DevTensor::upload(&ctx, &ys[s]).map_err(gpu_err("upload expert rows"))?;
-            g.write_combine_rows(i, &dy, out[i].recv_topk_weights.as_ref())
-                .map_err(gpu_err("write combine rows"))?;
-            g.sync().map_err(gpu_err("write combine rows"))?;
-        }
-        CombineSource::Rows
+    let ctx = buf.transport().device().context().clone();
+    let dys: Vec<DevTensor> = if fp8 {
+        set.local
+            .iter()
+            .map(|&s| DevTensor::upload(&ctx, &ys[s]))
+            .collect::<Result<_, _>>()
+            .map_err(gpu_err("upload expert rows"))?
     } else {
-        CombineSource::InPlace
+        Vec::new()
     };
-    let args = GpuCombineArgs::of_dispatch(&out);
-    let comb = g.combine(source, &args).map_err(gpu_err("combine"))?;
-    g.sync().map_err(gpu_err("combine"))?;
+    let gargs: Vec<GpuCombineIn<'_>> = out
+        .iter()
+        .enumerate()
+        .map(|(i, o)| GpuCombineIn {
+            x: if fp8 { &dys[i] } else { &o.recv_x },
+            topk_weights: o.recv_topk_weights.as_ref(),
+            bias: &[],
+        })
+        .collect();
+    let ghandles: Vec<_> = out.iter().map(|o| o.handle.clone()).collect();
+    let comb = buf
+        .combine(&ghandles, &gargs)
+        .map_err(core_err("combine"))?;
+    buf.sync().map_err(core_err("combine"))?;
     let mut host_comb = Vec::with_capacity(set.local.len());
     for (c, &s) in comb.iter().zip(&set.local) {
         let c = c.download().map_err(gpu_err("download"))?;
@@ -725,13 +770,15 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let mut digest: Option<(RunDigest, RunDigest)> = None;
     let mut rows_out = Vec::new();
     for (si, &sms) in sweep.iter().enumerate() {
-        let mut g = match me {
-            Some(_) => NormalGroup::new_process(dev.clone(), sms, nvl_bytes, procs::exchange()?),
-            None => NormalGroup::new(dev.clone(), r, sms, nvl_bytes),
-        }
-        .map_err(gpu_err("creating the group"))?;
+        let mut exec = match me {
+            Some(_) => Gpu::process(dev.clone(), sms, procs::exchange()?),
+            None => Gpu::co_resident(dev.clone(), r, sms),
+        };
         // A stuck call ends in a typed error within seconds, not the 10 s default.
-        g.set_timeout(std::time::Duration::from_secs(3));
+        exec.set_timeout(std::time::Duration::from_secs(3));
+        let mut bcfg = BufferConfig::new(r);
+        bcfg.num_nvl_bytes = nvl_bytes;
+        let mut buf = Buffer::new(exec, bcfg).map_err(core_err("creating the buffer"))?;
         // Verification, and per set: handles, ceilings' rows, layouts.
         let mut handles: Vec<Vec<GpuDispatch>> = Vec::new();
         let mut dst_rows: Vec<Vec<DevTensor>> = Vec::new();
@@ -739,7 +786,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         for (i, set) in sets.iter().enumerate() {
             let full = si == 0 || i == 0;
             let (host, out) = if full {
-                let v = verify_set(&mut g, set, e, &mut verdict, &format!("{sms} SMs, set {i}"))?;
+                let v = verify_set(&mut buf, set, e, &mut verdict, &format!("{sms} SMs, set {i}"))?;
                 if si == 0 && i == 0 {
                     let digest_of = |d: &[IntranodeDispatch], c: &[CombineOutput]| {
                         ep_core::digest::normal(d, c).map_err(|e| BenchError::Reference {
@@ -771,6 +818,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                 }
                 (v.host, v.out)
             } else {
+                let g = group(&mut buf)?;
                 let idx: Vec<&DevTensor> = set.idx.iter().collect();
                 let lay = g.layout(&idx, e).map_err(gpu_err("layout"))?;
                 let out = g
@@ -794,9 +842,12 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                     .map_err(gpu_err("upload rows"))?,
             );
             let idx: Vec<&DevTensor> = set.idx.iter().collect();
-            layouts.push(g.layout(&idx, e).map_err(gpu_err("layout"))?);
+            layouts.push(group(&mut buf)?.layout(&idx, e).map_err(gpu_err("layout"))?);
             handles.push(out);
         }
+        // The timed calls go to the kernels' group directly (behind the gate that starts the
+        // ranks together); the Buffer's host checks are outside the figures.
+        let g = group(&mut buf)?;
         g.sync().map_err(gpu_err("setup"))?;
         let n_sets = sets.len();
         let warm = args.warmup + 4;
@@ -815,7 +866,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         // Dispatch (layouts precomputed).
         let s = samples(total, warm, |it| {
             let i = it % n_sets;
-            timed(&mut g, "dispatch", |g| {
+            timed(g, "dispatch", |g| {
                 g.dispatch(&sets[i].inputs(), &layouts[i], e, &none)
             })
         })?;
@@ -824,7 +875,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         let s = samples(total, warm, |it| {
             let i = it % n_sets;
             let ins = sets[i].inputs_without_topk();
-            timed(&mut g, "dispatch without top-k", |g| {
+            timed(g, "dispatch without top-k", |g| {
                 g.dispatch(&ins, &layouts[i], e, &none)
             })
         })?;
@@ -834,11 +885,11 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         let s = samples(total, warm, |it| {
             let set = &sets[it % n_sets];
             let idx: Vec<&DevTensor> = set.idx.iter().collect();
-            let t = timed(&mut g, "layout + dispatch", |g| {
+            let t = timed(g, "layout + dispatch", |g| {
                 let lay = g.layout(&idx, e)?;
                 g.dispatch(&set.inputs(), &lay, e, &none)
             })?;
-            let tl = timed(&mut g, "layout", |g| g.layout(&idx, e))?;
+            let tl = timed(g, "layout", |g| g.layout(&idx, e))?;
             if it >= warm {
                 lay_samples.push(slowest(&tl));
             }
@@ -851,7 +902,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             let i = it % n_sets;
             let ins = sets[i].inputs_without_topk();
             let hs: Vec<_> = handles[i].iter().map(|o| &o.handle).collect();
-            timed(&mut g, "cached dispatch", |g| g.dispatch_cached(&ins, &hs))
+            timed(g, "cached dispatch", |g| g.dispatch_cached(&ins, &hs))
         })?;
         row.cached = figure(&s, dispatch_bytes);
         // Combine: each set's rows must be in the arena, so dispatch the set (untimed) first.
@@ -862,7 +913,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                 .and_then(|o| g.sync().map(|()| o))
                 .map_err(gpu_err("dispatch before combine"))?;
             let ca = GpuCombineArgs::of_dispatch(&out);
-            timed(&mut g, "combine", |g| g.combine(source, &ca))
+            timed(g, "combine", |g| g.combine(source, &ca))
         })?;
         row.combine = figure(&s, bf16_bytes);
         // Ceilings.
@@ -871,7 +922,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             let i = it % n_sets;
             let xs: Vec<&DevTensor> = sets[i].x.iter().collect();
             let dr: Vec<&DevTensor> = dst_rows[i].iter().collect();
-            timed(&mut g, "dispatch ceiling", |g| {
+            timed(g, "dispatch ceiling", |g| {
                 g.ceiling(&xs, &dr, drec, blocks)
             })
         })?;
@@ -898,7 +949,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                     .map_err(gpu_err("dispatch before ceiling"))?;
                 let dr: Vec<&DevTensor> = dst_rows[i].iter().collect();
                 let o: Vec<&DevTensor> = outs.iter().collect();
-                timed(&mut g, "combine ceiling", |g| {
+                timed(g, "combine ceiling", |g| {
                     g.ceiling_combine(&dr, &o, blocks)
                 })
             })?;
@@ -908,7 +959,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         // Behind the gate like the timed calls, so the ranks start together.
         g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
         let mut out = Vec::new();
-        timed(&mut g, "measured dispatch", |g| {
+        timed(g, "measured dispatch", |g| {
             out = g.dispatch(
                 &sets[0].inputs(),
                 &layouts[0],
@@ -930,7 +981,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             dispatch_tail(&stamps)
         );
         let ca = GpuCombineArgs::of_dispatch(&out);
-        timed(&mut g, "measured combine", |g| g.combine(source, &ca))?;
+        timed(g, "measured combine", |g| g.combine(source, &ca))?;
         row.combine_phases_us = phase_split(
             &g.phase_times().map_err(gpu_err("phase stamps"))?,
             &[1, 2, 5],

@@ -47,8 +47,30 @@ impl<E: Executor> Buffer<E> {
     }
 
     /// `res`, what the executor's phase of call `call` gave; a failure poisons the buffer.
+    /// An input the device refused ([`Error::InputRefused`]) does not poison.
     pub(super) fn ran<R>(&mut self, call: u64, res: Result<R>) -> Result<R> {
-        res.map_err(|e| self.poison_with(call, e))
+        res.map_err(|e| match e {
+            Error::InputRefused { .. } => e,
+            e => self.poison_with(call, e),
+        })
+    }
+
+    /// Before a call: `Err(BufferPoisoned)` while poisoned, then what the executor found since
+    /// the last call ([`Executor::poll`](crate::Executor::poll): a device error record), which
+    /// poisons unless it is a refused input.
+    pub(super) fn ready(&mut self) -> Result<()> {
+        self.check_poison()?;
+        let res = self.transport.poll();
+        self.ran(self.last_call, res)
+    }
+
+    /// Waits for the local ranks' outstanding work and reports what it found, as a call would
+    /// ([`Executor::sync`](crate::Executor::sync); a no-op on the simulator, whose calls
+    /// return finished).
+    pub fn sync(&mut self) -> Result<()> {
+        self.check_poison()?;
+        let res = self.transport.sync();
+        self.ran(self.last_call, res)
     }
 
     /// A host barrier of call `call`; a failure poisons the buffer.

@@ -8,7 +8,7 @@ use half::bf16;
 
 use super::{Buffer, NormalDispatchArgs};
 use crate::error::{Error, Result};
-use crate::executor::{Executor, ExpertJob};
+use crate::executor::{CombineFrom, Executor, ExpertJob, Host, InArenaRows, Tensors};
 use crate::plan::combine::CombineOutput;
 use crate::plan::intranode::{InPlaceDispatch, IntranodeHandle};
 use crate::plan::layout::DispatchLayout;
@@ -32,7 +32,7 @@ pub(super) struct InPlaceRows {
 /// Record bytes moved per host write.
 const WRITE_CHUNK_BYTES: usize = 1 << 20;
 
-impl<E: Executor> Buffer<E> {
+impl<E: Executor<T = Host>> Buffer<E> {
     /// [`Buffer::dispatch`] with the received rows left in the arena (docs/protocol.md §2.6):
     /// the same outputs but `recv_x`, which stays readable with [`Buffer::read_recv_x`] until
     /// the next dispatch of any kind, and which [`Buffer::combine_in_place`] combines.
@@ -44,6 +44,12 @@ impl<E: Executor> Buffer<E> {
         args: &NormalDispatchArgs,
     ) -> Result<Vec<InPlaceDispatch>> {
         let out = self.run_dispatch(inputs, layouts, num_experts, args, true)?;
+        self.in_place = Some(InPlaceRows {
+            call: self.last_call,
+            fmt: self.last_dispatch_fmt(inputs, args.with_topk),
+            with_topk: args.with_topk,
+            rows: out.iter().map(|(d, _)| d.num_rows).collect(),
+        });
         Ok(out.into_iter().map(|(d, _)| d).collect())
     }
 
@@ -222,13 +228,13 @@ impl<E: Executor> Buffer<E> {
         let st = self.check_in_place_combine(handles, bias)?;
         Self::check_bf16_rows(st.fmt)?;
         let k = if st.with_topk { st.fmt.num_topk } else { 0 };
-        let work = normal::CombineJob {
+        let source = normal::CombineSource::DispatchRows { fmt: st.fmt, bias };
+        self.run_combine(
             handles,
-            source: normal::CombineSource::DispatchRows { fmt: st.fmt, bias },
-            hidden: st.fmt.hidden,
-            num_topk: k,
-        };
-        self.run_combine(work, st.with_topk)
+            CombineFrom::InArena(InArenaRows(source)),
+            (st.fmt.hidden, k),
+            st.with_topk,
+        )
     }
 
     /// The combine-row format that goes with the last in-place dispatch: BF16 rows of its
@@ -348,13 +354,14 @@ impl<E: Executor> Buffer<E> {
             ));
         }
         let fmt = Self::combine_rows_format(&st);
-        let work = normal::CombineJob {
+        let source = normal::CombineSource::CombineRows { fmt, bias };
+        let k = if with_weights { fmt.num_topk } else { 0 };
+        self.run_combine(
             handles,
-            source: normal::CombineSource::CombineRows { fmt, bias },
-            hidden: fmt.hidden,
-            num_topk: if with_weights { fmt.num_topk } else { 0 },
-        };
-        self.run_combine(work, with_weights)
+            CombineFrom::InArena(InArenaRows(source)),
+            (fmt.hidden, k),
+            with_weights,
+        )
     }
 
     /// The checks both in-place combines share: rank counts, handles that match the last
@@ -399,7 +406,23 @@ impl<E: Executor> Buffer<E> {
                 }
             }
         }
-        self.check_combine_handles(handles, &st.rows)?;
+        let shapes = handles
+            .iter()
+            .enumerate()
+            .map(|(s, h)| Host::handle_shapes(h, s))
+            .collect::<Result<Vec<_>>>()?;
+        self.check_combine_handles(handles, &shapes, &st.rows)?;
         Ok(st)
+    }
+
+    /// The row format of an in-place dispatch of `inputs` (checked by it).
+    fn last_dispatch_fmt(&self, inputs: &[RankInputs], with_topk: bool) -> RowFormat {
+        let mut fmt = crate::executor::tensors::row_format(&inputs[0].shapes());
+        fmt.num_topk = if with_topk {
+            inputs[0].topk_idx.cols()
+        } else {
+            0
+        };
+        fmt
     }
 }

@@ -57,7 +57,6 @@ use crate::protocol::layout::{
 };
 use crate::protocol::low_latency::LlArena;
 use crate::protocol::normal::NormalArena;
-use crate::transport::{AllocRequest, Init};
 
 pub use crate::plan::intranode::InPlaceDispatch;
 pub use crate::protocol::normal::Expert;
@@ -162,23 +161,7 @@ impl<E: Executor> Buffer<E> {
                     fix: "raise num_nvl_bytes (Buffer::normal_size_hint)".into(),
                 });
             }
-            let ctrl = transport.alloc(AllocRequest {
-                name: "normal.ctrl".into(),
-                bytes: ctrl_bytes,
-                align: REGION_ALIGN,
-                init: Init::Zero,
-            })?;
-            let data = transport.alloc(AllocRequest {
-                name: "normal.data".into(),
-                bytes: config.num_nvl_bytes - ctrl_bytes,
-                align: REGION_ALIGN,
-                init: Init::Poison,
-            })?;
-            normal = Some(NormalArena {
-                num_ranks: r,
-                ctrl,
-                data,
-            });
+            normal = Some(transport.alloc_normal(ctrl_bytes, config.num_nvl_bytes - ctrl_bytes)?);
         }
         let mut ll = None;
         if config.low_latency_mode && config.num_rdma_bytes > 0 {
@@ -191,23 +174,7 @@ impl<E: Executor> Buffer<E> {
                     fix: "use Buffer::low_latency_size_hint".into(),
                 });
             }
-            let signals = transport.alloc(AllocRequest {
-                name: "ll.signals".into(),
-                bytes: sig,
-                align: REGION_ALIGN,
-                init: Init::Zero,
-            })?;
-            let data = transport.alloc(AllocRequest {
-                name: "ll.data".into(),
-                bytes: config.num_rdma_bytes - sig,
-                align: REGION_ALIGN,
-                init: Init::Poison,
-            })?;
-            ll = Some(LlArena {
-                num_ranks: r,
-                signals,
-                data,
-            });
+            ll = Some(transport.alloc_low_latency(sig, config.num_rdma_bytes - sig)?);
         }
         Ok(Self {
             transport,

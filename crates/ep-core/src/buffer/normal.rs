@@ -1,70 +1,41 @@
 //! Normal-mode calls of [`Buffer`] (docs/protocol.md §2): layout, dispatch, cached dispatch,
 //! combine. Each is one phase of the executor; a failed phase poisons the buffer (`fault`).
 
-use super::in_place::InPlaceRows;
+use super::check::HandleShapes;
 use super::{Buffer, NormalDispatchArgs};
 use crate::error::{Error, Result};
+use crate::executor::tensors::row_format;
 use crate::executor::{
-    CachedDispatchJob, Executor, NormalCombineCheck, NormalCombineJob, NormalDispatchCheck,
-    NormalDispatchJob,
+    CachedDispatchJob, CombineFrom, Executor, NormalCombineCheck, NormalCombineJob,
+    NormalDispatchCheck, NormalDispatchJob, Tensors,
 };
-use crate::plan::combine::{CombineArgs, CombineOutput, check_combine_args};
-use crate::plan::intranode::InPlaceDispatch;
-use crate::plan::intranode::{
-    DispatchOptions, IntranodeDispatch, IntranodeHandle, check_dispatch_shapes,
-    check_same_activation_kind,
-};
-use crate::plan::layout::{DispatchLayout, get_dispatch_layout_for_rank};
+use crate::plan::combine::check_combine_shapes;
+use crate::plan::intranode::{DispatchOptions, check_dispatch_shapes};
+use crate::plan::layout::local_experts;
 use crate::protocol::layout::RowFormat;
-use crate::protocol::normal::{self, NormalArena};
-use crate::routing::{Activations, ExpertIdx, RankInputs};
-use crate::tensor::Tensor2;
+use crate::protocol::normal::NormalArena;
 
-/// The shapes of a host handle, for the checks every backend shares.
-fn handle_shapes(h: &IntranodeHandle) -> super::check::HandleShapes {
-    super::check::HandleShapes {
-        rank_prefix_matrix: h.rank_prefix_matrix.shape(),
-        channel_prefix_matrix: h.channel_prefix_matrix.shape(),
-        recv_channel_prefix_matrix: h.recv_channel_prefix_matrix.shape(),
-        send_head: h.send_head.shape(),
-        is_token_in_rank: h.is_token_in_rank.shape(),
-        num_rows: h.recv_src_idx.len(),
-        num_recv: Some(h.num_recv_tokens),
-    }
-}
-
-fn rows_of(x: &Activations) -> RowFormat {
-    match x {
-        Activations::Bf16(t) => RowFormat {
-            hidden: t.cols(),
-            elem_bytes: 2,
-            num_scales: 0,
-            num_topk: 0,
-        },
-        Activations::Fp8 { data, scales } => RowFormat {
-            hidden: data.cols(),
-            elem_bytes: 1,
-            num_scales: scales.cols(),
-            num_topk: 0,
-        },
-    }
-}
+type T<E> = <E as Executor>::T;
 
 impl<E: Executor> Buffer<E> {
     /// `get_dispatch_layout` of every local rank (spec §1.7): `topk_idx[i]` is local rank
     /// `i`'s routing.
     pub fn get_dispatch_layout(
-        &self,
-        topk_idx: &[Tensor2<ExpertIdx>],
+        &mut self,
+        topk_idx: &[<T<E> as Tensors>::Idx],
         num_experts: usize,
-    ) -> Result<Vec<DispatchLayout>> {
-        let r = self.num_ranks();
+    ) -> Result<Vec<<T<E> as Tensors>::Layout>> {
+        // No phase, no call number: the layout is the caller's own routing counted (a host
+        // computation on the simulator, which works on a poisoned buffer too); only what the
+        // executor found since the last call is reported.
+        let res = self.transport.poll();
+        self.ran(self.last_call, res)?;
         self.check_local(&[topk_idx.len()])?;
-        topk_idx
-            .iter()
-            .zip(self.transport.local_ranks())
-            .map(|(t, s)| get_dispatch_layout_for_rank(s, t, num_experts, r))
-            .collect()
+        local_experts(num_experts, self.num_ranks())?;
+        for (t, s) in topk_idx.iter().zip(self.transport.local_ranks()) {
+            T::<E>::idx_shape(t, s)?;
+        }
+        self.transport.run_layout(topk_idx, num_experts)
     }
 
     pub(super) fn normal_arena(&self) -> Result<&NormalArena> {
@@ -116,35 +87,29 @@ impl<E: Executor> Buffer<E> {
     /// `plan::intranode::intranode_dispatch_all`.
     pub fn dispatch(
         &mut self,
-        inputs: &[RankInputs],
-        layouts: &[DispatchLayout],
+        inputs: &[<T<E> as Tensors>::Inputs],
+        layouts: &[<T<E> as Tensors>::Layout],
         num_experts: usize,
         args: &NormalDispatchArgs,
-    ) -> Result<Vec<IntranodeDispatch>> {
+    ) -> Result<Vec<<T<E> as Tensors>::Dispatch>> {
         let out = self.run_dispatch(inputs, layouts, num_experts, args, false)?;
+        let ranks = self.transport.local_ranks();
         out.into_iter()
-            .enumerate()
-            .map(|(rank, (d, x))| {
-                let recv_x = x.ok_or_else(|| Error::AgentFailed {
-                    rank,
-                    agent: "receiver".into(),
-                    detail: "the receiver returned no rows".into(),
-                })?;
-                Ok(d.with_recv_x(recv_x))
-            })
+            .zip(ranks)
+            .map(|(d, rank)| T::<E>::finish_dispatch(d, rank))
             .collect()
     }
 
     /// The dispatch phase; `in_place`: the received rows stay in the arena (§2.6).
     pub(super) fn run_dispatch(
         &mut self,
-        inputs: &[RankInputs],
-        layouts: &[DispatchLayout],
+        inputs: &[<T<E> as Tensors>::Inputs],
+        layouts: &[<T<E> as Tensors>::Layout],
         num_experts: usize,
         args: &NormalDispatchArgs,
         in_place: bool,
-    ) -> Result<Vec<(InPlaceDispatch, Option<Activations>)>> {
-        self.check_poison()?;
+    ) -> Result<Vec<<T<E> as Tensors>::Dispatched>> {
+        self.ready()?;
         self.in_place = None;
         let opts = DispatchOptions {
             num_channels: args.config.num_channels(),
@@ -155,7 +120,11 @@ impl<E: Executor> Buffer<E> {
         self.check_local(&[inputs.len()])?;
         // The shape-level checks (inputs, options, protocol limits), then the executor's
         // per-token ones (routing in range, layouts equal to it, worst-token rows).
-        let shapes: Vec<_> = inputs.iter().map(RankInputs::shapes).collect();
+        let shapes = inputs
+            .iter()
+            .zip(self.transport.local_ranks())
+            .map(|(x, s)| T::<E>::input_shapes(x, s, opts.with_topk))
+            .collect::<Result<Vec<_>>>()?;
         let shape = check_dispatch_shapes(&shapes, layouts.len(), num_experts, &opts)?;
         super::check::normal_dispatch(self.num_ranks(), num_experts, &opts)?;
         let max_rows = self.transport.check_normal_dispatch(&NormalDispatchCheck {
@@ -164,7 +133,7 @@ impl<E: Executor> Buffer<E> {
             num_experts,
             num_worst_tokens: opts.num_worst_tokens,
         })?;
-        let mut fmt = rows_of(&inputs[0].x);
+        let mut fmt = row_format(&shapes[0]);
         fmt.num_topk = shape.num_topk;
         let call = self.next_call();
         let arena = self.normal_arena()?.clone();
@@ -178,53 +147,48 @@ impl<E: Executor> Buffer<E> {
             arena,
             call,
             mutation: self.mutation,
-            work: normal::DispatchJob {
-                inputs,
-                layouts,
-                num_local_experts: shape.num_local_experts,
-                num_channels: opts.num_channels,
-                expert_alignment: opts.expert_alignment,
-                num_worst_tokens: opts.num_worst_tokens,
-                with_topk: opts.with_topk,
-                fmt,
-                in_place,
-            },
+            inputs,
+            layouts,
+            num_experts,
+            num_local_experts: shape.num_local_experts,
+            num_channels: opts.num_channels,
+            expert_alignment: opts.expert_alignment,
+            num_worst_tokens: opts.num_worst_tokens,
+            with_topk: opts.with_topk,
+            fmt,
+            in_place,
         };
         let res = self.transport.run_normal_dispatch(&job);
         // A rank's missing outputs, after a phase that succeeded, do not poison.
-        let out = self
-            .ran(call, res)?
-            .into_iter()
-            .collect::<Result<Vec<_>>>()?;
-        if in_place {
-            self.in_place = Some(InPlaceRows {
-                call,
-                fmt,
-                with_topk: opts.with_topk,
-                rows: out.iter().map(|(d, _)| d.num_rows).collect(),
-            });
-        }
-        Ok(out)
+        self.ran(call, res)?.into_iter().collect()
     }
 
     /// Cached dispatch of every local rank (handle given, no top-k, spec §1.8;
     /// docs/protocol.md §2.4). Equals `plan::intranode::intranode_dispatch_cached`.
     pub fn dispatch_cached(
         &mut self,
-        xs: &[&Activations],
-        handles: &[IntranodeHandle],
-    ) -> Result<Vec<Activations>> {
-        self.check_poison()?;
+        xs: &[&<T<E> as Tensors>::Rows],
+        handles: &[<T<E> as Tensors>::Handle],
+    ) -> Result<Vec<<T<E> as Tensors>::Rows>> {
+        self.ready()?;
         let r = self.num_ranks();
         self.check_local(&[xs.len(), handles.len()])?;
         self.in_place = None;
         let mut max_rows = 0;
-        for (s, (x, h)) in xs.iter().zip(handles).enumerate() {
-            check_same_activation_kind(xs[0], x, s)?;
-            super::check::normal_handle(s, r, Some(x.num_tokens()), None, &handle_shapes(h))?;
-            max_rows = max_rows.max(h.recv_src_idx.len());
+        let mut first = None;
+        for ((x, h), s) in xs.iter().zip(handles).zip(self.transport.local_ranks()) {
+            let shapes = T::<E>::rows_shapes(x, s)?;
+            shapes.check(s, false)?;
+            let first = *first.get_or_insert(shapes);
+            shapes.agree(&first, s, false)?;
+            let hs = T::<E>::handle_shapes(h, s)?;
+            super::check::normal_handle(s, r, Some(shapes.x.0), None, &hs)?;
+            max_rows = max_rows.max(hs.num_rows);
         }
-        let fmt = rows_of(xs[0]);
+        let Some(first) = first else {
+            return Ok(Vec::new());
+        };
+        let fmt = row_format(&first);
         let call = self.next_call();
         let arena = self.normal_arena()?.clone();
         Self::check_capacity(&arena, max_rows, fmt.dispatch_record(), true)?;
@@ -232,7 +196,9 @@ impl<E: Executor> Buffer<E> {
             arena,
             call,
             mutation: self.mutation,
-            work: normal::CachedJob { xs, handles, fmt },
+            xs,
+            handles,
+            fmt,
         };
         let res = self.transport.run_cached_dispatch(&job);
         self.ran(call, res)?.into_iter().collect()
@@ -241,17 +207,28 @@ impl<E: Executor> Buffer<E> {
     /// Normal combine of every local rank (spec §1.8, docs/protocol.md §2.5): each rank
     /// publishes its expert outputs in its combine rows, owners pull and reduce. Equals
     /// `plan::intranode::intranode_combine` bit for bit.
-    pub fn combine(
+    pub fn combine<'a>(
         &mut self,
-        handles: &[IntranodeHandle],
-        args: &[CombineArgs<'_>],
-    ) -> Result<Vec<CombineOutput>> {
-        self.check_poison()?;
+        handles: &'a [<T<E> as Tensors>::Handle],
+        args: &'a [<T<E> as Tensors>::CombineIn<'a>],
+    ) -> Result<Vec<<T<E> as Tensors>::Combined>> {
+        self.ready()?;
         self.check_local(&[handles.len(), args.len()])?;
-        let num_tokens: Vec<usize> = handles.iter().map(|h| h.send_head.rows()).collect();
-        let num_recv: Vec<usize> = handles.iter().map(|h| h.recv_src_idx.len()).collect();
-        let (hidden, num_topk) = check_combine_args(args, &num_tokens, &num_recv)?;
-        self.check_combine_handles(handles, &num_recv)?;
+        let ranks = self.transport.local_ranks();
+        let hs = handles
+            .iter()
+            .zip(&ranks)
+            .map(|(h, &s)| T::<E>::handle_shapes(h, s))
+            .collect::<Result<Vec<_>>>()?;
+        let shapes = args
+            .iter()
+            .zip(&ranks)
+            .map(|(a, &s)| T::<E>::combine_shapes(a, s))
+            .collect::<Result<Vec<_>>>()?;
+        let num_tokens: Vec<usize> = hs.iter().map(|h| h.send_head.0).collect();
+        let num_recv: Vec<usize> = hs.iter().map(|h| h.num_rows).collect();
+        let (hidden, num_topk) = check_combine_shapes(&shapes, &num_tokens, &num_recv)?;
+        self.check_combine_handles(handles, &hs, &num_recv)?;
         let k = num_topk.unwrap_or(0);
         let fmt = RowFormat {
             hidden,
@@ -265,42 +242,49 @@ impl<E: Executor> Buffer<E> {
             fmt.combine_record(),
             false,
         )?;
-        let work = normal::CombineJob {
+        self.run_combine(
             handles,
-            source: normal::CombineSource::Host(args),
-            hidden,
-            num_topk: k,
-        };
-        self.run_combine(work, num_topk.is_some())
+            CombineFrom::Args(args),
+            (hidden, k),
+            num_topk.is_some(),
+        )
     }
 
     /// The handles of a combine: their shapes (`check::normal_handle`), then the executor's
-    /// check that every row a handle pulls exists on its rank (`num_recv[d]` rows on `d`).
+    /// check that every row a handle pulls exists on its rank (`num_recv[i]` rows on local
+    /// rank `i`).
     pub(super) fn check_combine_handles(
         &self,
-        handles: &[IntranodeHandle],
+        handles: &[<T<E> as Tensors>::Handle],
+        shapes: &[HandleShapes],
         num_recv: &[usize],
     ) -> Result<()> {
-        let r = handles.len();
-        for (s, h) in handles.iter().enumerate() {
-            super::check::normal_handle(s, r, None, None, &handle_shapes(h))?;
+        let r = self.num_ranks();
+        for (h, s) in shapes.iter().zip(self.transport.local_ranks()) {
+            super::check::normal_handle(s, r, None, None, h)?;
         }
         self.transport
             .check_normal_combine(&NormalCombineCheck { handles, num_recv })
     }
 
-    /// The combine phase of a checked job; the outputs assembled per rank.
-    pub(super) fn run_combine(
+    /// The combine phase of a checked job (`shape`: hidden, top-k); the outputs assembled per
+    /// rank.
+    pub(super) fn run_combine<'a>(
         &mut self,
-        work: normal::CombineJob<'_>,
+        handles: &'a [<T<E> as Tensors>::Handle],
+        source: CombineFrom<'a, T<E>>,
+        (hidden, num_topk): (usize, usize),
         with_weights: bool,
-    ) -> Result<Vec<CombineOutput>> {
+    ) -> Result<Vec<<T<E> as Tensors>::Combined>> {
         let call = self.next_call();
         let job = NormalCombineJob {
             arena: self.normal_arena()?.clone(),
             call,
             mutation: self.mutation,
-            work,
+            handles,
+            source,
+            hidden,
+            num_topk,
             with_weights,
         };
         let res = self.transport.run_normal_combine(&job);

@@ -6,11 +6,11 @@
 use half::bf16;
 
 use crate::error::Result;
-use crate::plan::intranode::{InPlaceDispatch, IntranodeHandle};
-use crate::plan::layout::DispatchLayout;
+use crate::plan::intranode::InPlaceDispatch;
 use crate::plan::low_latency::LlDispatchOutput;
 use crate::protocol::layout::RowFormat;
 use crate::protocol::low_latency::{ExpertOut, LlArena, LlOp, LlRows};
+use crate::executor::tensors::{Host, Tensors};
 use crate::protocol::normal::{self, Expert, NormalArena};
 use crate::protocol::{LlRoutes, ProtocolMutation};
 use crate::routing::{Activations, ExpertIdx, RankInputs};
@@ -19,44 +19,182 @@ use crate::transport::{SymAlloc, Team};
 
 /// The per-token checks of a normal dispatch whose shapes the `Buffer` checked: the inputs and
 /// layouts of the local ranks.
-pub struct NormalDispatchCheck<'a> {
-    pub(crate) inputs: &'a [RankInputs],
-    pub(crate) layouts: &'a [DispatchLayout],
+pub struct NormalDispatchCheck<'a, T: Tensors = Host> {
+    pub(crate) inputs: &'a [T::Inputs],
+    pub(crate) layouts: &'a [T::Layout],
     pub(crate) num_experts: usize,
     pub(crate) num_worst_tokens: usize,
 }
 
-/// A normal dispatch of call `call` (docs/protocol.md §2.3), checked.
-pub struct NormalDispatchJob<'a> {
+impl<T: Tensors> NormalDispatchCheck<'_, T> {
+    /// The local ranks' inputs.
+    pub fn inputs(&self) -> &[T::Inputs] {
+        self.inputs
+    }
+    /// The local ranks' layouts.
+    pub fn layouts(&self) -> &[T::Layout] {
+        self.layouts
+    }
+    /// Experts of the world.
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+    /// `num_worst_tokens` (0: exact sizing).
+    pub fn num_worst_tokens(&self) -> usize {
+        self.num_worst_tokens
+    }
+}
+
+/// A normal dispatch of call `call` (docs/protocol.md §2.3), checked: the settled facts a
+/// backend needs, the local ranks' inputs and layouts.
+pub struct NormalDispatchJob<'a, T: Tensors = Host> {
     pub(crate) arena: NormalArena,
     pub(crate) call: u64,
     pub(crate) mutation: ProtocolMutation,
-    pub(crate) work: normal::DispatchJob<'a>,
+    pub(crate) inputs: &'a [T::Inputs],
+    pub(crate) layouts: &'a [T::Layout],
+    pub(crate) num_experts: usize,
+    pub(crate) num_local_experts: usize,
+    pub(crate) num_channels: usize,
+    pub(crate) expert_alignment: usize,
+    pub(crate) num_worst_tokens: usize,
+    pub(crate) with_topk: bool,
+    pub(crate) fmt: RowFormat,
+    /// The received rows stay in the arena (host in-place calls, docs/protocol.md §2.6).
+    pub(crate) in_place: bool,
+}
+
+impl<T: Tensors> NormalDispatchJob<'_, T> {
+    /// The call number (the kernels' signal values count it).
+    pub fn call(&self) -> u64 {
+        self.call
+    }
+    /// The local ranks' inputs.
+    pub fn inputs(&self) -> &[T::Inputs] {
+        self.inputs
+    }
+    /// The local ranks' layouts.
+    pub fn layouts(&self) -> &[T::Layout] {
+        self.layouts
+    }
+    /// Experts of the world.
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+    /// Channels (`num_sms / 2`).
+    pub fn num_channels(&self) -> usize {
+        self.num_channels
+    }
+    /// `expert_alignment` (≥ 1).
+    pub fn expert_alignment(&self) -> usize {
+        self.expert_alignment
+    }
+    /// `num_worst_tokens` (0: exact sizing).
+    pub fn num_worst_tokens(&self) -> usize {
+        self.num_worst_tokens
+    }
+    /// Whether top-k is dispatched.
+    pub fn with_topk(&self) -> bool {
+        self.with_topk
+    }
+    /// The rows' format (top-k included).
+    pub fn fmt(&self) -> RowFormat {
+        self.fmt
+    }
 }
 
 /// A cached normal dispatch of call `call` (docs/protocol.md §2.4), checked.
-pub struct CachedDispatchJob<'a> {
+pub struct CachedDispatchJob<'a, T: Tensors = Host> {
     pub(crate) arena: NormalArena,
     pub(crate) call: u64,
     pub(crate) mutation: ProtocolMutation,
-    pub(crate) work: normal::CachedJob<'a>,
+    pub(crate) xs: &'a [&'a T::Rows],
+    pub(crate) handles: &'a [T::Handle],
+    pub(crate) fmt: RowFormat,
+}
+
+impl<T: Tensors> CachedDispatchJob<'_, T> {
+    /// The call number.
+    pub fn call(&self) -> u64 {
+        self.call
+    }
+    /// The local ranks' rows.
+    pub fn xs(&self) -> &[&T::Rows] {
+        self.xs
+    }
+    /// The local ranks' handles.
+    pub fn handles(&self) -> &[T::Handle] {
+        self.handles
+    }
 }
 
 /// The per-token checks of a normal combine whose handles' shapes the `Buffer` checked:
 /// every row a handle pulls exists on its rank (`num_recv[d]` rows on `d`).
-pub struct NormalCombineCheck<'a> {
-    pub(crate) handles: &'a [IntranodeHandle],
+pub struct NormalCombineCheck<'a, T: Tensors = Host> {
+    pub(crate) handles: &'a [T::Handle],
     pub(crate) num_recv: &'a [usize],
 }
 
+impl<T: Tensors> NormalCombineCheck<'_, T> {
+    /// The local ranks' handles.
+    pub fn handles(&self) -> &[T::Handle] {
+        self.handles
+    }
+    /// Rows each local rank's dispatch delivered.
+    pub fn num_recv(&self) -> &[usize] {
+        self.num_recv
+    }
+}
+
+/// Where a normal combine finds the expert outputs.
+pub enum CombineFrom<'a, T: Tensors = Host> {
+    /// The caller's tensors, one per local rank.
+    Args(&'a [T::CombineIn<'a>]),
+    /// Already in the arena (host in-place calls, docs/protocol.md §2.6).
+    InArena(InArenaRows<'a>),
+}
+
+/// Expert outputs a host in-place call left in the arena (docs/protocol.md §2.6).
+#[derive(Clone, Copy)]
+pub struct InArenaRows<'a>(pub(crate) normal::CombineSource<'a>);
+
 /// A normal combine of call `call` (docs/protocol.md §2.5, §2.6), checked; the combined
 /// weights are returned when `with_weights`.
-pub struct NormalCombineJob<'a> {
+pub struct NormalCombineJob<'a, T: Tensors = Host> {
     pub(crate) arena: NormalArena,
     pub(crate) call: u64,
     pub(crate) mutation: ProtocolMutation,
-    pub(crate) work: normal::CombineJob<'a>,
+    pub(crate) handles: &'a [T::Handle],
+    pub(crate) source: CombineFrom<'a, T>,
+    pub(crate) hidden: usize,
+    pub(crate) num_topk: usize,
     pub(crate) with_weights: bool,
+}
+
+impl<'a, T: Tensors> NormalCombineJob<'a, T> {
+    /// The call number.
+    pub fn call(&self) -> u64 {
+        self.call
+    }
+    /// The local ranks' handles.
+    pub fn handles(&self) -> &[T::Handle] {
+        self.handles
+    }
+    /// The local ranks' combine inputs (`None`: the outputs are already in the arena).
+    pub fn args(&self) -> Option<&'a [T::CombineIn<'a>]> {
+        match self.source {
+            CombineFrom::Args(a) => Some(a),
+            CombineFrom::InArena(_) => None,
+        }
+    }
+    /// Hidden size.
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+    /// Whether the weights are combined.
+    pub fn with_weights(&self) -> bool {
+        self.with_weights
+    }
 }
 
 /// The expert phase of call `call` over the rows the last in-place dispatch left in the arena

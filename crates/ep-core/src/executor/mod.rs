@@ -20,6 +20,7 @@
 //! in that order. A [`RunsAgents`] executor holds every rank, so there they are indexed by rank.
 
 pub mod jobs;
+pub mod tensors;
 
 mod agents;
 
@@ -29,13 +30,16 @@ pub use jobs::{
     NormalCombineCheck, NormalCombineJob, NormalDispatchCheck, NormalDispatchJob, NormalDispatched,
     ResetJob,
 };
+pub use jobs::{CombineFrom, InArenaRows};
+pub use tensors::{CombineShapes, Host, Tensors};
 
 use half::bf16;
 
 use crate::error::Result;
-use crate::plan::combine::CombineOutput;
 use crate::plan::low_latency::{LlDispatchOutput, LlParams};
-use crate::routing::{Activations, RankInputs};
+use crate::protocol::low_latency::LlArena;
+use crate::protocol::normal::NormalArena;
+use crate::routing::RankInputs;
 use crate::tensor::Tensor2;
 use crate::transport::Transport;
 
@@ -49,34 +53,68 @@ pub trait RunsAgents: Transport {}
 /// The executor of phases, implemented by every backend (module docs). Its methods are called
 /// by [`Buffer`](crate::Buffer) only, after its own checks.
 pub trait Executor: Transport {
+    /// The tensors its calls take and return ([`Host`] on the simulator).
+    type T: Tensors;
+
     /// The ranks whose inputs and outputs this process handles, ascending.
     fn local_ranks(&self) -> Vec<usize>;
+
+    /// Allocates every local rank's normal-mode arena (collective): `ctrl` bytes of control
+    /// words, zeroed, then `data` bytes of data, poisoned (docs/protocol.md §2.1).
+    fn alloc_normal(&mut self, ctrl: u64, data: u64) -> Result<NormalArena>;
+
+    /// Allocates every local rank's low-latency buffer (collective): `signals` bytes of signal
+    /// words, zeroed, then `data` bytes, poisoned (docs/protocol.md §3.1).
+    fn alloc_low_latency(&mut self, signals: u64, data: u64) -> Result<LlArena>;
+
+    /// Reports what earlier calls' work found since (a device error record) as a typed
+    /// error; the host executors have nothing to report. Called before each call.
+    fn poll(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Waits for the local ranks' outstanding work, then reports as [`Executor::poll`].
+    fn sync(&mut self) -> Result<()> {
+        self.poll()
+    }
+
+    /// `get_dispatch_layout` of every local rank (spec §1.7); the shapes were checked.
+    fn run_layout(
+        &mut self,
+        topk_idx: &[<Self::T as Tensors>::Idx],
+        num_experts: usize,
+    ) -> Result<Vec<<Self::T as Tensors>::Layout>>;
 
     /// The per-token checks of a normal dispatch; returns the most rows any local rank
     /// receives when the executor knows it before the phase (`None`: the phase checks the
     /// arena's capacity itself).
-    fn check_normal_dispatch(&self, job: &NormalDispatchCheck<'_>) -> Result<Option<usize>>;
+    fn check_normal_dispatch(&self, job: &NormalDispatchCheck<'_, Self::T>)
+    -> Result<Option<usize>>;
 
-    /// The normal dispatch phase (its error poisons the `Buffer`): per local rank its outputs
-    /// but `recv_x`, and `recv_x` unless the rows stay in the arena (`in_place`), or the error
-    /// of an agent that finished without them (returned as is).
+    /// The normal dispatch phase (its error poisons the `Buffer`): per local rank what the
+    /// phase gave it, or the error of an agent that finished without it (returned as is).
+    #[allow(clippy::type_complexity)]
     fn run_normal_dispatch(
         &mut self,
-        job: &NormalDispatchJob<'_>,
-    ) -> Result<Vec<Result<NormalDispatched>>>;
+        job: &NormalDispatchJob<'_, Self::T>,
+    ) -> Result<Vec<Result<<Self::T as Tensors>::Dispatched>>>;
 
     /// The cached normal dispatch phase: per local rank its received rows, or the error of an
     /// agent that finished without them (as in [`Executor::run_normal_dispatch`]).
+    #[allow(clippy::type_complexity)]
     fn run_cached_dispatch(
         &mut self,
-        job: &CachedDispatchJob<'_>,
-    ) -> Result<Vec<Result<Activations>>>;
+        job: &CachedDispatchJob<'_, Self::T>,
+    ) -> Result<Vec<Result<<Self::T as Tensors>::Rows>>>;
 
     /// The per-token checks of a normal combine's handles.
-    fn check_normal_combine(&self, job: &NormalCombineCheck<'_>) -> Result<()>;
+    fn check_normal_combine(&self, job: &NormalCombineCheck<'_, Self::T>) -> Result<()>;
 
     /// The normal combine phase: per local rank its combined outputs.
-    fn run_normal_combine(&mut self, job: &NormalCombineJob<'_>) -> Result<Vec<CombineOutput>>;
+    fn run_normal_combine(
+        &mut self,
+        job: &NormalCombineJob<'_, Self::T>,
+    ) -> Result<Vec<<Self::T as Tensors>::Combined>>;
 
     /// The expert phase over the in-place rows ([`Buffer::apply_expert`](crate::Buffer::apply_expert)).
     fn run_expert(&mut self, job: &ExpertJob<'_>) -> Result<()>;
@@ -117,6 +155,12 @@ pub trait Executor: Transport {
 
     /// Garbage of call `call` in every low-latency signal word of every rank: another kernel
     /// using that memory (spec case 20). With the `test-support` feature.
+    /// (Defaults to a typed refusal, for executors that cannot plant it.)
     #[cfg(feature = "test-support")]
-    fn run_foreign_use_of_low_latency(&mut self, job: &jobs::LlForeignUseJob<'_>) -> Result<()>;
+    fn run_foreign_use_of_low_latency(&mut self, job: &jobs::LlForeignUseJob<'_>) -> Result<()> {
+        let _ = job;
+        Err(crate::error::Error::Unsupported(
+            "this executor cannot plant a foreign use of the low-latency memory".into(),
+        ))
+    }
 }

@@ -121,22 +121,41 @@ pub(crate) fn check_combine_args(
     num_tokens: &[usize],
     num_recv: &[usize],
 ) -> Result<(usize, Option<usize>)> {
-    let hidden = args.first().map_or(0, |a| a.x.cols());
+    let shapes: Vec<_> = args
+        .iter()
+        .map(|a| crate::executor::CombineShapes {
+            x: a.x.shape(),
+            topk_weights: a.topk_weights.map(Tensor2::shape),
+            bias: a.bias.iter().map(Tensor2::shape).collect(),
+        })
+        .collect();
+    check_combine_shapes(&shapes, num_tokens, num_recv)
+}
+
+/// [`check_combine_args`] over the inputs' shapes (every backend's combine): `args[i]` is
+/// local rank `i`'s, `num_tokens[i]` its original token count, `num_recv[i]` its dispatch row
+/// count. Returns `(H, Some(K))` or `(H, None)`.
+pub fn check_combine_shapes(
+    args: &[crate::executor::CombineShapes],
+    num_tokens: &[usize],
+    num_recv: &[usize],
+) -> Result<(usize, Option<usize>)> {
+    let hidden = args.first().map_or(0, |a| a.x.1);
     let with_weights = args.first().is_some_and(|a| a.topk_weights.is_some());
-    let num_topk = args.first().and_then(|a| a.topk_weights).map(|w| w.cols());
+    let num_topk = args.first().and_then(|a| a.topk_weights).map(|w| w.1);
     for (s, a) in args.iter().enumerate() {
-        if a.x.cols() != hidden {
+        if a.x.1 != hidden {
             return Err(Error::ShapeMismatch {
                 what: "combine x hidden size (must agree across ranks)",
                 expected: format!("{hidden} columns"),
-                found: format!("{} columns on rank {s}", a.x.cols()),
+                found: format!("{} columns on rank {s}", a.x.1),
             });
         }
-        if a.x.rows() != num_recv[s] {
+        if a.x.0 != num_recv[s] {
             return Err(Error::ShapeMismatch {
                 what: "combine x rows versus the dispatch's received rows",
                 expected: format!("{} rows on rank {s}", num_recv[s]),
-                found: format!("{} rows", a.x.rows()),
+                found: format!("{} rows", a.x.0),
             });
         }
         if a.topk_weights.is_some() != with_weights {
@@ -147,12 +166,12 @@ pub(crate) fn check_combine_args(
             });
         }
         if let (Some(w), Some(k)) = (a.topk_weights, num_topk)
-            && w.shape() != (num_recv[s], k)
+            && w != (num_recv[s], k)
         {
             return Err(Error::ShapeMismatch {
                 what: "combine topk_weights",
                 expected: format!("({}, {k}) on rank {s}", num_recv[s]),
-                found: format!("{:?}", w.shape()),
+                found: format!("{w:?}"),
             });
         }
         if a.bias.len() > 2 {
@@ -161,12 +180,12 @@ pub(crate) fn check_combine_args(
                 found: a.bias.len(),
             });
         }
-        for b in a.bias {
-            if b.shape() != (num_tokens[s], hidden) {
+        for &b in &a.bias {
+            if b != (num_tokens[s], hidden) {
                 return Err(Error::ShapeMismatch {
                     what: "combine bias",
                     expected: format!("({}, {hidden}) on rank {s}", num_tokens[s]),
-                    found: format!("{:?}", b.shape()),
+                    found: format!("{b:?}"),
                 });
             }
         }

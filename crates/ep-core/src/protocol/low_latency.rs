@@ -33,7 +33,7 @@ use crate::transport::{
 
 /// The low-latency memory of a `Buffer` (docs/protocol.md §3.1).
 #[derive(Clone, Debug)]
-pub(crate) struct LlArena {
+pub struct LlArena {
     pub(crate) num_ranks: usize,
     pub(crate) signals: SymAlloc,
     pub(crate) data: SymAlloc,

@@ -17,7 +17,8 @@ pub(crate) mod normal;
 pub(crate) mod reset;
 pub mod signal;
 
-pub use low_latency::LlRoutes;
+pub use low_latency::{LlArena, LlRoutes};
+pub use normal::NormalArena;
 
 mod mutation;
 

@@ -29,13 +29,24 @@ use crate::transport::{AgentCtx, Cmp, Phase, PhaseKind, SymAddr, SymAlloc, WaitU
 
 /// The normal-mode arena of a `Buffer`: control words and data (docs/protocol.md §2.1).
 #[derive(Clone, Debug)]
-pub(crate) struct NormalArena {
+pub struct NormalArena {
     pub(crate) num_ranks: usize,
     pub(crate) ctrl: SymAlloc,
     pub(crate) data: SymAlloc,
 }
 
 impl NormalArena {
+    /// The arena of `num_ranks` ranks over the allocations `ctrl` and `data` (what an
+    /// executor's `alloc_normal` gives).
+    #[must_use]
+    pub fn new(num_ranks: usize, ctrl: SymAlloc, data: SymAlloc) -> Self {
+        Self {
+            num_ranks,
+            ctrl,
+            data,
+        }
+    }
+
     pub(crate) fn ctrl_layout(&self) -> NormalCtrl {
         NormalCtrl {
             num_ranks: self.num_ranks,
@@ -879,6 +890,7 @@ pub(crate) fn expert_phase<'a>(arena: &'a NormalArena, job: ExpertJob<'a>, call:
 }
 
 /// Where the expert outputs of a combine are.
+#[derive(Clone, Copy)]
 pub(crate) enum CombineSource<'a> {
     /// Host tensors: each rank's publish agent stores them in its combine rows (§2.5).
     Host(&'a [crate::plan::combine::CombineArgs<'a>]),

@@ -6,6 +6,8 @@
 //! - [`mem`]: device buffers and host-mapped memory;
 //! - [`ipc`]: device buffers shared with other processes (CUDA IPC);
 //! - [`device`]: one GPU with its kernels and error record;
+//! - [`executor`]: [`Gpu`], the executor of ep-core's `Buffer` over device tensors
+//!   ([`DevTensors`]): normal mode through the same `Buffer` as the simulator;
 //! - [`floor`]: the latency parts of the low-latency floor (an empty graph launch, a flag round
 //!   trip between resident kernels), measured in the bench's run;
 //! - `gate`: timing several ranks' streams from one release;
@@ -19,6 +21,7 @@
 
 pub mod abi;
 pub mod device;
+pub mod executor;
 pub mod floor;
 mod gate;
 mod graph;
@@ -32,6 +35,7 @@ pub mod tensor;
 pub mod trace;
 
 pub use device::Device;
+pub use executor::{DevTensors, Gpu, GpuCombineIn, GpuInputs, GpuRows};
 pub use low_latency::{
     LlCombineArgs, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGpuHandle, LlGraph,
     LlGroup, LlPoison, LlRankInputs, LlStats, LlVariant,

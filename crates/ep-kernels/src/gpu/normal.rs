@@ -149,6 +149,21 @@ pub struct GpuHandle {
 }
 
 impl GpuHandle {
+    /// The shapes the rules every backend shares read (`ep_core::buffer::check`).
+    #[must_use]
+    pub fn shapes(&self) -> HandleShapes {
+        let shape = |t: &DevTensor| (t.rows(), t.cols());
+        HandleShapes {
+            rank_prefix_matrix: shape(&self.rank_prefix_matrix),
+            channel_prefix_matrix: shape(&self.channel_prefix_matrix),
+            recv_channel_prefix_matrix: shape(&self.recv_channel_prefix_matrix),
+            send_head: shape(&self.send_head),
+            is_token_in_rank: shape(&self.is_token_in_rank),
+            num_rows: self.num_rows,
+            num_recv: self.num_recv_tokens,
+        }
+    }
+
     /// Checks every matrix's dtype and shape for rank `rank` of `num_ranks` with `num_channels`
     /// channels (a handle from another group or call shape is a typed error, not a bad read).
     /// The dtypes here, the shapes by the rules every backend shares
@@ -172,16 +187,7 @@ impl GpuHandle {
         ] {
             t.expect(&what(name), dtype, None, None)?;
         }
-        let shape = |t: &DevTensor| (t.rows(), t.cols());
-        let shapes = HandleShapes {
-            rank_prefix_matrix: shape(&self.rank_prefix_matrix),
-            channel_prefix_matrix: shape(&self.channel_prefix_matrix),
-            recv_channel_prefix_matrix: shape(&self.recv_channel_prefix_matrix),
-            send_head: shape(&self.send_head),
-            is_token_in_rank: shape(&self.is_token_in_rank),
-            num_rows: self.num_rows,
-            num_recv: self.num_recv_tokens,
-        };
+        let shapes = self.shapes();
         normal_handle(
             rank,
             num_ranks,
@@ -256,6 +262,38 @@ pub struct GpuCombined {
     pub combined_x: DevTensor,
     /// `[T, K]` f32 when weights were combined.
     pub combined_topk_weights: Option<DevTensor>,
+}
+
+/// What a dispatch's checks settled ([`NormalGroup::check_dispatch`]).
+pub(crate) struct DispatchChecked {
+    r: usize,
+    n: usize,
+    with_topk: bool,
+    l: usize,
+    fmt: RowFormat,
+    tokens: Vec<usize>,
+    drec: u64,
+    cap: u64,
+    c: usize,
+}
+
+/// What a cached dispatch's checks settled ([`NormalGroup::check_cached`]).
+pub(crate) struct CachedChecked {
+    n: usize,
+    fmt: RowFormat,
+    tokens: Vec<usize>,
+    c: usize,
+    drec: u64,
+    cap: u64,
+}
+
+/// What a combine's checks settled ([`NormalGroup::check_combine`]).
+pub(crate) struct CombineChecked {
+    n: usize,
+    c: usize,
+    last: LastDispatch,
+    hidden: usize,
+    k: usize,
 }
 
 /// The row format of the last dispatch (what the arena holds).
@@ -524,7 +562,7 @@ impl NormalGroup {
         synced.and(met)
     }
 
-    fn sync_streams(&self) -> Result<()> {
+    pub(crate) fn sync_streams(&self) -> Result<()> {
         for r in &self.ranks {
             r.stream
                 .synchronize()
@@ -556,6 +594,37 @@ impl NormalGroup {
     /// The number of the last call.
     pub fn last_call(&self) -> u64 {
         self.call
+    }
+
+    /// Makes the next call number at least `call` (a `Buffer` driving the group: its call
+    /// counter; the numbers only ever grow, so every process, making the same calls, uses the
+    /// same ones).
+    pub(crate) fn set_next_call(&mut self, call: u64) {
+        self.call = self.call.max(call.saturating_sub(1));
+    }
+
+    /// Local rank `local`'s `normal.ctrl` and `normal.data`.
+    pub(crate) fn arena(&self, local: usize) -> (&Arc<DevBuf>, &Arc<DevBuf>) {
+        (&self.ranks[local].ctrl, &self.ranks[local].data)
+    }
+
+    /// The row format and top-k of the last dispatch, if any since the last reset.
+    pub(crate) fn last_dispatch(&self) -> Option<(RowFormat, usize)> {
+        self.last.map(|l| (l.fmt, l.num_topk))
+    }
+
+    /// Whether `t` is local rank `local`'s received-rows view of the last dispatch (`recv_x`
+    /// of BF16 rows), so a combine can read it in place.
+    pub(crate) fn is_dispatch_rows(&self, local: usize, t: &DevTensor) -> bool {
+        let Some((fmt, _)) = self.last_dispatch() else {
+            return false;
+        };
+        let base = self.ranks[local].data.ptr() + self.data_layout().rows_base();
+        fmt.elem_bytes == 2
+            && t.dtype() == DType::Bf16
+            && t.ptr() == base
+            && t.row_stride() == fmt.dispatch_record()
+            && t.cols() == fmt.hidden
     }
 
     /// Bound of every device wait (and of the host's wait for `num_recv`).
@@ -604,7 +673,7 @@ impl NormalGroup {
         self.data_layout().dispatch_capacity(rec)
     }
 
-    fn check_ready(&mut self) -> Result<()> {
+    pub(crate) fn check_ready(&mut self) -> Result<()> {
         if let Some(cause) = &self.poison {
             return Err(Error::Poisoned {
                 cause: cause.clone(),
@@ -1014,7 +1083,7 @@ impl NormalGroup {
     /// The top-k ids (`[rows, K]` i64, local ids, -1 elsewhere) and weights (`[rows, K]` f32) of
     /// local rank `rank`'s received rows: views of the dispatch records in the arena (row
     /// stride = the record), valid until the next dispatch, like `recv_x`.
-    fn topk_views(
+    pub(crate) fn topk_views(
         &self,
         rank: usize,
         fmt: RowFormat,
@@ -1044,17 +1113,15 @@ impl NormalGroup {
         ))
     }
 
-    /// Normal dispatch of every local rank (spec §1.8, docs/protocol.md §2.3): layout counts
-    /// in, every row stored once at its final row on each destination. `inputs[i]` and
-    /// `layouts[i]` are local rank `i`'s.
-    pub fn dispatch(
-        &mut self,
+    /// The checks of a dispatch before anything is enqueued (no side effect): counts, dtypes,
+    /// devices, shapes, options, capacity for the worst-token rows.
+    pub(crate) fn check_dispatch(
+        &self,
         inputs: &[GpuRankInputs<'_>],
         layouts: &[GpuLayout],
         num_experts: usize,
         args: &GpuDispatchArgs,
-    ) -> Result<Vec<GpuDispatch>> {
-        self.check_ready()?;
+    ) -> Result<DispatchChecked> {
         let r = self.num_ranks();
         let n = self.num_local_ranks();
         check_rank_count(n, inputs.len())?;
@@ -1109,6 +1176,41 @@ impl NormalGroup {
             });
         }
         let c = self.num_channels();
+        Ok(DispatchChecked {
+            r,
+            n,
+            with_topk,
+            l,
+            fmt,
+            tokens,
+            drec,
+            cap,
+            c,
+        })
+    }
+
+    /// Normal dispatch of every local rank (spec §1.8, docs/protocol.md §2.3): layout counts
+    /// in, every row stored once at its final row on each destination. `inputs[i]` and
+    /// `layouts[i]` are local rank `i`'s.
+    pub fn dispatch(
+        &mut self,
+        inputs: &[GpuRankInputs<'_>],
+        layouts: &[GpuLayout],
+        num_experts: usize,
+        args: &GpuDispatchArgs,
+    ) -> Result<Vec<GpuDispatch>> {
+        self.check_ready()?;
+        let DispatchChecked {
+            r,
+            n,
+            with_topk,
+            l,
+            fmt,
+            tokens,
+            drec,
+            cap,
+            c,
+        } = self.check_dispatch(inputs, layouts, num_experts, args)?;
         self.begin_traced(trace::TracedOp::Dispatch)?;
         self.call += 1;
         let k = fmt.num_topk;
@@ -1258,15 +1360,12 @@ impl NormalGroup {
         Ok(out)
     }
 
-    /// Cached dispatch (spec §1.8 with a handle, docs/protocol.md §2.4): no count exchange, the
-    /// offsets come from each local rank's handle; no top-k. The handles must come from a
-    /// dispatch of this group with the same channel count.
-    pub fn dispatch_cached(
-        &mut self,
+    /// The checks of a cached dispatch before anything is enqueued (no side effect).
+    pub(crate) fn check_cached(
+        &self,
         inputs: &[GpuRankInputs<'_>],
         handles: &[&GpuHandle],
-    ) -> Result<Vec<GpuDispatch>> {
-        self.check_ready()?;
+    ) -> Result<CachedChecked> {
         let r = self.num_ranks();
         let n = self.num_local_ranks();
         check_rank_count(n, inputs.len())?;
@@ -1299,6 +1398,33 @@ impl NormalGroup {
                 });
             }
         }
+        Ok(CachedChecked {
+            n,
+            fmt,
+            tokens,
+            c,
+            drec,
+            cap,
+        })
+    }
+
+    /// Cached dispatch (spec §1.8 with a handle, docs/protocol.md §2.4): no count exchange, the
+    /// offsets come from each local rank's handle; no top-k. The handles must come from a
+    /// dispatch of this group with the same channel count.
+    pub fn dispatch_cached(
+        &mut self,
+        inputs: &[GpuRankInputs<'_>],
+        handles: &[&GpuHandle],
+    ) -> Result<Vec<GpuDispatch>> {
+        self.check_ready()?;
+        let CachedChecked {
+            n,
+            fmt,
+            tokens,
+            c,
+            drec,
+            cap,
+        } = self.check_cached(inputs, handles)?;
         self.begin_traced(trace::TracedOp::Dispatch)?;
         self.call += 1;
         let mut metas = Vec::with_capacity(n);
@@ -1436,14 +1562,12 @@ impl NormalGroup {
         Ok(())
     }
 
-    /// Combine of every local rank (spec §1.8, docs/protocol.md §2.5): each rank pulls its
-    /// tokens' rows from every rank holding them and reduces in DeepEP's order.
-    pub fn combine(
-        &mut self,
+    /// The checks of a combine before anything is enqueued (no side effect).
+    pub(crate) fn check_combine(
+        &self,
         source: CombineSource,
         args: &[GpuCombineArgs<'_>],
-    ) -> Result<Vec<GpuCombined>> {
-        self.check_ready()?;
+    ) -> Result<CombineChecked> {
         let r = self.num_ranks();
         let n = self.num_local_ranks();
         check_rank_count(n, args.len())?;
@@ -1484,6 +1608,30 @@ impl NormalGroup {
                 }
             }
         }
+        Ok(CombineChecked {
+            n,
+            c,
+            last,
+            hidden,
+            k,
+        })
+    }
+
+    /// Combine of every local rank (spec §1.8, docs/protocol.md §2.5): each rank pulls its
+    /// tokens' rows from every rank holding them and reduces in DeepEP's order.
+    pub fn combine(
+        &mut self,
+        source: CombineSource,
+        args: &[GpuCombineArgs<'_>],
+    ) -> Result<Vec<GpuCombined>> {
+        self.check_ready()?;
+        let CombineChecked {
+            n,
+            c,
+            last,
+            hidden,
+            k,
+        } = self.check_combine(source, args)?;
         self.begin_traced(trace::TracedOp::Combine)?;
         self.call += 1;
         let fmt = RowFormat {
@@ -1666,7 +1814,7 @@ fn check_device(t: &DevTensor, dev: &Device, rank: usize) -> Result<()> {
 }
 
 /// A 2-D copy of `src` into `dst` (same shape and dtype, any row strides) on `stream`.
-fn copy_2d(stream: &CudaStream, src: &DevTensor, dst: &DevTensor) -> Result<()> {
+pub(crate) fn copy_2d(stream: &CudaStream, src: &DevTensor, dst: &DevTensor) -> Result<()> {
     if src.shape() != dst.shape() || src.dtype() != dst.dtype() {
         return Err(Error::TensorMismatch {
             what: "2-D copy".into(),

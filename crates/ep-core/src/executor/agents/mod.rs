@@ -16,17 +16,80 @@ use super::jobs::{
     NormalCombineCheck, NormalCombineJob, NormalDispatchCheck, NormalDispatchJob, NormalDispatched,
     ResetJob,
 };
+use super::tensors::Host;
 use super::{Executor, RunsAgents};
 use crate::error::Result;
 use crate::plan::combine::CombineOutput;
+use crate::plan::layout::{DispatchLayout, get_dispatch_layout_for_rank};
 use crate::plan::low_latency::{LlDispatchOutput, LlParams, validate_dispatch_routing};
+use crate::protocol::layout::REGION_ALIGN;
+use crate::protocol::low_latency::LlArena;
+use crate::protocol::normal::NormalArena;
 use crate::protocol::reset::reset_phase;
-use crate::routing::{Activations, RankInputs};
+use crate::routing::{Activations, ExpertIdx, RankInputs};
 use crate::tensor::Tensor2;
+use crate::transport::{AllocRequest, Init};
 
 impl<T: RunsAgents> Executor for T {
+    type T = Host;
+
     fn local_ranks(&self) -> Vec<usize> {
         (0..self.fabric().num_ranks).collect()
+    }
+
+    fn alloc_normal(&mut self, ctrl: u64, data: u64) -> Result<NormalArena> {
+        let r = self.fabric().num_ranks;
+        let ctrl = self.alloc(AllocRequest {
+            name: "normal.ctrl".into(),
+            bytes: ctrl,
+            align: REGION_ALIGN,
+            init: Init::Zero,
+        })?;
+        let data = self.alloc(AllocRequest {
+            name: "normal.data".into(),
+            bytes: data,
+            align: REGION_ALIGN,
+            init: Init::Poison,
+        })?;
+        Ok(NormalArena {
+            num_ranks: r,
+            ctrl,
+            data,
+        })
+    }
+
+    fn alloc_low_latency(&mut self, signals: u64, data: u64) -> Result<LlArena> {
+        let r = self.fabric().num_ranks;
+        let signals = self.alloc(AllocRequest {
+            name: "ll.signals".into(),
+            bytes: signals,
+            align: REGION_ALIGN,
+            init: Init::Zero,
+        })?;
+        let data = self.alloc(AllocRequest {
+            name: "ll.data".into(),
+            bytes: data,
+            align: REGION_ALIGN,
+            init: Init::Poison,
+        })?;
+        Ok(LlArena {
+            num_ranks: r,
+            signals,
+            data,
+        })
+    }
+
+    fn run_layout(
+        &mut self,
+        topk_idx: &[Tensor2<ExpertIdx>],
+        num_experts: usize,
+    ) -> Result<Vec<DispatchLayout>> {
+        let r = self.fabric().num_ranks;
+        topk_idx
+            .iter()
+            .enumerate()
+            .map(|(s, t)| get_dispatch_layout_for_rank(s, t, num_experts, r))
+            .collect()
     }
 
     fn check_normal_dispatch(&self, job: &NormalDispatchCheck<'_>) -> Result<Option<usize>> {

@@ -7,8 +7,8 @@ use half::bf16;
 
 use crate::error::{Error, Result};
 use crate::executor::jobs::{
-    CachedDispatchJob, ExpertJob, NormalCombineCheck, NormalCombineJob, NormalDispatchCheck,
-    NormalDispatchJob, NormalDispatched,
+    CachedDispatchJob, CombineFrom, ExpertJob, InArenaRows, NormalCombineCheck, NormalCombineJob,
+    NormalDispatchCheck, NormalDispatchJob, NormalDispatched,
 };
 use crate::plan::combine::CombineOutput;
 use crate::plan::intranode::{
@@ -53,7 +53,18 @@ pub(super) fn dispatch(
 ) -> Result<Vec<Result<NormalDispatched>>> {
     let r = job.arena.num_ranks;
     let slots = normal::DispatchSlots::new(r);
-    let phase = normal::dispatch_phase(&job.arena, &job.work, job.call, job.mutation, &slots);
+    let work = normal::DispatchJob {
+        inputs: job.inputs,
+        layouts: job.layouts,
+        num_local_experts: job.num_local_experts,
+        num_channels: job.num_channels,
+        expert_alignment: job.expert_alignment,
+        num_worst_tokens: job.num_worst_tokens,
+        with_topk: job.with_topk,
+        fmt: job.fmt,
+        in_place: job.in_place,
+    };
+    let phase = normal::dispatch_phase(&job.arena, &work, job.call, job.mutation, &slots);
     t.run_phase(phase)?;
     Ok((0..r)
         .map(|d| {
@@ -69,7 +80,7 @@ pub(super) fn dispatch(
                     channel_prefix_matrix: n.channel_prefix_matrix,
                     recv_channel_prefix_matrix: n.recv_channel_prefix_matrix,
                     recv_src_idx: v.src_idx,
-                    is_token_in_rank: job.work.layouts[d].is_token_in_rank.clone(),
+                    is_token_in_rank: job.layouts[d].is_token_in_rank.clone(),
                     send_head: n.send_head,
                     num_recv_tokens: n.num_recv,
                 },
@@ -86,7 +97,12 @@ pub(super) fn cached(
 ) -> Result<Vec<Result<Activations>>> {
     let r = job.arena.num_ranks;
     let out: Vec<Mutex<Option<normal::RecvResult>>> = (0..r).map(|_| Mutex::new(None)).collect();
-    let phase = normal::cached_phase(&job.arena, &job.work, job.call, job.mutation, &out);
+    let work = normal::CachedJob {
+        xs: job.xs,
+        handles: job.handles,
+        fmt: job.fmt,
+    };
+    let phase = normal::cached_phase(&job.arena, &work, job.call, job.mutation, &out);
     t.run_phase(phase)?;
     Ok(out
         .iter()
@@ -139,7 +155,16 @@ pub(super) fn combine(
     t: &mut impl Transport,
     job: &NormalCombineJob<'_>,
 ) -> Result<Vec<CombineOutput>> {
-    let (handles, hidden, k) = (job.work.handles, job.work.hidden, job.work.num_topk);
+    let (handles, hidden, k) = (job.handles, job.hidden, job.num_topk);
+    let work = normal::CombineJob {
+        handles,
+        source: match job.source {
+            CombineFrom::Args(a) => normal::CombineSource::Host(a),
+            CombineFrom::InArena(InArenaRows(src)) => src,
+        },
+        hidden,
+        num_topk: k,
+    };
     let num_tokens: Vec<usize> = handles.iter().map(|h| h.send_head.rows()).collect();
     let mut xs: Vec<Tensor2<bf16>> = num_tokens
         .iter()
@@ -170,7 +195,7 @@ pub(super) fn combine(
                     .collect()
             })
             .collect();
-        let phase = normal::combine_phase(&job.arena, &job.work, job.call, job.mutation, &out);
+        let phase = normal::combine_phase(&job.arena, &work, job.call, job.mutation, &out);
         t.run_phase(phase)?;
     }
     Ok(xs
