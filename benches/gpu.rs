@@ -1,5 +1,5 @@
-//! The GPU data path over the public API: normal-mode dispatch and combine of two co-resident
-//! ranks on GPU 0 at DeepEP's shape (4096 tokens per rank, hidden 7168, top-8, 256 experts,
+//! The GPU data path over the public API (`Buffer<Gpu>`, the same `Buffer` as the simulator's):
+//! normal-mode dispatch and combine of two co-resident ranks on GPU 0 at DeepEP's shape (4096 tokens per rank, hidden 7168, top-8, 256 experts,
 //! 24 SMs per rank). Host wall-clock per call, launch and `sync` included; the event-timed
 //! medians beside the same-run ceiling come from `ep bench --backend gpu` (BENCHMARKS.md).
 //!
@@ -17,7 +17,6 @@ use criterion::{Criterion, Throughput};
 use ep_rs::core::plan::combine::CombineArgs;
 use ep_rs::core::plan::intranode::{DispatchOptions, intranode_combine, intranode_dispatch_all};
 use ep_rs::core::plan::layout::get_dispatch_layout_for_rank;
-use ep_rs::kernels::gpu::{CombineSource, GpuCombineArgs, GpuDispatchArgs, GpuRankInputs};
 use ep_rs::prelude::*;
 
 const RANKS: usize = 2;
@@ -31,35 +30,29 @@ fn normal(c: &mut Criterion, dev: std::sync::Arc<Device>) {
     let inputs = WorkloadSpec::new(RANKS, TOKENS, HIDDEN, TOPK, EXPERTS, 7)
         .generate()
         .expect("workload");
-    let arena = Buffer::<Sim>::normal_size_hint(RANKS, RANKS * TOKENS, HIDDEN, 2, TOPK);
-    let mut g = NormalGroup::new(dev.clone(), RANKS, SMS, arena).expect("group");
-    let xs: Vec<DevTensor> = inputs
+    let mut cfg = BufferConfig::new(RANKS);
+    cfg.num_nvl_bytes = Buffer::<Sim>::normal_size_hint(RANKS, RANKS * TOKENS, HIDDEN, 2, TOPK);
+    let mut buf = Buffer::new(Gpu::co_resident(dev.clone(), RANKS, SMS), cfg).expect("buffer");
+    let dev_inputs: Vec<GpuInputs> = inputs
         .iter()
-        .map(|i| match &i.x {
-            Activations::Bf16(t) => DevTensor::upload(dev.context(), t).expect("upload x"),
-            Activations::Fp8 { .. } => unreachable!("BF16 workload"),
-        })
-        .collect();
-    let idx: Vec<DevTensor> = inputs
-        .iter()
-        .map(|i| DevTensor::upload(dev.context(), &i.topk_idx).expect("upload topk_idx"))
-        .collect();
-    let w: Vec<DevTensor> = inputs
-        .iter()
-        .map(|i| DevTensor::upload(dev.context(), &i.topk_weights).expect("upload weights"))
-        .collect();
-    let layouts = g
-        .layout(&idx.iter().collect::<Vec<_>>(), EXPERTS)
-        .expect("layout");
-    let rank_inputs: Vec<GpuRankInputs<'_>> = (0..RANKS)
-        .map(|r| GpuRankInputs {
-            x: &xs[r],
+        .map(|i| GpuInputs {
+            x: match &i.x {
+                Activations::Bf16(t) => DevTensor::upload(dev.context(), t).expect("upload x"),
+                Activations::Fp8 { .. } => unreachable!("BF16 workload"),
+            },
             x_scales: None,
-            topk_idx: Some(&idx[r]),
-            topk_weights: Some(&w[r]),
+            topk_idx: Some(DevTensor::upload(dev.context(), &i.topk_idx).expect("upload ids")),
+            topk_weights: Some(
+                DevTensor::upload(dev.context(), &i.topk_weights).expect("upload weights"),
+            ),
         })
         .collect();
-    let args = GpuDispatchArgs::default();
+    let idx: Vec<DevTensor> = dev_inputs
+        .iter()
+        .map(|i| i.topk_idx.clone().expect("ids"))
+        .collect();
+    let layouts = buf.get_dispatch_layout(&idx, EXPERTS).expect("layout");
+    let args = NormalDispatchArgs::new(Config::new(SMS, 8, 256, 6, 128).expect("config"));
 
     // The plan: dispatch, then the identity expert's combine.
     let host_layouts: Vec<_> = inputs
@@ -92,13 +85,22 @@ fn normal(c: &mut Criterion, dev: std::sync::Arc<Device>) {
     let want_combined = intranode_combine(&handles, &cargs).expect("plan combine");
 
     // One checked round on the GPU.
-    let got = g
-        .dispatch(&rank_inputs, &layouts, EXPERTS, &args)
+    let identity =
+        |out: &[GpuDispatch]| -> Vec<GpuHandle> { out.iter().map(|d| d.handle.clone()).collect() };
+    let got = buf
+        .dispatch(&dev_inputs, &layouts, EXPERTS, &args)
         .expect("dispatch");
-    let combined = g
-        .combine(CombineSource::InPlace, &GpuCombineArgs::of_dispatch(&got))
-        .expect("combine");
-    g.sync().expect("sync");
+    let ghandles = identity(&got);
+    let in_place: Vec<GpuCombineIn<'_>> = got
+        .iter()
+        .map(|d| GpuCombineIn {
+            x: &d.recv_x,
+            topk_weights: d.recv_topk_weights.as_ref(),
+            bias: &[],
+        })
+        .collect();
+    let combined = buf.combine(&ghandles, &in_place).expect("combine");
+    buf.sync().expect("sync");
     for r in 0..RANKS {
         let x: Tensor2<half::bf16> = got[r].recv_x.download().expect("download recv_x");
         assert_eq!(
@@ -117,28 +119,34 @@ fn normal(c: &mut Criterion, dev: std::sync::Arc<Device>) {
     group.throughput(Throughput::Bytes((rows * HIDDEN * 2) as u64));
     group.bench_function("dispatch", |b| {
         b.iter(|| {
-            let out = g
-                .dispatch(&rank_inputs, &layouts, EXPERTS, &args)
+            let out = buf
+                .dispatch(&dev_inputs, &layouts, EXPERTS, &args)
                 .expect("dispatch");
-            g.sync().expect("sync");
+            buf.sync().expect("sync");
             black_box(out.len())
         })
     });
     group.bench_function("dispatch + combine in place", |b| {
         b.iter(|| {
-            let out = g
-                .dispatch(&rank_inputs, &layouts, EXPERTS, &args)
+            let out = buf
+                .dispatch(&dev_inputs, &layouts, EXPERTS, &args)
                 .expect("dispatch");
-            let y = g
-                .combine(CombineSource::InPlace, &GpuCombineArgs::of_dispatch(&out))
-                .expect("combine");
-            g.sync().expect("sync");
+            let hs = identity(&out);
+            let ca: Vec<GpuCombineIn<'_>> = out
+                .iter()
+                .map(|d| GpuCombineIn {
+                    x: &d.recv_x,
+                    topk_weights: d.recv_topk_weights.as_ref(),
+                    bias: &[],
+                })
+                .collect();
+            let y = buf.combine(&hs, &ca).expect("combine");
+            buf.sync().expect("sync");
             black_box(y.len())
         })
     });
     group.finish();
 }
-
 fn main() {
     let dev = match Device::open(0) {
         Ok(d) => d,

@@ -18,10 +18,11 @@
 //!   topology, the `__host__ __device__` protocol header;
 //! - [`prelude`]: what a user needs, from one place (`use ep_rs::prelude::*`).
 //!
-//! [`core::Buffer`] is generic over its [`core::Executor`] and takes the local ranks' inputs;
-//! only the simulator implements the executor so far, and the GPU groups are still a second
-//! API: their move behind `Executor` (one `Buffer` over every backend) is step 3 of
-//! `docs/buffer-api.md`.
+//! [`core::Buffer`] is generic over its [`core::Executor`] and takes the local ranks' inputs:
+//! the simulator's executor (every rank local) and the GPU's (`kernels::gpu::Gpu`: co-resident
+//! ranks of one GPU, or one rank per process) run the same host logic; each backend's tensors
+//! are its executor's [`core::Tensors`] family (host tensors, device views). Low-latency mode
+//! on the GPU is still `kernels::gpu::LlGroup`'s own API (docs/buffer-api.md).
 //!
 //! ## Quick start (on the simulator)
 //!
@@ -79,45 +80,37 @@
 //!
 //! ```no_run
 //! use ep_rs::prelude::*;
-//! use ep_rs::kernels::gpu::{CombineSource, GpuCombineArgs, GpuDispatchArgs, GpuRankInputs};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let (ranks, tokens, hidden, topk, experts) = (2, 4096, 7168, 8, 256);
+//! let (ranks, tokens, hidden, topk, experts, sms) = (2, 4096, 7168, 8, 256, 24);
 //! let inputs = WorkloadSpec::new(ranks, tokens, hidden, topk, experts, 7).generate()?;
 //! let dev = Device::open(0)?;
-//! // Two ranks on one GPU, 24 SMs each, arenas sized by the size hint.
-//! let arena = Buffer::<Sim>::normal_size_hint(ranks, ranks * tokens, hidden, 2, topk);
-//! let mut g = NormalGroup::new(dev.clone(), ranks, 24, arena)?;
-//! let up = |x: &Activations| match x {
-//!     Activations::Bf16(t) => DevTensor::upload(dev.context(), t),
-//!     Activations::Fp8 { .. } => unreachable!("BF16 workload"),
-//! };
-//! let xs = inputs.iter().map(|i| up(&i.x)).collect::<Result<Vec<_>, _>>()?;
-//! let idx = inputs
-//!     .iter()
-//!     .map(|i| DevTensor::upload(dev.context(), &i.topk_idx))
-//!     .collect::<Result<Vec<_>, _>>()?;
-//! let w = inputs
-//!     .iter()
-//!     .map(|i| DevTensor::upload(dev.context(), &i.topk_weights))
-//!     .collect::<Result<Vec<_>, _>>()?;
-//! let layouts = g.layout(&idx.iter().collect::<Vec<_>>(), experts)?;
-//! let rank_inputs: Vec<_> = (0..ranks)
-//!     .map(|r| GpuRankInputs {
-//!         x: &xs[r],
+//! // The same Buffer as on the simulator, over two co-resident ranks of 24 SMs each.
+//! let mut cfg = BufferConfig::new(ranks);
+//! cfg.num_nvl_bytes = Buffer::<Sim>::normal_size_hint(ranks, ranks * tokens, hidden, 2, topk);
+//! let mut buffer = Buffer::new(Gpu::co_resident(dev.clone(), ranks, sms), cfg)?;
+//! let up = |i: &RankInputs| -> Result<GpuInputs, ep_rs::kernels::Error> {
+//!     let Activations::Bf16(x) = &i.x else { unreachable!("BF16 workload") };
+//!     Ok(GpuInputs {
+//!         x: DevTensor::upload(dev.context(), x)?,
 //!         x_scales: None,
-//!         topk_idx: Some(&idx[r]),
-//!         topk_weights: Some(&w[r]),
+//!         topk_idx: Some(DevTensor::upload(dev.context(), &i.topk_idx)?),
+//!         topk_weights: Some(DevTensor::upload(dev.context(), &i.topk_weights)?),
 //!     })
-//!     .collect();
-//! let received = g.dispatch(&rank_inputs, &layouts, experts, &GpuDispatchArgs::default())?;
+//! };
+//! let dev_inputs = inputs.iter().map(up).collect::<Result<Vec<_>, _>>()?;
+//! let idx: Vec<_> = dev_inputs.iter().map(|i| i.topk_idx.clone().unwrap()).collect();
+//! let layouts = buffer.get_dispatch_layout(&idx, experts)?;
+//! let args = NormalDispatchArgs::new(Config::new(sms, 8, 256, 6, 128)?);
+//! let received = buffer.dispatch(&dev_inputs, &layouts, experts, &args)?;
 //! // ... the experts write their outputs over `received[r].recv_x` (views into the arena) ...
-//! let args: Vec<_> = received
+//! let handles: Vec<_> = received.iter().map(|d| d.handle.clone()).collect();
+//! let combine_args: Vec<_> = received
 //!     .iter()
-//!     .map(|d| GpuCombineArgs { handle: &d.handle, with_weights: true, bias: [None, None] })
+//!     .map(|d| GpuCombineIn { x: &d.recv_x, topk_weights: d.recv_topk_weights.as_ref(), bias: &[] })
 //!     .collect();
-//! let combined = g.combine(CombineSource::InPlace, &args)?;
-//! g.sync()?; // a device timeout or bad expert id surfaces here as a typed error
+//! let combined = buffer.combine(&handles, &combine_args)?; // reads recv_x in place
+//! buffer.sync()?; // a device timeout or a bad expert id surfaces here as a typed error
 //! let _x0: Tensor2<half::bf16> = combined[0].combined_x.download()?;
 //! # Ok(())
 //! # }
@@ -181,7 +174,8 @@ pub mod prelude {
         Activations, Buffer, Executor, ExpertIdx, Host, RankInputs, Tensor2, Tensor3, Tensors,
     };
     pub use ep_kernels::gpu::{
-        DType, DevTensor, Device, LlConfig, LlGroup, LlVariant, NormalGroup,
+        DType, DevTensor, DevTensors, Device, Gpu, GpuCombineIn, GpuCombined, GpuDispatch,
+        GpuHandle, GpuInputs, GpuLayout, GpuRows, LlConfig, LlGroup, LlVariant, NormalGroup,
     };
     pub use ep_sim::{Sim, SimConfig, ThreadSim};
 }

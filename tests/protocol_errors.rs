@@ -84,7 +84,10 @@ fn args() -> NormalDispatchArgs {
     NormalDispatchArgs::new(Config::new(4, 1, 2, 1, 2).expect("a valid config"))
 }
 
-fn layouts<T: Executor<T = Host>>(buf: &mut Buffer<T>, inputs: &[RankInputs]) -> Vec<DispatchLayout> {
+fn layouts<T: Executor<T = Host>>(
+    buf: &mut Buffer<T>,
+    inputs: &[RankInputs],
+) -> Vec<DispatchLayout> {
     let idx: Vec<_> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
     buf.get_dispatch_layout(&idx, case_gen().num_experts)
         .expect("layout")

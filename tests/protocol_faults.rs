@@ -128,7 +128,10 @@ fn normal_combine<T: Executor<T = Host>>(
     Ok(())
 }
 
-fn normal_round<T: Executor<T = Host>>(buf: &mut Buffer<T>, rng: &mut ChaCha8Rng) -> Result<(), Error> {
+fn normal_round<T: Executor<T = Host>>(
+    buf: &mut Buffer<T>,
+    rng: &mut ChaCha8Rng,
+) -> Result<(), Error> {
     let inputs = inputs_of(rng, false);
     let d = normal_dispatch(buf, &inputs)?;
     normal_combine(buf, &d, rng)
@@ -144,7 +147,10 @@ struct LlDone {
 
 /// Low-latency dispatch; the outputs must equal the plan under the buffer's mask *after* the
 /// call (ranks masked by the call included).
-fn ll_dispatch<T: Executor<T = Host>>(buf: &mut Buffer<T>, inputs: Vec<RankInputs>) -> Result<LlDone, Error> {
+fn ll_dispatch<T: Executor<T = Host>>(
+    buf: &mut Buffer<T>,
+    inputs: Vec<RankInputs>,
+) -> Result<LlDone, Error> {
     let p = LlParams::new(N, R * L).with_masked_ranks(buf.masked_ranks().to_vec());
     let got = buf.low_latency_dispatch(&inputs, &p)?;
     let params = LlParams::new(N, R * L).with_masked_ranks(buf.masked_ranks().to_vec());

@@ -738,9 +738,7 @@ impl Error {
     #[must_use]
     pub fn backend<E: std::error::Error + 'static>(&self) -> Option<&E> {
         match self {
-            Error::Backend { source } | Error::InputRefused { source } => {
-                source.downcast_ref()
-            }
+            Error::Backend { source } | Error::InputRefused { source } => source.downcast_ref(),
             Error::BufferPoisoned { cause, .. } => cause.backend(),
             _ => None,
         }

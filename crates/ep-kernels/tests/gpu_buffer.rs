@@ -123,7 +123,11 @@ fn round(gbuf: &mut Buffer<Gpu>, case: &Case) -> digest::RunDigest {
     let glay = gbuf.get_dispatch_layout(&gidx, e).unwrap();
     gbuf.sync().unwrap();
     for (s, l) in glay.iter().enumerate() {
-        assert_eq!(l.download().unwrap(), lay[s], "layout of rank {s}, {case:?}");
+        assert_eq!(
+            l.download().unwrap(),
+            lay[s],
+            "layout of rank {s}, {case:?}"
+        );
     }
     let got = gbuf.dispatch(&gpu_inputs(&dins), &glay, e, &a).unwrap();
     gbuf.sync().unwrap();
@@ -167,7 +171,11 @@ fn round(gbuf: &mut Buffer<Gpu>, case: &Case) -> digest::RunDigest {
         .collect();
     let dbias: Vec<Vec<DevTensor>> = biases
         .iter()
-        .map(|bs| bs.iter().map(|b| DevTensor::upload(ctx, b).unwrap()).collect())
+        .map(|bs| {
+            bs.iter()
+                .map(|b| DevTensor::upload(ctx, b).unwrap())
+                .collect()
+        })
         .collect();
     let ghandles: Vec<GpuHandle> = got.iter().map(|g| g.handle.clone()).collect();
     let gargs: Vec<GpuCombineIn<'_>> = (0..r)
@@ -177,12 +185,10 @@ fn round(gbuf: &mut Buffer<Gpu>, case: &Case) -> digest::RunDigest {
             bias: &dbias[d],
         })
         .collect();
-    let got_c: Vec<_> = gbuf
-        .combine(&ghandles, &gargs)
-        .unwrap()
-        .iter()
-        .map(|c| c.download().unwrap())
-        .collect();
+    let got_c = gbuf.combine(&ghandles, &gargs).unwrap();
+    // The outputs are written on the ranks' streams: downloads after the sync.
+    gbuf.sync().unwrap();
+    let got_c: Vec<_> = got_c.iter().map(|c| c.download().unwrap()).collect();
     for (s, (g, w)) in got_c.iter().zip(&want_c).enumerate() {
         assert_bits_eq(g, w, &format!("combine, rank {s}, {case:?}"));
     }
@@ -212,6 +218,7 @@ fn round(gbuf: &mut Buffer<Gpu>, case: &Case) -> digest::RunDigest {
             })
             .collect();
         let got_ip = gbuf.combine(&ghandles, &gargs).unwrap();
+        gbuf.sync().unwrap();
         for (s, (g, w)) in got_ip.iter().zip(&want_ip).enumerate() {
             let g = g.download().unwrap();
             assert_bits_eq(&g, w, &format!("combine in place, rank {s}, {case:?}"));
@@ -397,8 +404,7 @@ fn an_absent_rank_poisons_the_buffer_and_reset_recovers() {
     let dev = device();
     let c = Case::new(4, 200, 1024, 4, 32);
     let mut buf = gpu_buffer(&dev, &c);
-    buf.transport_mut()
-        .set_timeout(Duration::from_millis(200));
+    buf.transport_mut().set_timeout(Duration::from_millis(200));
     round(&mut buf, &c);
     let inputs = inputs_of(&c);
     let dins = upload(&dev, &inputs, &[0, 1, 2, 3]);

@@ -33,6 +33,8 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Instant;
 
+use ep_core::buffer::NormalDispatchArgs;
+use ep_core::config::BufferConfig;
 use ep_core::digest::RunDigest;
 use ep_core::numerics::fp8;
 use ep_core::plan::combine::{CombineArgs, CombineOutput};
@@ -42,8 +44,6 @@ use ep_core::plan::intranode::{
 use ep_core::plan::layout::{DispatchLayout, channel_range, get_dispatch_layout_for_rank};
 use ep_core::protocol::layout::{NormalCtrl, NormalData, RowFormat, align128};
 use ep_core::routing::Activations;
-use ep_core::buffer::NormalDispatchArgs;
-use ep_core::config::BufferConfig;
 use ep_core::{Buffer, RankInputs, Tensor2};
 use ep_kernels::gpu::{
     CombineSource, DType, DevTensor, Device, Gpu, GpuCombineArgs, GpuCombineIn, GpuDispatch,
@@ -786,7 +786,13 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         for (i, set) in sets.iter().enumerate() {
             let full = si == 0 || i == 0;
             let (host, out) = if full {
-                let v = verify_set(&mut buf, set, e, &mut verdict, &format!("{sms} SMs, set {i}"))?;
+                let v = verify_set(
+                    &mut buf,
+                    set,
+                    e,
+                    &mut verdict,
+                    &format!("{sms} SMs, set {i}"),
+                )?;
                 if si == 0 && i == 0 {
                     let digest_of = |d: &[IntranodeDispatch], c: &[CombineOutput]| {
                         ep_core::digest::normal(d, c).map_err(|e| BenchError::Reference {
@@ -842,7 +848,11 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                     .map_err(gpu_err("upload rows"))?,
             );
             let idx: Vec<&DevTensor> = set.idx.iter().collect();
-            layouts.push(group(&mut buf)?.layout(&idx, e).map_err(gpu_err("layout"))?);
+            layouts.push(
+                group(&mut buf)?
+                    .layout(&idx, e)
+                    .map_err(gpu_err("layout"))?,
+            );
             handles.push(out);
         }
         // The timed calls go to the kernels' group directly (behind the gate that starts the
@@ -922,9 +932,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             let i = it % n_sets;
             let xs: Vec<&DevTensor> = sets[i].x.iter().collect();
             let dr: Vec<&DevTensor> = dst_rows[i].iter().collect();
-            timed(g, "dispatch ceiling", |g| {
-                g.ceiling(&xs, &dr, drec, blocks)
-            })
+            timed(g, "dispatch ceiling", |g| g.ceiling(&xs, &dr, drec, blocks))
         })?;
         row.ceiling_dispatch = figure(&s, dispatch_bytes);
         if !fp8 {
@@ -949,9 +957,7 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                     .map_err(gpu_err("dispatch before ceiling"))?;
                 let dr: Vec<&DevTensor> = dst_rows[i].iter().collect();
                 let o: Vec<&DevTensor> = outs.iter().collect();
-                timed(g, "combine ceiling", |g| {
-                    g.ceiling_combine(&dr, &o, blocks)
-                })
+                timed(g, "combine ceiling", |g| g.ceiling_combine(&dr, &o, blocks))
             })?;
             row.ceiling_combine = figure(&s, bf16_bytes);
         }

@@ -6,11 +6,11 @@
 use half::bf16;
 
 use crate::error::Result;
+use crate::executor::tensors::{Host, Tensors};
 use crate::plan::intranode::InPlaceDispatch;
 use crate::plan::low_latency::LlDispatchOutput;
 use crate::protocol::layout::RowFormat;
 use crate::protocol::low_latency::{ExpertOut, LlArena, LlOp, LlRows};
-use crate::executor::tensors::{Host, Tensors};
 use crate::protocol::normal::{self, Expert, NormalArena};
 use crate::protocol::{LlRoutes, ProtocolMutation};
 use crate::routing::{Activations, ExpertIdx, RankInputs};

@@ -88,8 +88,10 @@ pub trait Executor: Transport {
     /// The per-token checks of a normal dispatch; returns the most rows any local rank
     /// receives when the executor knows it before the phase (`None`: the phase checks the
     /// arena's capacity itself).
-    fn check_normal_dispatch(&self, job: &NormalDispatchCheck<'_, Self::T>)
-    -> Result<Option<usize>>;
+    fn check_normal_dispatch(
+        &self,
+        job: &NormalDispatchCheck<'_, Self::T>,
+    ) -> Result<Option<usize>>;
 
     /// The normal dispatch phase (its error poisons the `Buffer`): per local rank what the
     /// phase gave it, or the error of an agent that finished without it (returned as is).

@@ -37,8 +37,8 @@ use half::bf16;
 
 use super::device::Device;
 use super::normal::{
-    CombineSource, GpuCombineArgs, GpuCombined, GpuDispatch, GpuDispatchArgs, GpuHandle,
-    GpuLayout, GpuRankInputs, NormalGroup, copy_2d,
+    CombineSource, GpuCombineArgs, GpuCombined, GpuDispatch, GpuDispatchArgs, GpuHandle, GpuLayout,
+    GpuRankInputs, NormalGroup, copy_2d,
 };
 use super::tensor::{DType, DevTensor};
 use crate::error::Error;
@@ -208,7 +208,11 @@ impl Tensors for DevTensors {
         let what = |m: &str| format!("handle of rank {rank}: {m}");
         for (name, t, dtype) in [
             ("rank_prefix_matrix", &h.rank_prefix_matrix, DType::I32),
-            ("channel_prefix_matrix", &h.channel_prefix_matrix, DType::I32),
+            (
+                "channel_prefix_matrix",
+                &h.channel_prefix_matrix,
+                DType::I32,
+            ),
             (
                 "recv_channel_prefix_matrix",
                 &h.recv_channel_prefix_matrix,
@@ -223,8 +227,13 @@ impl Tensors for DevTensors {
     }
 
     fn combine_shapes(a: &GpuCombineIn<'_>, rank: usize) -> ep_core::Result<CombineShapes> {
-        a.x.expect(&format!("combine x of rank {rank}"), DType::Bf16, None, None)
-            .map_err(refused)?;
+        a.x.expect(
+            &format!("combine x of rank {rank}"),
+            DType::Bf16,
+            None,
+            None,
+        )
+        .map_err(refused)?;
         if let Some(w) = a.topk_weights {
             w.expect(
                 &format!("combine topk_weights of rank {rank}"),
@@ -423,14 +432,14 @@ impl Gpu {
             g.is_dispatch_rows(i, a.x)
                 && a.topk_weights.is_none_or(|w| {
                     g.topk_views(i, g.last_dispatch().expect("checked").0, a.x.rows())
-                        .is_ok_and(|(_, dw)| dw.ptr() == w.ptr() && dw.row_stride() == w.row_stride())
+                        .is_ok_and(|(_, dw)| {
+                            dw.ptr() == w.ptr() && dw.row_stride() == w.row_stride()
+                        })
                 })
         });
         if !in_place {
             for (i, a) in args.iter().enumerate() {
-                let (y, w) = g
-                    .combine_rows(i, a.x.rows(), a.x.cols(), k)
-                    .map_err(core)?;
+                let (y, w) = g.combine_rows(i, a.x.rows(), a.x.cols(), k).map_err(core)?;
                 copy_2d(g.stream(i), a.x, &y).map_err(core)?;
                 if let (Some(src), Some(w)) = (a.topk_weights, w) {
                     copy_2d(g.stream(i), src, &w).map_err(core)?;
@@ -627,7 +636,11 @@ impl Executor for Gpu {
                 g.num_sms()
             ))));
         }
-        let inputs: Vec<_> = job.inputs().iter().map(|i| i.view(job.with_topk())).collect();
+        let inputs: Vec<_> = job
+            .inputs()
+            .iter()
+            .map(|i| i.view(job.with_topk()))
+            .collect();
         let args = GpuDispatchArgs {
             expert_alignment: job.expert_alignment(),
             num_worst_tokens: job.num_worst_tokens(),

@@ -171,12 +171,19 @@ impl DevBuf {
             .map_err(Error::cuda("cuStreamSynchronize(legacy)"))
     }
 
-    /// Copies `[off, off + dst.len())` into `dst` (synchronous).
+    /// Copies `[off, off + dst.len())` into `dst` (synchronous). Stream-ordered memory (a
+    /// call's outputs) is read after its stream's work so far: the copy runs on the legacy
+    /// stream, which the non-blocking rank streams do not order against. Other memory (the
+    /// arenas, whose rows the outputs view) is read as it is: sync the producing calls first.
     pub fn read(&self, off: usize, dst: &mut [u8]) -> Result<()> {
         self.check(off, dst.len())?;
         self.ctx
             .bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        if let Some(s) = &self.stream {
+            s.synchronize()
+                .map_err(Error::cuda("cuStreamSynchronize"))?;
+        }
         // SAFETY: the source range lies in this allocation (checked), `dst` is host memory.
         unsafe { result::memcpy_dtoh_sync(dst, self.ptr + off as u64) }
             .map_err(Error::cuda("cuMemcpyDtoH"))

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One bounded device call that verifies a bundle (scripts/gpu-bundle.sh) on the GPU machine and
+# measures it, with a short table last. Usage, with the device tool:
+#   run(command: "bash scripts/gpu-verify.sh [STEP...]", carry: ["bundle"])
+# Steps (default: buffer normal bench): buffer = Buffer<Gpu> against Buffer<Sim>
+# (ep-kernels--gpu_buffer); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
+# gpu_normal_procs); ll = the low-latency suite (both kernel variants); bench = `ep bench
+# --backend gpu` R = 2 BF16 and FP8 and R = 8, each with the canonical digest beside the
+# simulator's for the same flags. Every step has its own time limit; the whole run stays within
+# BUDGET seconds (default 540), and a step that would not fit is reported NOT RUN, never passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export EP_GPU_TESTS=1 RUST_BACKTRACE=1
+[ -d /opt/torch/.venv/bin ] && export PATH="/opt/torch/.venv/bin:$PATH"
+out="${OUT:-bundle/out}"
+mkdir -p "$out"
+budget="${BUDGET:-540}"
+start=$(date +%s)
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(buffer normal bench)
+table=()
+left() { echo $((budget - ($(date +%s) - start))); }
+# step name, limit seconds, command...
+step() {
+  local name="$1" limit="$2"; shift 2
+  local l; l=$(left)
+  if [ "$l" -lt 20 ]; then table+=("$name|NOT RUN (budget)|"); return; fi
+  [ "$limit" -gt "$l" ] && limit=$l
+  local t0; t0=$(date +%s)
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  local secs=$(( $(date +%s) - t0 ))
+  local res
+  res=$(grep -E "^test result" "$out/$name.log" | tail -1 | sed 's/test result: //; s/; finished.*//')
+  [ -z "$res" ] && res=$(grep -E "output digest|verified" "$out/$name.log" | head -2 | tr '\n' ' ' | cut -c1-120)
+  if [ $rc -eq 0 ]; then table+=("$name|ok ${secs}s|$res"); else
+    table+=("$name|FAILED rc=$rc ${secs}s|$res")
+    grep -E -A3 "panicked|FAILED|MISMATCH|Error|error" "$out/$name.log" | head -40
+  fi
+}
+tests() { # executable name, limit
+  local t="bundle/tests/ep-kernels--$1"
+  if [ -x "$t" ]; then step "$1" "$2" "$t" --include-ignored --test-threads=1 --nocapture
+  else table+=("$1|MISSING|"); fi
+}
+digest_of() { grep -oE "output digest [0-9a-f]+" "$1" | head -1 | awk '{print $3}'; }
+bench() { # name, flags...
+  local name="$1"; shift
+  step "$name" 150 bundle/ep bench --backend gpu "$@"
+  local sms; sms=$(echo "$@" | grep -oE -- "--sms-sweep [0-9]+" | awk '{print $2}')
+  local rest; rest=$(echo "$@" | sed -E 's/--sms-sweep [0-9,]+//; s/--gpu-iters [0-9]+//')
+  # shellcheck disable=SC2086
+  timeout 120 bundle/ep bench --backend sim --num-sms "$sms" --iters 1 $rest >"$out/$name-sim.log" 2>&1
+  local g s; g=$(digest_of "$out/$name.log"); s=$(digest_of "$out/$name-sim.log")
+  if [ -n "$g" ] && [ "$g" = "$s" ]; then table+=("$name digest|equal to sim|$g"); else
+    table+=("$name digest|DIFFERENT or missing|gpu=$g sim=$s"); fi
+}
+nvidia-smi -L 2>&1 | sed 's/^/gpu: /'
+for s in "${steps[@]}"; do
+  case "$s" in
+    buffer) tests gpu_buffer 240 ;;
+    normal) tests gpu_normal 200; tests gpu_normal_graph 120; tests gpu_normal_procs 120 ;;
+    ll) tests gpu_low_latency 240
+        EP_LL_VARIANT=nvshmem tests gpu_low_latency 200 ;;
+    bench) bench bench-r2 --ranks 2 --sms-sweep 24,8,64
+           bench bench-r2-fp8 --ranks 2 --sms-sweep 24,8,64 --fp8
+           bench bench-r8 --ranks 8 --sms-sweep 16,8 --gpu-iters 20 ;;
+    *) table+=("$s|unknown step|") ;;
+  esac
+done
+for f in "$out"/bench-*.log; do
+  [ -f "$f" ] || continue
+  case "$f" in *-sim.log) continue ;; esac
+  echo "== $(basename "$f")"; grep -E "SMs|ceiling|GB/s|verified|digest" "$f" | grep -v "^\[gpu" | head -14
+done
+# The device tool brings back only a few files: the logs go back as one archive.
+tar -C "$out" -czf /tmp/verify-logs.tgz . 2>/dev/null && rm -f "$out"/*.log && mv /tmp/verify-logs.tgz "$out/"
+echo
+printf '%-22s | %-22s | %s\n' step result detail
+for row in "${table[@]}"; do IFS='|' read -r a b c <<<"$row"; printf '%-22s | %-22s | %s\n' "$a" "$b" "$c"; done
