@@ -29,10 +29,20 @@ use std::time::Duration;
 
 use common::procs::{my_device, spawn_or_run};
 use common::{Case, inputs_of, rank_inputs, round_trip_calc_diff, run_cached, run_case};
+use ep_core::buffer::NormalDispatchArgs;
+use ep_core::config::{BufferConfig, Config};
+use ep_core::plan::combine::CombineArgs;
+use ep_core::plan::intranode::intranode_combine;
 use ep_core::workload::Routing;
+use ep_core::{Buffer, Executor, Tensor2};
 use ep_kernels::Error;
 use ep_kernels::exchange::TcpExchange;
-use ep_kernels::gpu::{DevTensor, Device, GpuDispatchArgs, NormalGroup};
+use ep_kernels::gpu::{
+    DevTensor, Device, Gpu, GpuCombineIn, GpuDispatchArgs, GpuInputs, NormalGroup,
+};
+use half::bf16;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 
 /// Device waits: generous, the processes take turns on one GPU without MPS.
 const DEVICE_TIMEOUT: Duration = Duration::from_secs(20);
@@ -180,4 +190,118 @@ fn a_process_with_two_ranks_and_one_with_one_equal_the_plan() {
             g.close()
         },
     );
+}
+
+/// One round of `c` through `Buffer<Gpu>` in the process of world rank `rank` (its one local
+/// rank's inputs and outputs): layout, dispatch and a combine of random expert outputs with
+/// biases, each compared with the plan's for that rank bit for bit, and the rank's digest.
+fn buffer_round(buf: &mut Buffer<Gpu>, c: &Case, rank: usize) {
+    let dev = buf.transport().device().clone();
+    let inputs = inputs_of(c);
+    let (layouts, plan, worst) = common::plan_of(c, &inputs);
+    buf.transport_mut()
+        .normal_mut()
+        .expect("arena")
+        .fill_arenas_for_test(0xa5)
+        .unwrap();
+    let dins = common::upload(&dev, &inputs, &[rank]);
+    let gin = vec![GpuInputs {
+        x: dins[0].x.clone(),
+        x_scales: dins[0].scales.clone(),
+        topk_idx: Some(dins[0].idx.clone()),
+        topk_weights: Some(dins[0].w.clone()),
+    }];
+    let glay = buf
+        .get_dispatch_layout(&[dins[0].idx.clone()], c.experts)
+        .unwrap();
+    buf.sync().unwrap();
+    assert_eq!(glay[0].download().unwrap(), layouts[rank], "layout, {c:?}");
+    let args = NormalDispatchArgs {
+        config: Config::new(c.sms, 8, 256, 6, 128).unwrap(),
+        expert_alignment: c.alignment,
+        num_worst_tokens: worst,
+        with_topk: true,
+    };
+    let out = buf.dispatch(&gin, &glay, c.experts, &args).unwrap();
+    buf.sync().unwrap();
+    let mut host = common::host_dispatch(&out[0]);
+    if c.worst {
+        host.handle.num_recv_tokens = plan[rank].handle.num_recv_tokens;
+    }
+    assert_eq!(host, plan[rank], "dispatch of rank {rank}, {c:?}");
+    // Every rank's expert outputs and biases drawn alike in every process.
+    let mut rng = ChaCha8Rng::seed_from_u64(c.seed ^ 0xb0ff);
+    let ys: Vec<Tensor2<bf16>> = plan
+        .iter()
+        .map(|p| common::wide_tensor(&mut rng, p.handle.recv_src_idx.len(), c.hidden))
+        .collect();
+    let biases: Vec<Vec<Tensor2<bf16>>> = (0..c.ranks)
+        .map(|_| {
+            (0..c.biases)
+                .map(|_| common::wide_tensor(&mut rng, c.tokens, c.hidden))
+                .collect()
+        })
+        .collect();
+    let handles: Vec<_> = plan.iter().map(|p| p.handle.clone()).collect();
+    let want = intranode_combine(
+        &handles,
+        &(0..c.ranks)
+            .map(|d| CombineArgs {
+                x: &ys[d],
+                topk_weights: plan[d].recv_topk_weights.as_ref(),
+                bias: &biases[d],
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let ctx = dev.context();
+    let dy = DevTensor::upload(ctx, &ys[rank]).unwrap();
+    let dbias: Vec<DevTensor> = biases[rank]
+        .iter()
+        .map(|b| DevTensor::upload(ctx, b).unwrap())
+        .collect();
+    let got = buf
+        .combine(
+            &[out[0].handle.clone()],
+            &[GpuCombineIn {
+                x: &dy,
+                topk_weights: out[0].recv_topk_weights.as_ref(),
+                bias: &dbias,
+            }],
+        )
+        .unwrap();
+    buf.sync().unwrap();
+    let got = got[0].download().unwrap();
+    common::assert_bits_eq(&got, &want[rank], &format!("combine of rank {rank}, {c:?}"));
+    let d_gpu = ep_core::digest::normal_rank(rank, &host, Some(&got)).unwrap();
+    let d_plan = ep_core::digest::normal_rank(rank, &plan[rank], Some(&want[rank])).unwrap();
+    assert_eq!(d_gpu, d_plan, "digest of rank {rank}, {c:?}");
+}
+
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn a_buffer_per_process_equals_the_plan() {
+    // The deployment shape through the public API: each process's Buffer<Gpu> holds its one
+    // rank (one-element slices in, one-element Vecs out).
+    spawn_or_run("a_buffer_per_process_equals_the_plan", 2, |rank| {
+        let dev = my_device();
+        for (i, base) in small_cases().iter().enumerate() {
+            let ex = TcpExchange::from_env()?;
+            let mut exec = Gpu::process(dev.clone(), base.sms, Box::new(ex));
+            exec.set_timeout(DEVICE_TIMEOUT);
+            let mut cfg = BufferConfig::new(base.ranks);
+            cfg.num_nvl_bytes = base.arena_bytes();
+            let mut buf = Buffer::new(exec, cfg).expect("Buffer<Gpu> of one rank");
+            assert_eq!(buf.transport().local_ranks(), vec![rank as usize]);
+            for round in 0..2u64 {
+                let mut c = base.clone();
+                c.seed = 5000 + 100 * i as u64 + round;
+                buffer_round(&mut buf, &c, rank as usize);
+                eprintln!("ok buffer round {round}: {c:?}");
+            }
+            buf.sync().expect("sync");
+            buf.transport_mut().normal_mut().expect("arena").barrier()?;
+        }
+        Ok(())
+    });
 }
