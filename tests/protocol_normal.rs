@@ -444,3 +444,79 @@ fn combine_adds_bias_first_then_ascending_ranks() {
         );
     }
 }
+
+/// The one-rank calls (`layout_one`, `dispatch_one`, `dispatch_cached_one`, `combine_one`) are
+/// the slice calls of the process's one rank: on a one-rank world they equal the plan, on an
+/// executor holding several ranks they are a typed rank-count error that takes no call.
+#[test]
+fn one_rank_calls_are_the_slice_calls_of_the_one_local_rank() {
+    let g = Gen {
+        num_ranks: 1,
+        max_tokens: 40,
+        num_experts: 8,
+        num_topk: 3,
+        hidden: 256,
+        fp8: false,
+        mask: 0.1,
+        full: true,
+    };
+    let inputs = gen_inputs(&g, 5, true);
+    let mut buf = normal_buffer(
+        sim(fabric(1, 1 << 29, 64, 1), 5, policy(1)),
+        1,
+        64,
+        256,
+        2,
+        3,
+    );
+    let layout = buf.layout_one(&inputs[0].topk_idx, 8).unwrap();
+    let args = NormalDispatchArgs::new(Config::new(4, 8, 256, 6, 128).unwrap());
+    let got = buf.dispatch_one(&inputs[0], &layout, 8, &args).unwrap();
+    let opts = DispatchOptions {
+        num_channels: 2,
+        expert_alignment: 1,
+        num_worst_tokens: 0,
+        with_topk: true,
+    };
+    let want = intranode_dispatch_all(&inputs, std::slice::from_ref(&layout), 8, &opts).unwrap();
+    assert_eq!(got, want[0]);
+    let Activations::Bf16(y) = &got.recv_x else {
+        unreachable!()
+    };
+    let cargs = CombineArgs {
+        x: y,
+        topk_weights: got.recv_topk_weights.as_ref(),
+        bias: &[],
+    };
+    let combined = buf.combine_one(&got.handle, &cargs).unwrap();
+    let want_c = intranode_combine(std::slice::from_ref(&got.handle), &[cargs]).unwrap();
+    assert_eq!(combined, want_c[0]);
+    let cached = buf.dispatch_cached_one(&inputs[0].x, &got.handle).unwrap();
+    let want_x =
+        intranode_dispatch_cached(&[&inputs[0].x], std::slice::from_ref(&got.handle), 0).unwrap();
+    assert_eq!(cached, want_x);
+
+    // Two local ranks: a one-rank call is refused before any call number is taken.
+    let g2 = Gen { num_ranks: 2, ..g };
+    let inputs = gen_inputs(&g2, 6, true);
+    let mut buf = normal_buffer(
+        sim(fabric(2, 1 << 29, 64, 1), 6, policy(1)),
+        2,
+        128,
+        256,
+        2,
+        3,
+    );
+    let err = buf.layout_one(&inputs[0].topk_idx, 8).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ep_rs::core::Error::RankCountMismatch {
+                expected: 2,
+                found: 1
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(buf.last_call(), 0);
+}

@@ -32,13 +32,14 @@ use common::{Case, inputs_of, rank_inputs, round_trip_calc_diff, run_cached, run
 use ep_core::buffer::NormalDispatchArgs;
 use ep_core::config::{BufferConfig, Config};
 use ep_core::plan::combine::CombineArgs;
-use ep_core::plan::intranode::intranode_combine;
+use ep_core::plan::intranode::{intranode_combine, intranode_dispatch_cached};
+use ep_core::routing::Activations;
 use ep_core::workload::Routing;
 use ep_core::{Buffer, Executor, Tensor2};
 use ep_kernels::Error;
 use ep_kernels::exchange::TcpExchange;
 use ep_kernels::gpu::{
-    DevTensor, Device, Gpu, GpuCombineIn, GpuDispatchArgs, GpuInputs, NormalGroup,
+    DevTensor, Device, Gpu, GpuCombineIn, GpuDispatchArgs, GpuInputs, GpuRows, NormalGroup,
 };
 use half::bf16;
 use rand::SeedableRng;
@@ -211,20 +212,18 @@ fn buffer_round(buf: &mut Buffer<Gpu>, c: &Case, rank: usize) {
         topk_idx: Some(dins[0].idx.clone()),
         topk_weights: Some(dins[0].w.clone()),
     }];
-    let glay = buf
-        .get_dispatch_layout(&[dins[0].idx.clone()], c.experts)
-        .unwrap();
+    let glay = buf.layout_one(&dins[0].idx, c.experts).unwrap();
     buf.sync().unwrap();
-    assert_eq!(glay[0].download().unwrap(), layouts[rank], "layout, {c:?}");
+    assert_eq!(glay.download().unwrap(), layouts[rank], "layout, {c:?}");
     let args = NormalDispatchArgs {
         config: Config::new(c.sms, 8, 256, 6, 128).unwrap(),
         expert_alignment: c.alignment,
         num_worst_tokens: worst,
         with_topk: true,
     };
-    let out = buf.dispatch(&gin, &glay, c.experts, &args).unwrap();
+    let out = buf.dispatch_one(&gin[0], &glay, c.experts, &args).unwrap();
     buf.sync().unwrap();
-    let mut host = common::host_dispatch(&out[0]);
+    let mut host = common::host_dispatch(&out);
     if c.worst {
         host.handle.num_recv_tokens = plan[rank].handle.num_recv_tokens;
     }
@@ -261,21 +260,40 @@ fn buffer_round(buf: &mut Buffer<Gpu>, c: &Case, rank: usize) {
         .map(|b| DevTensor::upload(ctx, b).unwrap())
         .collect();
     let got = buf
-        .combine(
-            &[out[0].handle.clone()],
-            &[GpuCombineIn {
+        .combine_one(
+            &out.handle,
+            &GpuCombineIn {
                 x: &dy,
-                topk_weights: out[0].recv_topk_weights.as_ref(),
+                topk_weights: out.recv_topk_weights.as_ref(),
                 bias: &dbias,
-            }],
+            },
         )
         .unwrap();
     buf.sync().unwrap();
-    let got = got[0].download().unwrap();
+    let got = got.download().unwrap();
     common::assert_bits_eq(&got, &want[rank], &format!("combine of rank {rank}, {c:?}"));
     let d_gpu = ep_core::digest::normal_rank(rank, &host, Some(&got)).unwrap();
     let d_plan = ep_core::digest::normal_rank(rank, &plan[rank], Some(&want[rank])).unwrap();
     assert_eq!(d_gpu, d_plan, "digest of rank {rank}, {c:?}");
+    // Cached dispatch of fresh BF16 rows along the handle (exact sizing only).
+    if !c.worst && !c.fp8 {
+        let fresh: Vec<Tensor2<bf16>> = (0..c.ranks)
+            .map(|_| common::wide_tensor(&mut rng, c.tokens, c.hidden))
+            .collect();
+        let xs: Vec<Activations> = fresh.iter().cloned().map(Activations::Bf16).collect();
+        let refs: Vec<&Activations> = xs.iter().collect();
+        let want_x = intranode_dispatch_cached(&refs, &handles, rank).unwrap();
+        let rows = GpuRows {
+            x: DevTensor::upload(ctx, &fresh[rank]).unwrap(),
+            x_scales: None,
+        };
+        let got_x = buf.dispatch_cached_one(&rows, &out.handle).unwrap();
+        buf.sync().unwrap();
+        let Activations::Bf16(want_x) = want_x else {
+            unreachable!()
+        };
+        assert_eq!(got_x.x.download::<bf16>().unwrap(), want_x, "cached, {c:?}");
+    }
 }
 
 #[test]

@@ -36,7 +36,8 @@
 //!
 //! Files: this one holds the struct, its constructor and accessors; `check` the shape-level
 //! checks every backend runs (the GPU groups too); `normal` the normal-mode
-//! calls; `in_place` the normal calls whose rows stay in the arena; `low_latency` the
+//! calls; `one` the same calls of a process that drives one rank; `in_place` the normal calls
+//! whose rows stay in the arena; `low_latency` the
 //! low-latency calls and hooks; `mask` the shrink-mode mask and how a
 //! failed peer gets masked; `fault` poisoning and reset. The phases themselves, and the
 //! per-token checks, are the executor's (`crate::executor`).
@@ -47,6 +48,7 @@ mod in_place;
 mod low_latency;
 mod mask;
 mod normal;
+mod one;
 
 use crate::config::{BufferConfig, Config};
 use crate::error::{Error, Result};
