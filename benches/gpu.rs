@@ -85,21 +85,23 @@ fn normal(c: &mut Criterion, dev: std::sync::Arc<Device>) {
     let want_combined = intranode_combine(&handles, &cargs).expect("plan combine");
 
     // One checked round on the GPU.
+    // The identity expert: combine reads each rank's recv_x in place.
     let identity =
         |out: &[GpuDispatch]| -> Vec<GpuHandle> { out.iter().map(|d| d.handle.clone()).collect() };
+    fn in_place(out: &[GpuDispatch]) -> Vec<GpuCombineIn<'_>> {
+        out.iter()
+            .map(|d| GpuCombineIn {
+                x: &d.recv_x,
+                topk_weights: d.recv_topk_weights.as_ref(),
+                bias: &[],
+            })
+            .collect()
+    }
     let got = buf
         .dispatch(&dev_inputs, &layouts, EXPERTS, &args)
         .expect("dispatch");
     let ghandles = identity(&got);
-    let in_place: Vec<GpuCombineIn<'_>> = got
-        .iter()
-        .map(|d| GpuCombineIn {
-            x: &d.recv_x,
-            topk_weights: d.recv_topk_weights.as_ref(),
-            bias: &[],
-        })
-        .collect();
-    let combined = buf.combine(&ghandles, &in_place).expect("combine");
+    let combined = buf.combine(&ghandles, &in_place(&got)).expect("combine");
     buf.sync().expect("sync");
     for r in 0..RANKS {
         let x: Tensor2<half::bf16> = got[r].recv_x.download().expect("download recv_x");
@@ -132,15 +134,7 @@ fn normal(c: &mut Criterion, dev: std::sync::Arc<Device>) {
                 .dispatch(&dev_inputs, &layouts, EXPERTS, &args)
                 .expect("dispatch");
             let hs = identity(&out);
-            let ca: Vec<GpuCombineIn<'_>> = out
-                .iter()
-                .map(|d| GpuCombineIn {
-                    x: &d.recv_x,
-                    topk_weights: d.recv_topk_weights.as_ref(),
-                    bias: &[],
-                })
-                .collect();
-            let y = buf.combine(&hs, &ca).expect("combine");
+            let y = buf.combine(&hs, &in_place(&out)).expect("combine");
             buf.sync().expect("sync");
             black_box(y.len())
         })

@@ -6,7 +6,9 @@
 # (ep-kernels--gpu_buffer); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
 # gpu_normal_procs); ll = the low-latency suite (both kernel variants); bench = `ep bench
 # --backend gpu` R = 2 BF16 and FP8 and R = 8, each with the canonical digest beside the
-# simulator's for the same flags. Every step has its own time limit; the whole run stays within
+# simulator's for the same flags; mps = gpu_normal_procs and `ep bench --procs 2` (DeepEP's
+# one-GPU configuration: 2 rank processes, 24 SMs each) under MPS, started for that step only;
+# criterion = benches/gpu (the public API, host wall-clock). Every step has its own time limit; the whole run stays within
 # BUDGET seconds (default 540), and a step that would not fit is reported NOT RUN, never passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,16 +35,17 @@ step() {
   local secs=$(( $(date +%s) - t0 ))
   local res
   res=$(grep -E "^test result" "$out/$name.log" | tail -1 | sed 's/test result: //; s/; finished.*//')
-  [ -z "$res" ] && res=$(grep -E "output digest|verified" "$out/$name.log" | head -2 | tr '\n' ' ' | cut -c1-120)
+  [ -z "$res" ] && res=$(grep -E "output digest|verified|time:" "$out/$name.log" | head -2 | tr '\n' ' ' | cut -c1-120)
   if [ $rc -eq 0 ]; then table+=("$name|ok ${secs}s|$res"); else
     table+=("$name|FAILED rc=$rc ${secs}s|$res")
     grep -E -A3 "panicked|FAILED|MISMATCH|Error|error" "$out/$name.log" | head -40
   fi
 }
-tests() { # executable name, limit
-  local t="bundle/tests/ep-kernels--$1"
-  if [ -x "$t" ]; then step "$1" "$2" "$t" --include-ignored --test-threads=1 --nocapture
-  else table+=("$1|MISSING|"); fi
+tests() { # executable name, limit [, step name [, test args...]]
+  local t="bundle/tests/ep-kernels--$1" lim="$2" nm="${3:-$1}"
+  shift 2; [ $# -gt 0 ] && shift
+  if [ -x "$t" ]; then step "$nm" "$lim" "$t" --include-ignored --test-threads=1 --nocapture "$@"
+  else table+=("$nm|MISSING|"); fi
 }
 digest_of() { grep -oE "output digest [0-9a-f]+" "$1" | head -1 | awk '{print $3}'; }
 bench() { # name, flags...
@@ -62,17 +65,26 @@ for s in "${steps[@]}"; do
     buffer) tests gpu_buffer 240 ;;
     normal) tests gpu_normal 200; tests gpu_normal_graph 120; tests gpu_normal_procs 120 ;;
     ll) tests gpu_low_latency 240
-        EP_LL_VARIANT=nvshmem tests gpu_low_latency 200 ;;
+        export EP_LL_VARIANT=nvshmem; tests gpu_low_latency 200 gpu_low_latency-nvshmem --skip variant_b_; unset EP_LL_VARIANT ;;
     bench) bench bench-r2 --ranks 2 --sms-sweep 24,8,64
            bench bench-r2-fp8 --ranks 2 --sms-sweep 24,8,64 --fp8
            bench bench-r8 --ranks 8 --sms-sweep 16,8 --gpu-iters 20 ;;
+    mps) export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+         if nvidia-cuda-mps-control -d; then
+           tests gpu_normal_procs 120 gpu_normal_procs-mps
+           step bench-procs2-mps 150 bundle/ep bench --backend gpu --procs 2 --ranks 2 --num-sms 24 --gpu-iters 20
+           echo quit | nvidia-cuda-mps-control
+         else table+=("mps|MPS did not start|"); fi
+         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+    criterion) step criterion 120 bundle/benches/gpu --bench --warm-up-time 1 --measurement-time 3 ;;
     *) table+=("$s|unknown step|") ;;
   esac
 done
-for f in "$out"/bench-*.log; do
+for f in "$out"/bench-*.log "$out"/criterion.log; do
   [ -f "$f" ] || continue
   case "$f" in *-sim.log) continue ;; esac
-  echo "== $(basename "$f")"; grep -E "SMs|ceiling|GB/s|verified|digest" "$f" | grep -v "^\[gpu" | head -14
+  echo "== $(basename "$f")"; grep -E "dispatch (BF16|FP8):|combine BF16:|verified|digest|time:" "$f" | cut -c1-200 | head -16
 done
 # The device tool brings back only a few files: the logs go back as one archive.
 tar -C "$out" -czf /tmp/verify-logs.tgz . 2>/dev/null && rm -f "$out"/*.log && mv /tmp/verify-logs.tgz "$out/"

@@ -144,17 +144,7 @@ fn round(gbuf: &mut Buffer<Gpu>, case: &Case) -> digest::RunDigest {
 
     // Combine of random expert outputs (copied into the combine rows) with weights and biases.
     let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0xc0b1);
-    let ys: Vec<Tensor2<bf16>> = want
-        .iter()
-        .map(|w| wide_tensor(&mut rng, w.handle.recv_src_idx.len(), case.hidden))
-        .collect();
-    let biases: Vec<Vec<Tensor2<bf16>>> = (0..r)
-        .map(|_| {
-            (0..case.biases)
-                .map(|_| wide_tensor(&mut rng, case.tokens, case.hidden))
-                .collect()
-        })
-        .collect();
+    let (ys, biases) = common::expert_outputs(&mut rng, case, &want);
     let handles: Vec<IntranodeHandle> = want.iter().map(|w| w.handle.clone()).collect();
     let cargs: Vec<CombineArgs<'_>> = (0..r)
         .map(|d| CombineArgs {

@@ -230,17 +230,7 @@ fn buffer_round(buf: &mut Buffer<Gpu>, c: &Case, rank: usize) {
     assert_eq!(host, plan[rank], "dispatch of rank {rank}, {c:?}");
     // Every rank's expert outputs and biases drawn alike in every process.
     let mut rng = ChaCha8Rng::seed_from_u64(c.seed ^ 0xb0ff);
-    let ys: Vec<Tensor2<bf16>> = plan
-        .iter()
-        .map(|p| common::wide_tensor(&mut rng, p.handle.recv_src_idx.len(), c.hidden))
-        .collect();
-    let biases: Vec<Vec<Tensor2<bf16>>> = (0..c.ranks)
-        .map(|_| {
-            (0..c.biases)
-                .map(|_| common::wide_tensor(&mut rng, c.tokens, c.hidden))
-                .collect()
-        })
-        .collect();
+    let (ys, biases) = common::expert_outputs(&mut rng, c, &plan);
     let handles: Vec<_> = plan.iter().map(|p| p.handle.clone()).collect();
     let want = intranode_combine(
         &handles,

@@ -205,24 +205,7 @@ impl Tensors for DevTensors {
     }
 
     fn handle_shapes(h: &GpuHandle, rank: usize) -> ep_core::Result<HandleShapes> {
-        let what = |m: &str| format!("handle of rank {rank}: {m}");
-        for (name, t, dtype) in [
-            ("rank_prefix_matrix", &h.rank_prefix_matrix, DType::I32),
-            (
-                "channel_prefix_matrix",
-                &h.channel_prefix_matrix,
-                DType::I32,
-            ),
-            (
-                "recv_channel_prefix_matrix",
-                &h.recv_channel_prefix_matrix,
-                DType::I32,
-            ),
-            ("send_head", &h.send_head, DType::I32),
-            ("is_token_in_rank", &h.is_token_in_rank, DType::U8),
-        ] {
-            t.expect(&what(name), dtype, None, None).map_err(refused)?;
-        }
+        h.check_dtypes(rank).map_err(refused)?;
         Ok(h.shapes())
     }
 

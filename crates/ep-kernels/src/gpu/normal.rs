@@ -164,11 +164,8 @@ impl GpuHandle {
         }
     }
 
-    /// Checks every matrix's dtype and shape for rank `rank` of `num_ranks` with `num_channels`
-    /// channels (a handle from another group or call shape is a typed error, not a bad read).
-    /// The dtypes here, the shapes by the rules every backend shares
-    /// (`ep_core::buffer::check::normal_handle`).
-    pub fn check(&self, rank: usize, num_ranks: usize, num_channels: usize) -> Result<()> {
+    /// Checks every matrix's dtype (rank `rank` named in the error).
+    pub fn check_dtypes(&self, rank: usize) -> Result<()> {
         let what = |m: &str| format!("handle of rank {rank}: {m}");
         for (name, t, dtype) in [
             ("rank_prefix_matrix", &self.rank_prefix_matrix, DType::I32),
@@ -187,6 +184,15 @@ impl GpuHandle {
         ] {
             t.expect(&what(name), dtype, None, None)?;
         }
+        Ok(())
+    }
+
+    /// Checks every matrix's dtype and shape for rank `rank` of `num_ranks` with `num_channels`
+    /// channels (a handle from another group or call shape is a typed error, not a bad read).
+    /// The dtypes here, the shapes by the rules every backend shares
+    /// (`ep_core::buffer::check::normal_handle`).
+    pub fn check(&self, rank: usize, num_ranks: usize, num_channels: usize) -> Result<()> {
+        self.check_dtypes(rank)?;
         let shapes = self.shapes();
         normal_handle(
             rank,

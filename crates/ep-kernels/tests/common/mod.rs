@@ -263,6 +263,28 @@ pub(crate) fn host_layouts(case: &Case, inputs: &[RankInputs]) -> Vec<DispatchLa
         .collect()
 }
 
+/// Random expert outputs for every rank's received rows (`dispatched[d]`'s) and `case.biases`
+/// biases per rank, drawn from `rng` in rank order (so every process draws the same).
+#[allow(clippy::type_complexity)]
+pub(crate) fn expert_outputs(
+    rng: &mut ChaCha8Rng,
+    case: &Case,
+    dispatched: &[IntranodeDispatch],
+) -> (Vec<Tensor2<bf16>>, Vec<Vec<Tensor2<bf16>>>) {
+    let ys = dispatched
+        .iter()
+        .map(|p| wide_tensor(rng, p.handle.recv_src_idx.len(), case.hidden))
+        .collect();
+    let biases = (0..case.ranks)
+        .map(|_| {
+            (0..case.biases)
+                .map(|_| wide_tensor(rng, case.tokens, case.hidden))
+                .collect()
+        })
+        .collect();
+    (ys, biases)
+}
+
 /// Layout, dispatch and both combines of `case` on `g`'s local ranks, each compared with the
 /// plan bit for bit; returns the local ranks' digests (checked against the plan's, and the
 /// whole run's too when every rank is local).
@@ -321,17 +343,7 @@ pub(crate) fn run_case_with(
     // Combine from the combine rows: random expert outputs and weights per rank (every rank's
     // drawn, in rank order, so every process draws the same).
     let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0xc0b1);
-    let ys: Vec<Tensor2<bf16>> = plan
-        .iter()
-        .map(|p| wide_tensor(&mut rng, p.handle.recv_src_idx.len(), case.hidden))
-        .collect();
-    let biases: Vec<Vec<Tensor2<bf16>>> = (0..r)
-        .map(|_| {
-            (0..case.biases)
-                .map(|_| wide_tensor(&mut rng, case.tokens, case.hidden))
-                .collect()
-        })
-        .collect();
+    let (ys, biases) = expert_outputs(&mut rng, case, &plan);
     let handles: Vec<IntranodeHandle> = plan.iter().map(|p| p.handle.clone()).collect();
     let want_rows = intranode_combine(
         &handles,
