@@ -1,6 +1,6 @@
 //! The GPU data path over the public API (`Buffer<Gpu>`, the same `Buffer` as the simulator's):
-//! normal-mode dispatch and combine of two co-resident ranks on GPU 0 at DeepEP's shape (4096 tokens per rank, hidden 7168, top-8, 256 experts,
-//! 24 SMs per rank). Host wall-clock per call, launch and `sync` included; the event-timed
+//! normal-mode dispatch and combine of two co-resident ranks on GPU 0 at DeepEP's shape (4096
+//! tokens per rank, hidden 7168, top-8, 256 experts, 24 SMs per rank). Host wall-clock per call, launch and `sync` included; the event-timed
 //! medians beside the same-run ceiling come from `ep bench --backend gpu` (BENCHMARKS.md).
 //!
 //! `cargo bench --bench gpu -- --warm-up-time 1 --measurement-time 3` on a machine with a GPU
@@ -9,7 +9,8 @@
 //!
 //! Before timing, one dispatch and one in-place combine are compared with the plan bit for bit
 //! (the identity expert: the combine reads the received rows in place), so a broken kernel cannot
-//! produce a fast number.
+//! produce a fast number. `dispatch, NormalGroup directly` times the same call on the kernels'
+//! group without the `Buffer`'s host logic, so the two differ by what that logic costs.
 
 use std::hint::black_box;
 
@@ -17,6 +18,7 @@ use criterion::{Criterion, Throughput};
 use ep_rs::core::plan::combine::CombineArgs;
 use ep_rs::core::plan::intranode::{DispatchOptions, intranode_combine, intranode_dispatch_all};
 use ep_rs::core::plan::layout::get_dispatch_layout_for_rank;
+use ep_rs::kernels::gpu::{GpuDispatchArgs, GpuRankInputs};
 use ep_rs::prelude::*;
 
 const RANKS: usize = 2;
@@ -125,6 +127,27 @@ fn normal(c: &mut Criterion, dev: std::sync::Arc<Device>) {
                 .dispatch(&dev_inputs, &layouts, EXPERTS, &args)
                 .expect("dispatch");
             buf.sync().expect("sync");
+            black_box(out.len())
+        })
+    });
+    // The same dispatch on the kernels' group directly (no Buffer host logic): the difference
+    // is what the Buffer's checks cost per call.
+    group.bench_function("dispatch, NormalGroup directly", |b| {
+        let views: Vec<GpuRankInputs<'_>> = dev_inputs
+            .iter()
+            .map(|i| GpuRankInputs {
+                x: &i.x,
+                x_scales: None,
+                topk_idx: i.topk_idx.as_ref(),
+                topk_weights: i.topk_weights.as_ref(),
+            })
+            .collect();
+        let g = buf.transport_mut().normal_mut().expect("group");
+        b.iter(|| {
+            let out = g
+                .dispatch(&views, &layouts, EXPERTS, &GpuDispatchArgs::default())
+                .expect("dispatch");
+            g.sync().expect("sync");
             black_box(out.len())
         })
     });
