@@ -206,12 +206,12 @@ fn buffer_round(buf: &mut Buffer<Gpu>, c: &Case, rank: usize) {
         .fill_arenas_for_test(0xa5)
         .unwrap();
     let dins = common::upload(&dev, &inputs, &[rank]);
-    let gin = vec![GpuInputs {
+    let gin = GpuInputs {
         x: dins[0].x.clone(),
         x_scales: dins[0].scales.clone(),
         topk_idx: Some(dins[0].idx.clone()),
         topk_weights: Some(dins[0].w.clone()),
-    }];
+    };
     let glay = buf.layout_one(&dins[0].idx, c.experts).unwrap();
     buf.sync().unwrap();
     assert_eq!(glay.download().unwrap(), layouts[rank], "layout, {c:?}");
@@ -221,7 +221,7 @@ fn buffer_round(buf: &mut Buffer<Gpu>, c: &Case, rank: usize) {
         num_worst_tokens: worst,
         with_topk: true,
     };
-    let out = buf.dispatch_one(&gin[0], &glay, c.experts, &args).unwrap();
+    let out = buf.dispatch_one(&gin, &glay, c.experts, &args).unwrap();
     buf.sync().unwrap();
     let mut host = common::host_dispatch(&out);
     if c.worst {
