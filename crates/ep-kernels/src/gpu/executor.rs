@@ -406,7 +406,7 @@ impl Gpu {
             )
         })?;
         let g = self.group_mut()?;
-        let (_, k) = g.last_dispatch().ok_or_else(|| {
+        let (fmt, k) = g.last_dispatch().ok_or_else(|| {
             core(Error::Unsupported(
                 "combine before any dispatch on this Buffer".into(),
             ))
@@ -414,10 +414,9 @@ impl Gpu {
         let in_place = args.iter().enumerate().all(|(i, a)| {
             g.is_dispatch_rows(i, a.x)
                 && a.topk_weights.is_none_or(|w| {
-                    g.topk_views(i, g.last_dispatch().expect("checked").0, a.x.rows())
-                        .is_ok_and(|(_, dw)| {
-                            dw.ptr() == w.ptr() && dw.row_stride() == w.row_stride()
-                        })
+                    g.topk_views(i, fmt, a.x.rows()).is_ok_and(|(_, dw)| {
+                        dw.ptr() == w.ptr() && dw.row_stride() == w.row_stride()
+                    })
                 })
         });
         if !in_place {
