@@ -405,6 +405,20 @@ impl Gpu {
                 "combine from rows the host left in the arena: a simulator call".into(),
             )
         })?;
+        // Every input on this executor's GPU, before any copy (a peer GPU's memory would be
+        // copied silently).
+        let ordinal = self.dev.ordinal();
+        for (a, s) in args.iter().zip(self.local_ranks()) {
+            for t in std::iter::once(a.x).chain(a.topk_weights).chain(a.bias) {
+                if t.device() != ordinal {
+                    return Err(refused(Error::WrongDevice {
+                        rank: s,
+                        expected: ordinal,
+                        found: t.device(),
+                    }));
+                }
+            }
+        }
         let g = self.group_mut()?;
         let (fmt, k) = g.last_dispatch().ok_or_else(|| {
             core(Error::Unsupported(
