@@ -425,6 +425,15 @@ impl Gpu {
                 "combine before any dispatch on this Buffer".into(),
             ))
         })?;
+        // The kernels combine rows of the dispatch's hidden size.
+        if let Some(a) = args.iter().find(|a| a.x.cols() != fmt.hidden) {
+            return Err(refused(Error::Unsupported(format!(
+                "combine x of hidden {} after a dispatch of hidden {}: on the GPU the expert \
+                 outputs have the dispatched rows' hidden size",
+                a.x.cols(),
+                fmt.hidden
+            ))));
+        }
         let in_place = args.iter().enumerate().all(|(i, a)| {
             g.is_dispatch_rows(i, a.x)
                 && a.topk_weights.is_none_or(|w| {
