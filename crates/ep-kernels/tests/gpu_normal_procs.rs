@@ -31,8 +31,7 @@ use common::procs::{my_device, spawn_or_run};
 use common::{Case, inputs_of, rank_inputs, round_trip_calc_diff, run_cached, run_case};
 use ep_core::buffer::NormalDispatchArgs;
 use ep_core::config::{BufferConfig, Config};
-use ep_core::plan::combine::CombineArgs;
-use ep_core::plan::intranode::{intranode_combine, intranode_dispatch_cached};
+use ep_core::plan::intranode::intranode_dispatch_cached;
 use ep_core::routing::Activations;
 use ep_core::workload::Routing;
 use ep_core::{Buffer, Executor, Tensor2};
@@ -232,17 +231,7 @@ fn buffer_round(buf: &mut Buffer<Gpu>, c: &Case, rank: usize) {
     let mut rng = ChaCha8Rng::seed_from_u64(c.seed ^ 0xb0ff);
     let (ys, biases) = common::expert_outputs(&mut rng, c, &plan);
     let handles: Vec<_> = plan.iter().map(|p| p.handle.clone()).collect();
-    let want = intranode_combine(
-        &handles,
-        &(0..c.ranks)
-            .map(|d| CombineArgs {
-                x: &ys[d],
-                topk_weights: plan[d].recv_topk_weights.as_ref(),
-                bias: &biases[d],
-            })
-            .collect::<Vec<_>>(),
-    )
-    .unwrap();
+    let want = common::plan_combine(&plan, &ys, &biases);
     let ctx = dev.context();
     let dy = DevTensor::upload(ctx, &ys[rank]).unwrap();
     let dbias: Vec<DevTensor> = biases[rank]

@@ -285,6 +285,24 @@ pub(crate) fn expert_outputs(
     (ys, biases)
 }
 
+/// The plan's combine of expert outputs `ys` with biases `biases` after the dispatch `plan`
+/// (every rank), with the dispatched weights.
+pub(crate) fn plan_combine(
+    plan: &[IntranodeDispatch],
+    ys: &[Tensor2<bf16>],
+    biases: &[Vec<Tensor2<bf16>>],
+) -> Vec<CombineOutput> {
+    let handles: Vec<IntranodeHandle> = plan.iter().map(|p| p.handle.clone()).collect();
+    let args: Vec<CombineArgs<'_>> = (0..plan.len())
+        .map(|d| CombineArgs {
+            x: &ys[d],
+            topk_weights: plan[d].recv_topk_weights.as_ref(),
+            bias: &biases[d],
+        })
+        .collect();
+    intranode_combine(&handles, &args).unwrap()
+}
+
 /// Layout, dispatch and both combines of `case` on `g`'s local ranks, each compared with the
 /// plan bit for bit; returns the local ranks' digests (checked against the plan's, and the
 /// whole run's too when every rank is local).
@@ -345,17 +363,7 @@ pub(crate) fn run_case_with(
     let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0xc0b1);
     let (ys, biases) = expert_outputs(&mut rng, case, &plan);
     let handles: Vec<IntranodeHandle> = plan.iter().map(|p| p.handle.clone()).collect();
-    let want_rows = intranode_combine(
-        &handles,
-        &(0..r)
-            .map(|d| CombineArgs {
-                x: &ys[d],
-                topk_weights: plan[d].recv_topk_weights.as_ref(),
-                bias: &biases[d],
-            })
-            .collect::<Vec<_>>(),
-    )
-    .unwrap();
+    let want_rows = plan_combine(&plan, &ys, &biases);
     let ctx = dev.context();
     let dys: Vec<DevTensor> = local
         .iter()
