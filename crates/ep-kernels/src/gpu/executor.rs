@@ -761,3 +761,76 @@ impl Executor for Gpu {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device timeout is a failed phase (it poisons the Buffer) and keeps its type; a value
+    /// the device refused is an input error (the Buffer stays usable); a shape rule stays
+    /// ep-core's own error.
+    #[test]
+    fn gpu_errors_map_to_failed_phases_or_refused_inputs() {
+        let timeout = Error::DeviceWaitTimeout {
+            rank: 0,
+            kernel: "dispatch",
+            block: 3,
+            word: "notify[0][1]".into(),
+            writer: Some(1),
+            expected: 7,
+            last_seen: 6,
+            timeout: Duration::from_millis(200),
+        };
+        let e = core(timeout);
+        assert!(matches!(e, ep_core::Error::Backend { .. }), "{e}");
+        assert!(
+            matches!(
+                e.backend::<Error>(),
+                Some(Error::DeviceWaitTimeout {
+                    writer: Some(1),
+                    ..
+                })
+            ),
+            "{e}"
+        );
+        let e = core(Error::ExpertOutOfRange {
+            rank: 1,
+            index: 21,
+            expert: 999,
+        });
+        assert!(matches!(e, ep_core::Error::InputRefused { .. }), "{e}");
+        assert!(
+            matches!(
+                e.backend::<Error>(),
+                Some(Error::ExpertOutOfRange { expert: 999, .. })
+            ),
+            "{e}"
+        );
+        let shape = ep_core::Error::ZeroExpertAlignment;
+        assert_eq!(core(Error::Shape(shape.clone())), shape);
+        assert_eq!(refused(Error::Shape(shape.clone())), shape);
+        let e = refused(Error::HostWaitTimeout {
+            rank: 0,
+            what: "x".into(),
+            timeout: Duration::from_secs(1),
+        });
+        assert!(
+            matches!(e, ep_core::Error::InputRefused { .. }),
+            "a check's error: {e}"
+        );
+        // Inside a poisoned Buffer's error the backend's error is still found.
+        let poisoned = ep_core::Error::BufferPoisoned {
+            call: 4,
+            failed_rank: Some(1),
+            cause: Box::new(core(Error::HostWaitTimeout {
+                rank: 1,
+                what: "num_recv".into(),
+                timeout: Duration::from_secs(1),
+            })),
+        };
+        assert!(matches!(
+            poisoned.backend::<Error>(),
+            Some(Error::HostWaitTimeout { rank: 1, .. })
+        ));
+    }
+}
