@@ -50,8 +50,8 @@ for t in bundle/tests/*; do
   # shellcheck disable=SC2053 # $only is a glob
   [ -z "$only" ] || [[ $name == $only ]] || continue
   run_test "$t" "$name" "$@"
-  # The low-latency suite once more on kernel variant (b), NVSHMEM's device API (one PE).
-  if [ "$name" = ep-kernels--gpu_low_latency ]; then
+  # The low-latency suites once more on kernel variant (b), NVSHMEM's device API (one PE).
+  if [ "$name" = ep-kernels--gpu_low_latency ] || [ "$name" = ep-kernels--gpu_buffer_ll ]; then
     export EP_LL_VARIANT=nvshmem; run_test "$t" "$name-nvshmem" --skip variant_b_ "$@"; unset EP_LL_VARIANT
   fi
 done

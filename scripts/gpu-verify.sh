@@ -3,7 +3,8 @@
 # measures it, with a short table last. Usage, with the device tool:
 #   run(command: "bash scripts/gpu-verify.sh [STEP...]", carry: ["bundle"])
 # Steps (default: buffer normal bench): buffer = Buffer<Gpu> against Buffer<Sim>
-# (ep-kernels--gpu_buffer); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
+# (ep-kernels--gpu_buffer, normal mode; ep-kernels--gpu_buffer_ll, low-latency mode on both
+# kernel variants); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
 # gpu_normal_procs); ll = the low-latency suite (both kernel variants); bench = `ep bench
 # --backend gpu` R = 2 BF16 and FP8 and R = 8, each with the canonical digest beside the
 # simulator's for the same flags; mps = gpu_normal_procs and `ep bench --procs 2` (DeepEP's
@@ -62,7 +63,8 @@ bench() { # name, flags...
 nvidia-smi -L 2>&1 | sed 's/^/gpu: /'
 for s in "${steps[@]}"; do
   case "$s" in
-    buffer) tests gpu_buffer 240 ;;
+    buffer) tests gpu_buffer 240; tests gpu_buffer_ll 200
+            export EP_LL_VARIANT=nvshmem; tests gpu_buffer_ll 150 gpu_buffer_ll-nvshmem; unset EP_LL_VARIANT ;;
     normal) tests gpu_normal 200; tests gpu_normal_graph 120; tests gpu_normal_procs 120 ;;
     ll) tests gpu_low_latency 240
         export EP_LL_VARIANT=nvshmem; tests gpu_low_latency 200 gpu_low_latency-nvshmem --skip variant_b_; unset EP_LL_VARIANT ;;

@@ -313,17 +313,6 @@ fn bad_inputs_are_typed_errors_and_leave_the_buffer_usable() {
         matches!(err.backend::<Error>(), Some(Error::NotEnoughSms { .. })),
         "{err}"
     );
-    // Low-latency mode is LlGroup's: refused with a typed error.
-    let mut ll = BufferConfig::new(2);
-    ll.low_latency_mode = true;
-    ll.num_rdma_bytes = 1 << 24;
-    ll.num_qps_per_rank = 2;
-    let err = Buffer::new(Gpu::co_resident(dev.clone(), 2, 8), ll).unwrap_err();
-    assert!(
-        matches!(&err, CoreError::Unsupported(m) if m.contains("LlGroup")),
-        "{err}"
-    );
-
     let c = Case::new(2, 256, 1024, 4, 16);
     let mut buf = gpu_buffer(&dev, &c);
     round(&mut buf, &c);

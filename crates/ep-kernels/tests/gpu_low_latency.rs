@@ -21,7 +21,9 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock};
+use common::ll::{session, variant};
+
+use std::sync::Arc;
 use std::time::Duration;
 
 use ep_core::plan::low_latency::{
@@ -38,7 +40,7 @@ use ep_kernels::gpu::{
     LlGpuDispatch, LlGroup, LlPoison, LlRankInputs, LlVariant,
 };
 use ep_kernels::nvshmem::device_link::{LinkedLl, link_ll_module};
-use ep_kernels::nvshmem::{Bootstrap, BringUp, NvshmemSession, SoloRendezvous, TcpRendezvous};
+use ep_kernels::nvshmem::{Bootstrap, BringUp, TcpRendezvous};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -513,28 +515,6 @@ fn check_combined_as(
 }
 
 /// The variant `EP_LL_VARIANT` selects (module docs).
-fn variant() -> LlVariant {
-    match std::env::var("EP_LL_VARIANT").as_deref() {
-        Ok("nvshmem") => LlVariant::Nvshmem,
-        Ok("pointers") | Err(_) => LlVariant::Pointers,
-        Ok(other) => panic!("EP_LL_VARIANT={other}: use pointers or nvshmem"),
-    }
-}
-
-/// This process's one-PE NVSHMEM session (NVSHMEM initialises once per process).
-fn session() -> Arc<NvshmemSession> {
-    static S: OnceLock<Arc<NvshmemSession>> = OnceLock::new();
-    S.get_or_init(|| {
-        let s = BringUp::new(0, 1, Bootstrap::UniqueId(&SoloRendezvous))
-            .device(0)
-            .init()
-            .expect("NVSHMEM with one PE (variant (b) needs NVSHMEM: EP_TEST_NVSHMEM_LIB or NVSHMEM_HOME)");
-        eprintln!("{}", s.report());
-        Arc::new(s)
-    })
-    .clone()
-}
-
 fn new_group_of(dev: &Arc<Device>, cfg: LlConfig, v: LlVariant) -> Result<LlGroup, Error> {
     match v {
         LlVariant::Pointers => LlGroup::new(dev.clone(), cfg),

@@ -66,11 +66,19 @@ impl<E: Executor> Buffer<E> {
 
     /// Waits for the local ranks' outstanding work and reports what it found, as a call would
     /// ([`Executor::sync`](crate::Executor::sync); a no-op on the simulator, whose calls
-    /// return finished).
+    /// return finished). In shrink mode, ranks the device kernels masked on their own (a
+    /// source that never arrived) join the mask here ([`Buffer::query_mask`]).
     pub fn sync(&mut self) -> Result<()> {
         self.check_poison()?;
         let res = self.transport.sync();
-        self.ran(self.last_call, res)
+        self.ran(self.last_call, res)?;
+        for r in self.transport.take_masked_by_device() {
+            if let Some(m) = self.mask.get_mut(r) {
+                *m = true;
+                self.ll_mem[r] = super::LlMem::Used;
+            }
+        }
+        Ok(())
     }
 
     /// A host barrier of call `call`; a failure poisons the buffer.

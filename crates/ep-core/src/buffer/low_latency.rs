@@ -1,27 +1,26 @@
 //! Low-latency calls of [`Buffer`] (docs/protocol.md §3): the send and receive halves of
-//! dispatch and combine, the hooks, and the clean. Every attempt of the executor's phases goes
-//! through [`Buffer::ll_settle`] (`mask`), which masks failed peers in shrink mode and poisons
-//! otherwise.
-
-use half::bf16;
+//! dispatch and combine, the hooks, and the clean, over the local ranks' tensors of any
+//! executor ([`Tensors`]: host tensors on the simulator, device views on the GPU). Every
+//! attempt of the executor's phases goes through [`Buffer::ll_settle`] (`mask`), which masks
+//! failed peers in shrink mode and poisons otherwise.
 
 use super::{Buffer, LlMem};
 use crate::error::{Error, Result};
 use crate::executor::{
-    Executor, LlAttempt, LlCleanJob, LlCombineCheck, LlCombineRecvJob, LlCombineSendJob,
-    LlDispatchRecvJob, LlDispatchSendJob, LlExpertOutputJob,
+    Executor, Host, LlAttempt, LlCleanJob, LlCombineCheck, LlCombineRecvJob, LlCombineSendJob,
+    LlDispatchRecvJob, LlDispatchSendJob, LlExpertOutputJob, Tensors,
 };
-use crate::plan::low_latency::{LlDispatchOutput, LlParams, validate_dispatch_shapes};
+use crate::plan::low_latency::{LlDispatchOutput, LlParams, validate_local_dispatch_shapes};
 use crate::protocol::LlRoutes;
 use crate::protocol::ProtocolMutation;
 use crate::protocol::layout::{LlLayout, ll_half};
-use crate::protocol::low_latency::{ExpertOut, LlArena, LlOp, LlRows};
-use crate::routing::{Activations, ExpertIdx, RankInputs};
-use crate::tensor::{Tensor2, Tensor3};
+use crate::protocol::low_latency::{LlArena, LlOp, LlRows};
 use crate::transport::Team;
 
-/// What a low-latency dispatch returns: the plan's per-rank outputs (`None` for masked ranks)
-/// and the routes its combine needs.
+type T<E> = <E as Executor>::T;
+
+/// What a low-latency dispatch returns on the simulator ([`Host`]): the plan's per-rank
+/// outputs (`None` for masked ranks) and the routes its combine needs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlDispatched {
     /// `outputs[d]`: receiver `d`'s outputs (spec §2.4), `None` if masked.
@@ -33,14 +32,22 @@ pub struct LlDispatched {
 /// A pending low-latency dispatch receive half (the hook). Run it with
 /// [`Buffer::low_latency_dispatch_recv`] before the next low-latency operation.
 #[must_use = "a pending hook must be run before the next low-latency operation"]
-#[derive(Debug)]
-pub struct LlDispatchHook {
+pub struct LlDispatchHook<X: Tensors = Host> {
     op: LlOp,
     rows: LlRows,
-    topk: Vec<(Tensor2<ExpertIdx>, Tensor2<f32>)>,
+    keep: Vec<X::LlKeep>,
 }
 
-impl LlDispatchHook {
+impl<X: Tensors> std::fmt::Debug for LlDispatchHook<X> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlDispatchHook")
+            .field("call", &self.op.call)
+            .field("half", &self.op.half)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<X: Tensors> LlDispatchHook<X> {
     /// The call this hook belongs to.
     #[must_use]
     pub fn call(&self) -> u64 {
@@ -50,13 +57,21 @@ impl LlDispatchHook {
 
 /// A pending low-latency combine receive half (the hook).
 #[must_use = "a pending hook must be run before the next low-latency operation"]
-#[derive(Debug)]
-pub struct LlCombineHook {
+pub struct LlCombineHook<X: Tensors = Host> {
     op: LlOp,
-    topk: Vec<Tensor2<ExpertIdx>>,
+    keep: Vec<X::LlKeep>,
 }
 
-impl LlCombineHook {
+impl<X: Tensors> std::fmt::Debug for LlCombineHook<X> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlCombineHook")
+            .field("call", &self.op.call)
+            .field("half", &self.op.half)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<X: Tensors> LlCombineHook<X> {
     /// The call this hook belongs to.
     #[must_use]
     pub fn call(&self) -> u64 {
@@ -126,10 +141,12 @@ impl<E: Executor> Buffer<E> {
             .min(u32::from(self.transport.fabric().rc_per_pe))
             .max(1) as u16;
         let call = self.next_call();
-        let half = ll_half(self.ll_ops);
+        let index = self.ll_ops;
+        let half = ll_half(index);
         self.ll_ops += 1;
         Ok(LlOp {
             call,
+            index,
             half,
             layout,
             masked: self.mask.clone(),
@@ -159,19 +176,35 @@ impl<E: Executor> Buffer<E> {
         Ok((!again).then_some(att.out))
     }
 
-    /// Low-latency dispatch send half (docs/protocol.md §3.3). `inputs[s].topk_weights` travel
-    /// with the rows. Returns the hook; run [`Buffer::low_latency_dispatch_recv`] before the next
-    /// low-latency operation.
+    /// Low-latency dispatch send half (docs/protocol.md §3.3) of the local ranks
+    /// (`inputs[i]`: local rank `i`'s, BF16 `x` with its top-k ids and weights, which travel
+    /// with the rows). Returns the hook; run [`Buffer::low_latency_dispatch_recv`] before the
+    /// next low-latency operation.
     pub fn low_latency_dispatch_send(
         &mut self,
-        inputs: &[RankInputs],
+        inputs: &[<T<E> as Tensors>::Inputs],
         params: &LlParams,
-    ) -> Result<LlDispatchHook> {
-        self.check_poison()?;
+    ) -> Result<LlDispatchHook<T<E>>> {
+        self.ll_dispatch_send(inputs, params, false)
+    }
+
+    fn ll_dispatch_send(
+        &mut self,
+        inputs: &[<T<E> as Tensors>::Inputs],
+        params: &LlParams,
+        recv_follows: bool,
+    ) -> Result<LlDispatchHook<T<E>>> {
+        self.ready()?;
         let params = params.clone().with_masked_ranks(self.mask.clone());
-        // `params` carry one mask entry per rank: the inputs' count is checked against it.
-        let shapes: Vec<_> = inputs.iter().map(RankInputs::shapes).collect();
-        let shape = validate_dispatch_shapes(&shapes, &params)?;
+        self.check_local(&[inputs.len()])?;
+        let ranks = self.transport.local_ranks();
+        // `params` carry one mask entry per rank: the rank count is checked against it.
+        let shapes = inputs
+            .iter()
+            .zip(&ranks)
+            .map(|(x, &s)| T::<E>::input_shapes(x, s, true))
+            .collect::<Result<Vec<_>>>()?;
+        let shape = validate_local_dispatch_shapes(self.num_ranks(), &ranks, &shapes, &params)?;
         self.transport.check_ll_dispatch(inputs, &params)?;
         self.ll_precheck()?;
         let arena = self.ll_arena()?;
@@ -186,18 +219,6 @@ impl<E: Executor> Buffer<E> {
             round_scale: params.round_scale,
             use_ue8m0: params.use_ue8m0,
         };
-        let xs: Vec<&Tensor2<bf16>> = inputs
-            .iter()
-            .enumerate()
-            .map(|(s, i)| match &i.x {
-                Activations::Bf16(x) => Ok(x),
-                Activations::Fp8 { .. } => Err(Error::LlExpectsBf16 { rank: s }),
-            })
-            .collect::<Result<_>>()?;
-        let topk: Vec<(&Tensor2<ExpertIdx>, &Tensor2<f32>)> = inputs
-            .iter()
-            .map(|i| (&i.topk_idx, &i.topk_weights))
-            .collect();
         let mut op = self.ll_op(layout, params.num_experts)?;
         let mut fresh = self.fresh_ranks();
         self.ll_used();
@@ -205,11 +226,11 @@ impl<E: Executor> Buffer<E> {
             let job = LlDispatchSendJob {
                 arena: &arena,
                 op: &op,
-                xs: &xs,
-                topk: &topk,
+                inputs,
                 rows,
                 mutation: self.mutation,
                 fresh: &fresh,
+                recv_follows,
             };
             let att = self.transport.run_ll_dispatch_send(&job);
             // Zero only at the first attempt: a re-run sees this call's own signals.
@@ -220,10 +241,7 @@ impl<E: Executor> Buffer<E> {
         }
         self.pending_hooks.push(op.call);
         Ok(LlDispatchHook {
-            topk: inputs
-                .iter()
-                .map(|i| (i.topk_idx.clone(), i.topk_weights.clone()))
-                .collect(),
+            keep: inputs.iter().map(T::<E>::ll_keep).collect(),
             op,
             rows,
         })
@@ -240,7 +258,10 @@ impl<E: Executor> Buffer<E> {
     }
 
     /// Low-latency dispatch receive half, the hook (docs/protocol.md §3.4).
-    pub fn low_latency_dispatch_recv(&mut self, hook: LlDispatchHook) -> Result<LlDispatched> {
+    pub fn low_latency_dispatch_recv(
+        &mut self,
+        hook: LlDispatchHook<T<E>>,
+    ) -> Result<<T<E> as Tensors>::LlDispatched> {
         self.low_latency_dispatch_recv_reusing(hook, None)
     }
 
@@ -249,30 +270,28 @@ impl<E: Executor> Buffer<E> {
     /// rows they counted as valid are zeroed and the new rows written, so the results are the
     /// same as without `reuse`, provided its arrays hold zeros past each expert's count, as
     /// dispatch returned them (read them freely; write only rows below the counts). Outputs of
-    /// another format or shape are dropped.
+    /// another format or shape are dropped. (On the GPU the outputs are views of the buffer's
+    /// half and `reuse` is not needed.)
     pub fn low_latency_dispatch_recv_reusing(
         &mut self,
-        hook: LlDispatchHook,
-        reuse: Option<LlDispatched>,
-    ) -> Result<LlDispatched> {
+        hook: LlDispatchHook<T<E>>,
+        reuse: Option<<T<E> as Tensors>::LlDispatched>,
+    ) -> Result<<T<E> as Tensors>::LlDispatched> {
         self.check_poison()?;
         self.take_hook(hook.op.call)?;
         let arena = self.ll_arena()?;
-        let r = self.num_ranks();
-        let LlDispatchHook { mut op, rows, topk } = hook;
+        let n = self.transport.local_ranks().len();
+        let LlDispatchHook { mut op, rows, keep } = hook;
         self.apply_mask(&mut op);
-        let mut spare: Vec<Option<LlDispatchOutput>> = vec![None; r];
-        if let Some(old) = reuse {
-            for (m, o) in spare.iter_mut().zip(old.outputs) {
-                *m = o;
-            }
-        }
+        let mut spare: Vec<Option<<T<E> as Tensors>::LlSpare>> =
+            reuse.map(T::<E>::ll_spares).unwrap_or_default();
+        spare.resize_with(n, || None);
         let out = loop {
             let job = LlDispatchRecvJob {
                 arena: &arena,
                 op: &op,
                 rows,
-                topk: &topk,
+                keep: &keep,
                 mutation: self.mutation,
             };
             let att = self.transport.run_ll_dispatch_recv(&job, &mut spare);
@@ -280,30 +299,19 @@ impl<E: Executor> Buffer<E> {
                 break out;
             }
         };
-        let mut outputs = Vec::with_capacity(r);
-        let mut routes = Vec::with_capacity(r);
-        for o in out {
-            match o {
-                None => {
-                    outputs.push(None);
-                    routes.push(None);
-                }
-                Some(res) => {
-                    let (a, b) = res?;
-                    outputs.push(Some(a));
-                    routes.push(Some(b));
-                }
-            }
-        }
-        Ok(LlDispatched { outputs, routes })
+        let out = out
+            .into_iter()
+            .map(Option::transpose)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(T::<E>::ll_collect(out))
     }
 
     /// Low-latency dispatch without hook: send then receive.
     pub fn low_latency_dispatch(
         &mut self,
-        inputs: &[RankInputs],
+        inputs: &[<T<E> as Tensors>::Inputs],
         params: &LlParams,
-    ) -> Result<LlDispatched> {
+    ) -> Result<<T<E> as Tensors>::LlDispatched> {
         self.low_latency_dispatch_reusing(inputs, params, None)
     }
 
@@ -311,50 +319,63 @@ impl<E: Executor> Buffer<E> {
     /// [`Buffer::low_latency_dispatch_recv_reusing`].
     pub fn low_latency_dispatch_reusing(
         &mut self,
-        inputs: &[RankInputs],
+        inputs: &[<T<E> as Tensors>::Inputs],
         params: &LlParams,
-        reuse: Option<LlDispatched>,
-    ) -> Result<LlDispatched> {
-        let hook = self.low_latency_dispatch_send(inputs, params)?;
+        reuse: Option<<T<E> as Tensors>::LlDispatched>,
+    ) -> Result<<T<E> as Tensors>::LlDispatched> {
+        let hook = self.ll_dispatch_send(inputs, params, true)?;
         self.low_latency_dispatch_recv_reusing(hook, reuse)
     }
 
     /// Low-latency combine send half (docs/protocol.md §3.5): each expert rank reduces a token's
-    /// local experts and sends one partial per (token, expert rank). `expert_out[d]` is `d`'s
-    /// `[L, R·N, H]` outputs in its packed layout; with `zero_copy` they are first written into
-    /// the operation's registered region (what the caller's GEMM does on the GPU) and read from
-    /// there. `inputs` give each rank's `topk_idx`/`topk_weights`, which must equal its
-    /// dispatch's (`x` is not read).
+    /// local experts and sends one partial per (token, expert rank). Per local rank `i`:
+    /// `handles[i]` from its dispatch (`routes` on the simulator), `expert_out[i]` its
+    /// `[L, R·N, H]` outputs in the packed layout; with `zero_copy` they are first written into
+    /// the operation's registered region (what the caller's GEMM does on the GPU; a GPU tensor
+    /// that is the region itself is not copied) and read from there. `inputs` give each rank's
+    /// `topk_idx`/`topk_weights`, which must equal its dispatch's (`x` is not read).
     pub fn low_latency_combine_send(
         &mut self,
-        routes: &[Option<LlRoutes>],
-        expert_out: &[Option<Tensor3<bf16>>],
-        inputs: &[RankInputs],
+        handles: &[Option<<T<E> as Tensors>::LlHandle>],
+        expert_out: &[Option<<T<E> as Tensors>::LlExpertOut>],
+        inputs: &[<T<E> as Tensors>::Inputs],
         zero_copy: bool,
-    ) -> Result<LlCombineHook> {
-        self.check_poison()?;
+    ) -> Result<LlCombineHook<T<E>>> {
+        self.ll_combine_send(handles, expert_out, inputs, zero_copy, false)
+    }
+
+    fn ll_combine_send(
+        &mut self,
+        handles: &[Option<<T<E> as Tensors>::LlHandle>],
+        expert_out: &[Option<<T<E> as Tensors>::LlExpertOut>],
+        inputs: &[<T<E> as Tensors>::Inputs],
+        zero_copy: bool,
+        recv_follows: bool,
+    ) -> Result<LlCombineHook<T<E>>> {
+        self.ready()?;
         let r = self.num_ranks();
-        self.check_local(&[routes.len(), expert_out.len(), inputs.len()])?;
+        self.check_local(&[handles.len(), expert_out.len(), inputs.len()])?;
+        let ranks = self.transport.local_ranks();
         let mut layout = None;
-        for s in (0..r).filter(|&s| !self.mask[s]) {
-            if routes[s].is_none() {
+        for (i, &s) in ranks.iter().enumerate().filter(|&(_, &s)| !self.mask[s]) {
+            if handles[i].is_none() {
                 return Err(Error::ShapeMismatch {
                     what: "low-latency combine routes",
                     expected: format!("routes for unmasked rank {s}"),
                     found: "None".into(),
                 });
             }
-            let y = expert_out[s].as_ref().ok_or(Error::ShapeMismatch {
+            let y = expert_out[i].as_ref().ok_or(Error::ShapeMismatch {
                 what: "low-latency combine expert outputs",
                 expected: format!("outputs for unmasked rank {s}"),
                 found: "None".into(),
             })?;
-            let (l_count, rows, h) = y.shape();
+            let (l_count, rows, h) = T::<E>::ll_expert_shape(y, s)?;
             if l_count == 0 || rows % r != 0 {
                 return Err(Error::ShapeMismatch {
                     what: "low-latency combine expert outputs",
                     expected: "[L, R*N, H] on every rank".into(),
-                    found: format!("{:?} on rank {s}", y.shape()),
+                    found: format!("{:?} on rank {s}", (l_count, rows, h)),
                 });
             }
             let lay = LlLayout {
@@ -373,7 +394,7 @@ impl<E: Executor> Buffer<E> {
             layout = Some(lay);
         }
         self.transport.check_ll_combine(&LlCombineCheck {
-            routes,
+            handles,
             inputs,
             masked: &self.mask,
         })?;
@@ -400,17 +421,18 @@ impl<E: Executor> Buffer<E> {
                     break;
                 }
             }
-            ExpertOut::ZeroCopy
+            None
         } else {
-            ExpertOut::Host(expert_out)
+            Some(expert_out)
         };
         loop {
             let job = LlCombineSendJob {
                 arena: &arena,
                 op: &op,
-                routes,
+                handles,
                 expert_out: y,
                 fresh: &fresh,
+                recv_follows,
             };
             let att = self.transport.run_ll_combine_send(&job);
             fresh.fill(false);
@@ -420,27 +442,27 @@ impl<E: Executor> Buffer<E> {
         }
         self.pending_hooks.push(op.call);
         Ok(LlCombineHook {
-            topk: inputs.iter().map(|i| i.topk_idx.clone()).collect(),
+            keep: inputs.iter().map(T::<E>::ll_keep).collect(),
             op,
         })
     }
 
-    /// Low-latency combine receive half, the hook (docs/protocol.md §3.6): `out[s]` is `[T_s, H]`
-    /// BF16, `None` for masked ranks.
+    /// Low-latency combine receive half, the hook (docs/protocol.md §3.6): `out[i]` is local
+    /// rank `i`'s `[T, H]` BF16, `None` for masked ranks.
     pub fn low_latency_combine_recv(
         &mut self,
-        hook: LlCombineHook,
-    ) -> Result<Vec<Option<Tensor2<bf16>>>> {
+        hook: LlCombineHook<T<E>>,
+    ) -> Result<Vec<Option<<T<E> as Tensors>::LlCombined>>> {
         self.check_poison()?;
         self.take_hook(hook.op.call)?;
         let arena = self.ll_arena()?;
-        let LlCombineHook { mut op, topk } = hook;
+        let LlCombineHook { mut op, keep } = hook;
         self.apply_mask(&mut op);
         let out = loop {
             let job = LlCombineRecvJob {
                 arena: &arena,
                 op: &op,
-                topk: &topk,
+                keep: &keep,
             };
             let att = self.transport.run_ll_combine_recv(&job);
             if let Some(out) = self.ll_settled(&mut op, att)? {
@@ -453,19 +475,19 @@ impl<E: Executor> Buffer<E> {
     /// Low-latency combine without hook: send then receive.
     pub fn low_latency_combine(
         &mut self,
-        routes: &[Option<LlRoutes>],
-        expert_out: &[Option<Tensor3<bf16>>],
-        inputs: &[RankInputs],
+        handles: &[Option<<T<E> as Tensors>::LlHandle>],
+        expert_out: &[Option<<T<E> as Tensors>::LlExpertOut>],
+        inputs: &[<T<E> as Tensors>::Inputs],
         zero_copy: bool,
-    ) -> Result<Vec<Option<Tensor2<bf16>>>> {
-        let hook = self.low_latency_combine_send(routes, expert_out, inputs, zero_copy)?;
+    ) -> Result<Vec<Option<<T<E> as Tensors>::LlCombined>>> {
+        let hook = self.ll_combine_send(handles, expert_out, inputs, zero_copy, true)?;
         self.low_latency_combine_recv(hook)
     }
 
     /// `clean_low_latency_buffer` (docs/protocol.md §3.7): zeroes every low-latency signal word
     /// of both halves on every unmasked rank, then a barrier. Refused while a hook is pending.
     pub fn clean_low_latency_buffer(&mut self) -> Result<()> {
-        self.check_poison()?;
+        self.ready()?;
         if let Some(&p) = self.pending_hooks.first() {
             return Err(Error::LowLatencyHookPending { pending_call: p });
         }

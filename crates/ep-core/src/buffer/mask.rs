@@ -75,6 +75,8 @@ impl<E: Executor> Buffer<E> {
     ///   what is in flight is recovered over the survivors ([`Transport::recover`]), and the phase
     ///   runs again. Re-running is idempotent: the same call number, the same bytes, the same
     ///   signal values (`Set`), minus the masked rank.
+    /// - An input the executor refused before any launch ([`Error::InputRefused`]) is
+    ///   returned as is: nothing ran, the buffer stays usable.
     /// - Anything else poisons the buffer and returns the error.
     ///
     /// Bounded: every re-run masks at least one more rank.
@@ -88,6 +90,7 @@ impl<E: Executor> Buffer<E> {
     ) -> Result<bool> {
         let gave_up: Vec<usize> = gave_up.into_iter().filter(|&r| !op.masked[r]).collect();
         let e = match res {
+            Err(e @ Error::InputRefused { .. }) => return Err(e),
             Ok(_) if gave_up.is_empty() => return Ok(false),
             Ok(_) => {
                 for r in gave_up {

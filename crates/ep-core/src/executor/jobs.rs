@@ -3,18 +3,16 @@
 //! row format, arena regions, the planted mutation), so that the executor derives nothing the
 //! host logic owns. Built only by the `Buffer`; their fields are crate-private.
 
-use half::bf16;
-
 use crate::error::Result;
 use crate::executor::tensors::{Host, Tensors};
 use crate::plan::intranode::InPlaceDispatch;
 use crate::plan::low_latency::LlDispatchOutput;
+use crate::protocol::layout::LlLayout;
 use crate::protocol::layout::RowFormat;
-use crate::protocol::low_latency::{ExpertOut, LlArena, LlOp, LlRows};
+use crate::protocol::low_latency::{LlArena, LlOp, LlRows};
 use crate::protocol::normal::{self, Expert, NormalArena};
 use crate::protocol::{LlRoutes, ProtocolMutation};
-use crate::routing::{Activations, ExpertIdx, RankInputs};
-use crate::tensor::{Tensor2, Tensor3};
+use crate::routing::Activations;
 use crate::transport::{SymAlloc, Team};
 
 /// The per-token checks of a normal dispatch whose shapes the `Buffer` checked: the inputs and
@@ -210,58 +208,202 @@ pub struct ExpertJob<'a> {
     pub(crate) expert: &'a Expert,
 }
 
+/// The facts of a low-latency operation a backend reads (docs/protocol.md §3): its call
+/// number, index and half, the ranks masked in it, shrink mode.
+pub struct LlOpView<'a>(pub(crate) &'a LlOp);
+
+impl LlOpView<'_> {
+    /// The call number.
+    pub fn call(&self) -> u64 {
+        self.0.call
+    }
+    /// The operation's index among the `Buffer`'s low-latency operations (from 0); its half is
+    /// `index % 2` (docs/protocol.md §3.1).
+    pub fn index(&self) -> u64 {
+        self.0.index
+    }
+    /// The half of the low-latency buffer it uses.
+    pub fn half(&self) -> u64 {
+        self.0.half
+    }
+    /// Per rank: masked in this operation.
+    pub fn masked(&self) -> &[bool] {
+        &self.0.masked
+    }
+    /// Shrink mode.
+    pub fn shrink(&self) -> bool {
+        self.0.shrink
+    }
+    /// `(N, H, R, L)` of the operation.
+    pub fn layout(&self) -> LlLayout {
+        self.0.layout
+    }
+    /// Experts of the world.
+    pub fn num_experts(&self) -> usize {
+        self.0.num_experts
+    }
+}
+
+/// The row format of a low-latency dispatch (spec §2.4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlRowFormat {
+    /// e4m3 rows with per-128 scales.
+    pub use_fp8: bool,
+    /// Scales rounded to powers of two.
+    pub round_scale: bool,
+    /// Scales packed as UE8M0 bytes.
+    pub use_ue8m0: bool,
+}
+
+impl From<LlRows> for LlRowFormat {
+    fn from(r: LlRows) -> Self {
+        Self {
+            use_fp8: r.use_fp8,
+            round_scale: r.round_scale,
+            use_ue8m0: r.use_ue8m0,
+        }
+    }
+}
+
 /// One attempt of the low-latency dispatch send half (docs/protocol.md §3.3); `fresh[d]`:
 /// rank `d`'s signal words are zero at the start (the `Buffer`'s clean-state bookkeeping).
-pub struct LlDispatchSendJob<'a> {
+/// `inputs`: the local ranks'.
+pub struct LlDispatchSendJob<'a, T: Tensors = Host> {
     pub(crate) arena: &'a LlArena,
     pub(crate) op: &'a LlOp,
-    pub(crate) xs: &'a [&'a Tensor2<bf16>],
-    pub(crate) topk: &'a [(&'a Tensor2<ExpertIdx>, &'a Tensor2<f32>)],
+    pub(crate) inputs: &'a [T::Inputs],
     pub(crate) rows: LlRows,
     pub(crate) mutation: ProtocolMutation,
     pub(crate) fresh: &'a [bool],
+    pub(crate) recv_follows: bool,
 }
 
-/// One attempt of the low-latency dispatch receive half, the hook (docs/protocol.md §3.4).
-pub struct LlDispatchRecvJob<'a> {
+impl<T: Tensors> LlDispatchSendJob<'_, T> {
+    /// The operation.
+    pub fn op(&self) -> LlOpView<'_> {
+        LlOpView(self.op)
+    }
+    /// The local ranks' inputs.
+    pub fn inputs(&self) -> &[T::Inputs] {
+        self.inputs
+    }
+    /// The rows' format.
+    pub fn rows(&self) -> LlRowFormat {
+        self.rows.into()
+    }
+    /// The receive half is run right after this one (a call without hook): a backend may
+    /// launch both halves at once.
+    pub fn recv_follows(&self) -> bool {
+        self.recv_follows
+    }
+}
+
+/// One attempt of the low-latency dispatch receive half, the hook (docs/protocol.md §3.4):
+/// `keep` what the send half kept of each local rank's inputs.
+pub struct LlDispatchRecvJob<'a, T: Tensors = Host> {
     pub(crate) arena: &'a LlArena,
     pub(crate) op: &'a LlOp,
     pub(crate) rows: LlRows,
-    pub(crate) topk: &'a [(Tensor2<ExpertIdx>, Tensor2<f32>)],
+    pub(crate) keep: &'a [T::LlKeep],
     pub(crate) mutation: ProtocolMutation,
+}
+
+impl<T: Tensors> LlDispatchRecvJob<'_, T> {
+    /// The operation.
+    pub fn op(&self) -> LlOpView<'_> {
+        LlOpView(self.op)
+    }
+    /// The rows' format.
+    pub fn rows(&self) -> LlRowFormat {
+        self.rows.into()
+    }
 }
 
 /// One attempt of writing zero-copy expert outputs into the operation's registered region
-/// (what the caller's GEMM does on the GPU).
-pub struct LlExpertOutputJob<'a> {
+/// (what the caller's GEMM does on the GPU), per local rank (`None`: masked).
+pub struct LlExpertOutputJob<'a, T: Tensors = Host> {
     pub(crate) arena: &'a LlArena,
     pub(crate) op: &'a LlOp,
-    pub(crate) expert_out: &'a [Option<Tensor3<bf16>>],
+    pub(crate) expert_out: &'a [Option<T::LlExpertOut>],
+}
+
+impl<T: Tensors> LlExpertOutputJob<'_, T> {
+    /// The operation.
+    pub fn op(&self) -> LlOpView<'_> {
+        LlOpView(self.op)
+    }
+    /// The local ranks' expert outputs.
+    pub fn expert_out(&self) -> &[Option<T::LlExpertOut>] {
+        self.expert_out
+    }
 }
 
 /// One attempt of the low-latency combine send half (docs/protocol.md §3.5); `fresh` as in
-/// [`LlDispatchSendJob`].
-pub struct LlCombineSendJob<'a> {
+/// [`LlDispatchSendJob`]. `expert_out`: the local ranks' expert outputs, `None` when they are
+/// in the operation's zero-copy region.
+pub struct LlCombineSendJob<'a, T: Tensors = Host> {
     pub(crate) arena: &'a LlArena,
     pub(crate) op: &'a LlOp,
-    pub(crate) routes: &'a [Option<LlRoutes>],
-    pub(crate) expert_out: ExpertOut<'a>,
+    pub(crate) handles: &'a [Option<T::LlHandle>],
+    pub(crate) expert_out: Option<&'a [Option<T::LlExpertOut>]>,
     pub(crate) fresh: &'a [bool],
+    pub(crate) recv_follows: bool,
+}
+
+impl<T: Tensors> LlCombineSendJob<'_, T> {
+    /// The operation.
+    pub fn op(&self) -> LlOpView<'_> {
+        LlOpView(self.op)
+    }
+    /// The local ranks' dispatch handles (`None`: masked).
+    pub fn handles(&self) -> &[Option<T::LlHandle>] {
+        self.handles
+    }
+    /// The local ranks' expert outputs; `None`: read from the zero-copy region.
+    pub fn expert_out(&self) -> Option<&[Option<T::LlExpertOut>]> {
+        self.expert_out
+    }
+    /// The receive half is run right after this one (as [`LlDispatchSendJob::recv_follows`]).
+    pub fn recv_follows(&self) -> bool {
+        self.recv_follows
+    }
 }
 
 /// One attempt of the low-latency combine receive half, the hook (docs/protocol.md §3.6).
-pub struct LlCombineRecvJob<'a> {
+pub struct LlCombineRecvJob<'a, T: Tensors = Host> {
     pub(crate) arena: &'a LlArena,
     pub(crate) op: &'a LlOp,
-    pub(crate) topk: &'a [Tensor2<ExpertIdx>],
+    pub(crate) keep: &'a [T::LlKeep],
 }
 
-/// The per-token checks of a low-latency combine: each unmasked rank's routing equal to its
-/// dispatch's (`routes[s]` present for those ranks, the `Buffer` checked).
-pub struct LlCombineCheck<'a> {
-    pub(crate) routes: &'a [Option<LlRoutes>],
-    pub(crate) inputs: &'a [RankInputs],
+impl<T: Tensors> LlCombineRecvJob<'_, T> {
+    /// The operation.
+    pub fn op(&self) -> LlOpView<'_> {
+        LlOpView(self.op)
+    }
+}
+
+/// The per-token checks of a low-latency combine: each unmasked local rank's routing equal to
+/// its dispatch's (`handles[i]` present for those ranks, the `Buffer` checked).
+pub struct LlCombineCheck<'a, T: Tensors = Host> {
+    pub(crate) handles: &'a [Option<T::LlHandle>],
+    pub(crate) inputs: &'a [T::Inputs],
     pub(crate) masked: &'a [bool],
+}
+
+impl<T: Tensors> LlCombineCheck<'_, T> {
+    /// The local ranks' dispatch handles.
+    pub fn handles(&self) -> &[Option<T::LlHandle>] {
+        self.handles
+    }
+    /// The local ranks' routing inputs.
+    pub fn inputs(&self) -> &[T::Inputs] {
+        self.inputs
+    }
+    /// Per rank of the world: masked.
+    pub fn masked(&self) -> &[bool] {
+        self.masked
+    }
 }
 
 /// `clean_low_latency_buffer` of call `call` (docs/protocol.md §3.7) on the unmasked ranks.
@@ -281,14 +423,14 @@ pub struct ResetJob<'a> {
 
 /// What one attempt of a low-latency phase gave: the phase's result, the peers its receive
 /// agents gave up on (shrink mode), and — when the phase succeeded with no peer given up on —
-/// each rank's output (`None` for ranks masked in the job's operation).
+/// each local rank's output (`None` for ranks masked in the job's operation).
 #[derive(Debug)]
 pub struct LlAttempt<X> {
     /// The phase's result.
     pub result: Result<()>,
     /// Ranks the receive agents gave up on, ascending (a rank may be listed though masked).
     pub gave_up: Vec<usize>,
-    /// Per rank, when the attempt is final; empty otherwise and for the send halves.
+    /// Per local rank, when the attempt is final; empty otherwise and for the send halves.
     pub out: Vec<Option<Result<X>>>,
 }
 
@@ -296,7 +438,7 @@ pub struct LlAttempt<X> {
 /// the rows stay in the arena.
 pub type NormalDispatched = (InPlaceDispatch, Option<Activations>);
 
-/// What a low-latency dispatch hook produced on one rank.
+/// What a low-latency dispatch hook produced on one rank (host tensors).
 pub type LlRecvOut = (LlDispatchOutput, LlRoutes);
 
 /// Garbage `value` in every low-latency signal word of every rank, as call `call`.

@@ -26,21 +26,17 @@ mod agents;
 
 pub use jobs::{
     CachedDispatchJob, ExpertJob, LlAttempt, LlCleanJob, LlCombineCheck, LlCombineRecvJob,
-    LlCombineSendJob, LlDispatchRecvJob, LlDispatchSendJob, LlExpertOutputJob, LlRecvOut,
-    NormalCombineCheck, NormalCombineJob, NormalDispatchCheck, NormalDispatchJob, NormalDispatched,
-    ResetJob,
+    LlCombineSendJob, LlDispatchRecvJob, LlDispatchSendJob, LlExpertOutputJob, LlOpView, LlRecvOut,
+    LlRowFormat, NormalCombineCheck, NormalCombineJob, NormalDispatchCheck, NormalDispatchJob,
+    NormalDispatched, ResetJob,
 };
 pub use jobs::{CombineFrom, InArenaRows};
 pub use tensors::{CombineShapes, Host, Tensors};
 
-use half::bf16;
-
 use crate::error::Result;
-use crate::plan::low_latency::{LlDispatchOutput, LlParams};
+use crate::plan::low_latency::LlParams;
 use crate::protocol::low_latency::LlArena;
 use crate::protocol::normal::NormalArena;
-use crate::routing::RankInputs;
-use crate::tensor::Tensor2;
 use crate::transport::Transport;
 
 /// A transport that executes every phase as the protocol's agents over
@@ -123,31 +119,45 @@ pub trait Executor: Transport {
 
     /// The per-token checks of a low-latency dispatch whose shapes the `Buffer` checked
     /// (`plan::low_latency::validate_dispatch_routing`: expert ids in range, at most `N`
-    /// entries of a rank to one expert).
-    fn check_ll_dispatch(&self, inputs: &[RankInputs], params: &LlParams) -> Result<()>;
+    /// entries of a rank to one expert), over the local ranks' inputs.
+    fn check_ll_dispatch(
+        &self,
+        inputs: &[<Self::T as Tensors>::Inputs],
+        params: &LlParams,
+    ) -> Result<()>;
 
     /// One attempt of the low-latency dispatch send half.
-    fn run_ll_dispatch_send(&mut self, job: &LlDispatchSendJob<'_>) -> LlAttempt<()>;
+    fn run_ll_dispatch_send(&mut self, job: &LlDispatchSendJob<'_, Self::T>) -> LlAttempt<()>;
 
-    /// One attempt of the low-latency dispatch receive half. `spare[d]`: earlier outputs of
-    /// rank `d` whose arrays the attempt may reuse; what it did not take stays there.
+    /// One attempt of the low-latency dispatch receive half. `spare[i]`: earlier outputs of
+    /// local rank `i` whose arrays the attempt may reuse; what it did not take stays there.
     fn run_ll_dispatch_recv(
         &mut self,
-        job: &LlDispatchRecvJob<'_>,
-        spare: &mut [Option<LlDispatchOutput>],
-    ) -> LlAttempt<LlRecvOut>;
+        job: &LlDispatchRecvJob<'_, Self::T>,
+        spare: &mut [Option<<Self::T as Tensors>::LlSpare>],
+    ) -> LlAttempt<<Self::T as Tensors>::LlRecv>;
 
     /// One attempt of writing zero-copy expert outputs into the operation's region.
-    fn run_ll_expert_output(&mut self, job: &LlExpertOutputJob<'_>) -> LlAttempt<()>;
+    fn run_ll_expert_output(&mut self, job: &LlExpertOutputJob<'_, Self::T>) -> LlAttempt<()>;
 
     /// The per-token checks of a low-latency combine.
-    fn check_ll_combine(&self, job: &LlCombineCheck<'_>) -> Result<()>;
+    fn check_ll_combine(&self, job: &LlCombineCheck<'_, Self::T>) -> Result<()>;
 
     /// One attempt of the low-latency combine send half.
-    fn run_ll_combine_send(&mut self, job: &LlCombineSendJob<'_>) -> LlAttempt<()>;
+    fn run_ll_combine_send(&mut self, job: &LlCombineSendJob<'_, Self::T>) -> LlAttempt<()>;
 
-    /// One attempt of the low-latency combine receive half: per rank `[T, H]` BF16.
-    fn run_ll_combine_recv(&mut self, job: &LlCombineRecvJob<'_>) -> LlAttempt<Tensor2<bf16>>;
+    /// One attempt of the low-latency combine receive half: per local rank `[T, H]` BF16.
+    fn run_ll_combine_recv(
+        &mut self,
+        job: &LlCombineRecvJob<'_, Self::T>,
+    ) -> LlAttempt<<Self::T as Tensors>::LlCombined>;
+
+    /// Ranks the executor's kernels masked on their own (shrink mode) since the last call of
+    /// it, found by [`Executor::sync`]; the `Buffer` adopts them into its mask. The host
+    /// executors report a lost peer in the attempt instead ([`LlAttempt::gave_up`]).
+    fn take_masked_by_device(&mut self) -> Vec<usize> {
+        Vec::new()
+    }
 
     /// The clean phase of `clean_low_latency_buffer` (the `Buffer` runs the barrier after it).
     fn run_ll_clean(&mut self, job: &LlCleanJob<'_>) -> Result<()>;

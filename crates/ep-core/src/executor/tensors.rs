@@ -4,15 +4,20 @@
 //! (`ep_kernels::gpu::DevTensors`). The `Buffer` reads shapes, dtypes and devices only, never
 //! contents, so its host logic runs unchanged over device memory without a copy.
 
+use half::bf16;
+
+use crate::buffer::LlDispatched;
 use crate::buffer::check::HandleShapes;
 use crate::error::Result;
-use crate::executor::jobs::NormalDispatched;
+use crate::executor::jobs::{LlRecvOut, NormalDispatched};
 use crate::plan::combine::{CombineArgs, CombineOutput};
 use crate::plan::intranode::{IntranodeDispatch, IntranodeHandle};
 use crate::plan::layout::DispatchLayout;
+use crate::plan::low_latency::LlDispatchOutput;
+use crate::protocol::LlRoutes;
 use crate::protocol::layout::RowFormat;
 use crate::routing::{Activations, ExpertIdx, InputShapes, RankInputs};
-use crate::tensor::Tensor2;
+use crate::tensor::{Tensor2, Tensor3};
 
 /// The shapes of one rank's combine inputs (spec §1.8).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,6 +53,23 @@ pub trait Tensors {
     /// What combine gives a rank.
     type Combined;
 
+    /// Low-latency: what a dispatch keeps of a rank's inputs for its receive half and for the
+    /// combine's receive half (host: the top-k ids and weights; GPU: nothing, the device keeps
+    /// what it needs).
+    type LlKeep;
+    /// Low-latency: what a dispatch receive half gives one rank.
+    type LlRecv;
+    /// Low-latency: an earlier output whose arrays a dispatch receive half may reuse.
+    type LlSpare;
+    /// Low-latency: what `Buffer::low_latency_dispatch` returns for the local ranks.
+    type LlDispatched;
+    /// Low-latency: what one rank's combine needs from its dispatch.
+    type LlHandle;
+    /// Low-latency: one rank's expert outputs, `[L, R·N, H]` BF16 in the packed layout.
+    type LlExpertOut;
+    /// Low-latency: one rank's combined tokens, `[T, H]` BF16.
+    type LlCombined;
+
     /// `[T, K]` of rank `rank`'s expert ids (dtype and device checked).
     fn idx_shape(idx: &Self::Idx, rank: usize) -> Result<(usize, usize)>;
 
@@ -66,6 +88,18 @@ pub trait Tensors {
 
     /// The dispatch output of rank `rank` from its phase's.
     fn finish_dispatch(d: Self::Dispatched, rank: usize) -> Result<Self::Dispatch>;
+
+    /// What a low-latency dispatch keeps of a rank's inputs (shapes checked).
+    fn ll_keep(x: &Self::Inputs) -> Self::LlKeep;
+
+    /// The local ranks' low-latency dispatch outputs (`None`: masked) as the call returns them.
+    fn ll_collect(out: Vec<Option<Self::LlRecv>>) -> Self::LlDispatched;
+
+    /// The arrays of earlier outputs `d` a receive half may reuse, per local rank.
+    fn ll_spares(d: Self::LlDispatched) -> Vec<Option<Self::LlSpare>>;
+
+    /// `(L, R·N, H)` of rank `rank`'s expert outputs (dtype and device checked).
+    fn ll_expert_shape(y: &Self::LlExpertOut, rank: usize) -> Result<(usize, usize, usize)>;
 }
 
 /// The row format of inputs of shapes `s` (top-k not counted).
@@ -94,6 +128,13 @@ impl Tensors for Host {
     type Rows = Activations;
     type CombineIn<'a> = CombineArgs<'a>;
     type Combined = CombineOutput;
+    type LlKeep = (Tensor2<ExpertIdx>, Tensor2<f32>);
+    type LlRecv = LlRecvOut;
+    type LlSpare = LlDispatchOutput;
+    type LlDispatched = LlDispatched;
+    type LlHandle = LlRoutes;
+    type LlExpertOut = Tensor3<bf16>;
+    type LlCombined = Tensor2<bf16>;
 
     fn idx_shape(idx: &Self::Idx, _rank: usize) -> Result<(usize, usize)> {
         Ok(idx.shape())
@@ -135,5 +176,22 @@ impl Tensors for Host {
             detail: "the receiver returned no rows".into(),
         })?;
         Ok(d.with_recv_x(recv_x))
+    }
+
+    fn ll_keep(x: &RankInputs) -> Self::LlKeep {
+        (x.topk_idx.clone(), x.topk_weights.clone())
+    }
+
+    fn ll_collect(out: Vec<Option<LlRecvOut>>) -> LlDispatched {
+        let (outputs, routes) = out.into_iter().map(|o| o.unzip()).unzip();
+        LlDispatched { outputs, routes }
+    }
+
+    fn ll_spares(d: LlDispatched) -> Vec<Option<LlDispatchOutput>> {
+        d.outputs
+    }
+
+    fn ll_expert_shape(y: &Tensor3<bf16>, _rank: usize) -> Result<(usize, usize, usize)> {
+        Ok(y.shape())
     }
 }

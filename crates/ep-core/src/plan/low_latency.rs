@@ -365,18 +365,37 @@ pub fn validate_dispatch(inputs: &[RankInputs], params: &LlParams) -> Result<LlS
 /// the tensors): the call's scalars, `H`, and per rank BF16 `x` of that `H`, consistent shapes,
 /// `T ≤ N` and `K ≤ 11`. Reads no tensor contents.
 pub fn validate_dispatch_shapes(shapes: &[InputShapes], params: &LlParams) -> Result<LlShape> {
-    validate_params(shapes.len(), params)?;
+    let ranks: Vec<usize> = (0..shapes.len()).collect();
+    validate_local_dispatch_shapes(shapes.len(), &ranks, shapes, params)
+}
+
+/// [`validate_dispatch_shapes`] of a process that holds some of the `num_ranks` ranks:
+/// `shapes[i]` are rank `ranks[i]`'s (every rank holds the same `H` — the kernels of the
+/// others check theirs).
+pub fn validate_local_dispatch_shapes(
+    num_ranks: usize,
+    ranks: &[usize],
+    shapes: &[InputShapes],
+    params: &LlParams,
+) -> Result<LlShape> {
+    validate_params(num_ranks, params)?;
+    if shapes.is_empty() || shapes.len() != ranks.len() {
+        return Err(Error::RankCountMismatch {
+            expected: ranks.len(),
+            found: shapes.len(),
+        });
+    }
     let hidden = shapes[0].x.1;
     validate_hidden(hidden, params.use_fp8)?;
     let n = params.num_max_dispatch_tokens_per_rank;
-    for (rank, sh) in shapes.iter().enumerate() {
+    for (&rank, sh) in ranks.iter().zip(shapes) {
         if sh.fp8 {
             return Err(Error::LlExpectsBf16 { rank });
         }
         if sh.x.1 != hidden {
             return Err(Error::ShapeMismatch {
                 what: "hidden size across ranks",
-                expected: format!("{hidden} (rank 0)"),
+                expected: format!("{hidden} (rank {})", ranks[0]),
                 found: format!("{} (rank {rank})", sh.x.1),
             });
         }
@@ -384,8 +403,8 @@ pub fn validate_dispatch_shapes(shapes: &[InputShapes], params: &LlParams) -> Re
         validate_rank(sh, rank, n)?;
     }
     Ok(LlShape {
-        num_ranks: shapes.len(),
-        num_local_experts: params.num_experts / shapes.len(),
+        num_ranks,
+        num_local_experts: params.num_experts / num_ranks,
         hidden,
         num_max_dispatch_tokens_per_rank: n,
     })

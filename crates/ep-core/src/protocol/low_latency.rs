@@ -39,6 +39,19 @@ pub struct LlArena {
     pub(crate) data: SymAlloc,
 }
 
+impl LlArena {
+    /// The arena of `num_ranks` ranks: `signals` (zeroed) then `data` (poisoned), as an
+    /// executor allocated them ([`Executor::alloc_low_latency`](crate::Executor::alloc_low_latency)).
+    #[must_use]
+    pub fn new(num_ranks: usize, signals: SymAlloc, data: SymAlloc) -> Self {
+        Self {
+            num_ranks,
+            signals,
+            data,
+        }
+    }
+}
+
 /// Where combine finds each token's expert rows on an expert rank: what the dispatch hook
 /// recorded per (source rank, message slot). Returned beside the dispatch outputs; pass it to
 /// the combine of the same dispatch.
@@ -78,6 +91,8 @@ pub(crate) struct LlRows {
 #[derive(Clone, Debug)]
 pub(crate) struct LlOp {
     pub(crate) call: u64,
+    /// Its index among the `Buffer`'s low-latency operations; `half = index % 2`.
+    pub(crate) index: u64,
     pub(crate) half: u64,
     pub(crate) layout: LlLayout,
     pub(crate) masked: Vec<bool>,
@@ -720,14 +735,14 @@ fn combine_send(
 pub(crate) fn combine_recv_phase<'a>(
     arena: &'a LlArena,
     op: &'a LlOp,
-    topk: &'a [Tensor2<ExpertIdx>],
+    topk: &'a [(Tensor2<ExpertIdx>, Tensor2<f32>)],
     out: &'a [Mutex<Option<Tensor2<bf16>>>],
     expired: &'a Expired,
 ) -> Phase<'a> {
     let mut phase = Phase::new(PhaseKind::LowLatencyCombineRecv, op.call);
     for s in (0..arena.num_ranks).filter(|&s| op.live(s)) {
         phase = phase.agent(s, 0, "ll-reducer", move |ctx: &mut dyn AgentCtx| {
-            let res = combine_recv(ctx, arena, op, &topk[s], expired)?;
+            let res = combine_recv(ctx, arena, op, &topk[s].0, expired)?;
             put_slot(&out[s], res);
             Ok(())
         });

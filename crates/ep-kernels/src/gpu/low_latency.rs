@@ -783,7 +783,8 @@ impl LlGroup {
         self.barrier_processes()
     }
 
-    fn check_ready(&mut self) -> Result<()> {
+    /// What the device reported since the last call (an error record), as a typed error.
+    pub(crate) fn check_ready(&mut self) -> Result<()> {
         if let Some(cause) = &self.poison {
             return Err(Error::Poisoned {
                 cause: cause.clone(),
@@ -1044,6 +1045,29 @@ impl LlGroup {
     /// `low_latency_query_mask_buffer`: which ranks are masked.
     pub fn query_mask(&self) -> Vec<bool> {
         self.mask.clone()
+    }
+
+    /// Sets the mask to `mask` (one entry per rank) when it differs (a `Buffer`'s operation
+    /// carries its mask; the device words follow it).
+    pub(crate) fn set_mask(&mut self, mask: &[bool]) -> Result<()> {
+        self.not_capturing("set_mask")?;
+        if mask.len() != self.num_ranks() {
+            return Err(Error::RankCountMismatch {
+                expected: self.num_ranks(),
+                found: mask.len(),
+            });
+        }
+        if self.mask == mask {
+            return Ok(());
+        }
+        self.mask = mask.to_vec();
+        self.write_mask()
+    }
+
+    /// The next operation is the `Buffer`'s low-latency operation `index` (its half is
+    /// `index % 2`): the `Buffer` owns the operation counter (docs/buffer-api.md, step 3b).
+    pub(crate) fn set_next_op(&mut self, index: u64) {
+        self.op = index;
     }
 
     /// `low_latency_clean_mask_buffer`: unmasks every rank.
@@ -1506,6 +1530,19 @@ impl LlGroup {
         inputs: &[LlCombineInput<'_>],
         args: &LlCombineArgs,
     ) -> Result<Vec<DevTensor>> {
+        let handles: Vec<Option<&LlGpuHandle>> = handles.iter().copied().map(Some).collect();
+        let out = self.combine_ranks(&handles, inputs, args)?;
+        Ok(out.into_iter().flatten().collect())
+    }
+
+    /// [`LlGroup::combine_with`] where a masked local rank may have no handle (`None`: its
+    /// kernels are not launched, its output is `None`).
+    pub(crate) fn combine_ranks(
+        &mut self,
+        handles: &[Option<&LlGpuHandle>],
+        inputs: &[LlCombineInput<'_>],
+        args: &LlCombineArgs,
+    ) -> Result<Vec<Option<DevTensor>>> {
         let return_recv_hook = args.return_recv_hook;
         let r = self.ranks.len();
         for found in [handles.len(), inputs.len()] {
@@ -1519,6 +1556,14 @@ impl LlGroup {
         );
         for (li, (hd, inp)) in handles.iter().zip(inputs).enumerate() {
             let s = self.ranks[li].rank;
+            let Some(hd) = hd else {
+                if self.mask[s] {
+                    continue;
+                }
+                return Err(Error::Unsupported(format!(
+                    "no dispatch handle for rank {s}, which is not masked"
+                )));
+            };
             let dhalf = ll_half(hd.op) as usize;
             let live = self.ranks[li].halves[dhalf].dispatch;
             if hd.rank != s || hd.generation != self.generation || live.map(|d| d.0) != Some(hd.op)
@@ -1553,7 +1598,7 @@ impl LlGroup {
         if let Some(cap) = &mut self.capture {
             // A replay's combine finds its routing in the previous operation's half: only a
             // handle of the operation just before can be captured (docs/protocol.md §3.10).
-            if handles.iter().any(|hd| hd.op + 1 != self.op) {
+            if handles.iter().flatten().any(|hd| hd.op + 1 != self.op) {
                 return Err(Error::NotCapturable {
                     what: "a combine whose handle is not from the operation just before it".into(),
                     fix: "capture the combine right after its dispatch (with only its recv_hook between)"
@@ -1561,7 +1606,12 @@ impl LlGroup {
                 });
             }
             if self.op == cap.op0 {
-                cap.prev = Some(handles.iter().map(|hd| hd.num_tokens).collect());
+                cap.prev = Some(
+                    handles
+                        .iter()
+                        .map(|hd| hd.map_or(0, |hd| hd.num_tokens))
+                        .collect(),
+                );
             }
         }
         let zero_copy: Vec<DevTensor> = (0..r)
@@ -1576,6 +1626,11 @@ impl LlGroup {
         let mut recv_args = Vec::with_capacity(r);
         let mut out = Vec::with_capacity(r);
         for (s, (hd, inp)) in handles.iter().zip(inputs).enumerate() {
+            let Some(hd) = hd else {
+                recv_args.push(None);
+                out.push(None);
+                continue;
+            };
             let dhalf = ll_half(hd.op);
             let db = &self.ranks[s].halves[dhalf as usize];
             let cb = &self.ranks[s].halves[half as usize];
@@ -1597,16 +1652,17 @@ impl LlGroup {
             };
             a.combined_x = cb.combined.ptr();
             let a = self.with_smem(a);
-            out.push(DevTensor::contiguous(
+            out.push(Some(DevTensor::contiguous(
                 cb.combined.clone(),
                 0,
                 DType::Bf16,
                 hd.num_tokens,
                 h,
-            ));
-            recv_args.push(a);
+            )));
+            recv_args.push(Some(a));
         }
         for (s, a) in recv_args.iter().enumerate() {
+            let Some(a) = a else { continue };
             let mut send = *a;
             send.flags |= abi::EP_FLAG_LL_SEND;
             if !return_recv_hook {
@@ -1615,7 +1671,7 @@ impl LlGroup {
             self.launch(s, self.combine_fn(Some(&send)), &send)?;
         }
         if return_recv_hook {
-            self.pending = Some(Pending::Combine(recv_args.into_iter().map(Some).collect()));
+            self.pending = Some(Pending::Combine(recv_args));
         }
         Ok(out)
     }

@@ -35,7 +35,7 @@ pub mod tensor;
 pub mod trace;
 
 pub use device::Device;
-pub use executor::{DevTensors, Gpu, GpuCombineIn, GpuInputs, GpuRows};
+pub use executor::{DevTensors, Gpu, GpuCombineIn, GpuExpertOut, GpuInputs, GpuRows};
 pub use low_latency::{
     LlCombineArgs, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGpuHandle, LlGraph,
     LlGroup, LlPoison, LlRankInputs, LlStats, LlVariant,

@@ -9,6 +9,7 @@
     reason = "each test binary uses a part of the shared helpers"
 )]
 
+pub(crate) mod ll;
 pub(crate) mod procs;
 
 use std::sync::Arc;

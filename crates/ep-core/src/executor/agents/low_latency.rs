@@ -12,8 +12,9 @@ use crate::executor::jobs::{
     LlDispatchSendJob, LlExpertOutputJob, LlRecvOut,
 };
 use crate::plan::low_latency::LlDispatchOutput;
-use crate::protocol::low_latency::{self as ll, Expired, LlArena, LlOp};
+use crate::protocol::low_latency::{self as ll, ExpertOut, Expired, LlArena, LlOp};
 use crate::protocol::normal::take_slot;
+use crate::routing::{Activations, ExpertIdx};
 use crate::tensor::Tensor2;
 use crate::transport::{Phase, Transport};
 
@@ -54,8 +55,31 @@ fn assume_zero<'a>(mut phase: Phase<'a>, arena: &LlArena, fresh: &[bool]) -> Pha
 
 pub(super) fn dispatch_send(t: &mut impl Transport, job: &LlDispatchSendJob<'_>) -> LlAttempt<()> {
     let expired = Expired::new(job.arena.num_ranks);
-    let phase =
-        ll::dispatch_send_phase(job.arena, job.op, job.xs, job.topk, job.rows, job.mutation);
+    let xs: Result<Vec<&Tensor2<bf16>>> = job
+        .inputs
+        .iter()
+        .enumerate()
+        .map(|(s, i)| match &i.x {
+            Activations::Bf16(x) => Ok(x),
+            Activations::Fp8 { .. } => Err(Error::LlExpectsBf16 { rank: s }),
+        })
+        .collect();
+    let xs = match xs {
+        Ok(xs) => xs,
+        Err(e) => {
+            return LlAttempt {
+                result: Err(e),
+                gave_up: Vec::new(),
+                out: Vec::new(),
+            };
+        }
+    };
+    let topk: Vec<(&Tensor2<ExpertIdx>, &Tensor2<f32>)> = job
+        .inputs
+        .iter()
+        .map(|i| (&i.topk_idx, &i.topk_weights))
+        .collect();
+    let phase = ll::dispatch_send_phase(job.arena, job.op, &xs, &topk, job.rows, job.mutation);
     let phase = assume_zero(phase, job.arena, job.fresh);
     attempt(t, phase, job.op, &expired, &[], "ll-sender")
 }
@@ -74,7 +98,7 @@ pub(super) fn dispatch_recv(
         job.arena,
         job.op,
         job.rows,
-        job.topk,
+        job.keep,
         job.mutation,
         &out,
         &lent,
@@ -96,7 +120,7 @@ pub(super) fn expert_output(t: &mut impl Transport, job: &LlExpertOutputJob<'_>)
 /// Each unmasked rank's `topk_idx` and `topk_weights` (bit for bit) equal to its dispatch's.
 pub(super) fn check_combine(job: &LlCombineCheck<'_>) -> Result<()> {
     for s in (0..job.masked.len()).filter(|&s| !job.masked[s]) {
-        let (Some(rt), Some(inp)) = (&job.routes[s], job.inputs.get(s)) else {
+        let (Some(rt), Some(inp)) = (&job.handles[s], job.inputs.get(s)) else {
             continue;
         };
         if rt.topk_idx != inp.topk_idx
@@ -114,7 +138,11 @@ pub(super) fn check_combine(job: &LlCombineCheck<'_>) -> Result<()> {
 
 pub(super) fn combine_send(t: &mut impl Transport, job: &LlCombineSendJob<'_>) -> LlAttempt<()> {
     let expired = Expired::new(job.arena.num_ranks);
-    let phase = ll::combine_send_phase(job.arena, job.op, job.routes, job.expert_out);
+    let y = match job.expert_out {
+        Some(y) => ExpertOut::Host(y),
+        None => ExpertOut::ZeroCopy,
+    };
+    let phase = ll::combine_send_phase(job.arena, job.op, job.handles, y);
     let phase = assume_zero(phase, job.arena, job.fresh);
     attempt(t, phase, job.op, &expired, &[], "ll-combiner")
 }
@@ -126,7 +154,7 @@ pub(super) fn combine_recv(
     let r = job.arena.num_ranks;
     let out: Vec<Mutex<Option<Tensor2<bf16>>>> = (0..r).map(|_| Mutex::new(None)).collect();
     let expired = Expired::new(r);
-    let phase = ll::combine_recv_phase(job.arena, job.op, job.topk, &out, &expired);
+    let phase = ll::combine_recv_phase(job.arena, job.op, job.keep, &out, &expired);
     attempt(t, phase, job.op, &expired, &out, "ll-reducer")
 }
 

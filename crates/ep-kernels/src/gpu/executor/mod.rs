@@ -5,9 +5,10 @@
 //! drives the simulator, with the same outputs.
 //!
 //! Normal mode (docs/protocol.md §2) runs here; the kernels and their launches are
-//! [`NormalGroup`]'s, created when the `Buffer` allocates its arena. Low-latency mode is
-//! [`LlGroup`](super::LlGroup)'s and does not run through `Buffer<Gpu>` yet: a `Buffer` with
-//! `low_latency_mode` over a `Gpu` is refused at creation with a typed error.
+//! [`NormalGroup`]'s, created when the `Buffer` allocates its arena. Low-latency mode
+//! (docs/protocol.md §3) is [`LlGroup`](super::LlGroup)'s kernels under the `Buffer`'s
+//! operations (`low_latency`): variant (a) for co-resident ranks, or over an NVSHMEM session
+//! ([`Gpu::with_nvshmem`]: variant (b), or one rank per process).
 //!
 //! Errors: the shape-level ones are ep-core's; the GPU's own keep their type inside
 //! [`ep_core::Error::Backend`] (a failed phase: the `Buffer` is poisoned until `reset`) or
@@ -17,25 +18,30 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use ep_core::Executor;
 use ep_core::buffer::check::HandleShapes;
 use ep_core::error::BackendError;
 use ep_core::executor::{
     CachedDispatchJob, CombineShapes, ExpertJob, LlAttempt, LlCleanJob, LlCombineCheck,
     LlCombineRecvJob, LlCombineSendJob, LlDispatchRecvJob, LlDispatchSendJob, LlExpertOutputJob,
-    LlRecvOut, NormalCombineCheck, NormalCombineJob, NormalDispatchCheck, NormalDispatchJob,
-    ResetJob, Tensors,
+    NormalCombineCheck, NormalCombineJob, NormalDispatchCheck, NormalDispatchJob, ResetJob,
+    Tensors,
 };
-use ep_core::plan::low_latency::{LlDispatchOutput, LlParams};
+use ep_core::plan::low_latency::LlParams;
 use ep_core::protocol::{LlArena, NormalArena};
 use ep_core::routing::InputShapes;
 use ep_core::transport::{
     AllocRequest, FabricParams, Init, Phase, PhaseReport, Region, SymAddr, SymAlloc, Team,
     Transport,
 };
-use ep_core::{Executor, RankInputs, Tensor2};
-use half::bf16;
+
+mod low_latency;
+
+pub use low_latency::GpuExpertOut;
+use low_latency::{LlExec, LlPeers};
 
 use super::device::Device;
+use super::low_latency::{LlGpuDispatch, LlGpuHandle, LlGroup, LlVariant};
 use super::normal::{
     CombineSource, GpuCombineArgs, GpuCombined, GpuDispatch, GpuDispatchArgs, GpuHandle, GpuLayout,
     GpuRankInputs, NormalGroup, copy_2d,
@@ -43,6 +49,7 @@ use super::normal::{
 use super::tensor::{DType, DevTensor};
 use crate::error::Error;
 use crate::exchange::Exchange;
+use crate::nvshmem::NvshmemSession;
 
 /// One rank's dispatch inputs on the device (owned views: cloning a [`DevTensor`] shares its
 /// memory).
@@ -146,6 +153,13 @@ impl Tensors for DevTensors {
     type Rows = GpuRows;
     type CombineIn<'a> = GpuCombineIn<'a>;
     type Combined = GpuCombined;
+    type LlKeep = ();
+    type LlRecv = LlGpuDispatch;
+    type LlSpare = ();
+    type LlDispatched = Vec<Option<LlGpuDispatch>>;
+    type LlHandle = LlGpuHandle;
+    type LlExpertOut = GpuExpertOut;
+    type LlCombined = DevTensor;
 
     fn idx_shape(idx: &DevTensor, rank: usize) -> ep_core::Result<(usize, usize)> {
         idx.expect(&format!("topk_idx of rank {rank}"), DType::I64, None, None)
@@ -240,6 +254,21 @@ impl Tensors for DevTensors {
     fn finish_dispatch(d: GpuDispatch, _rank: usize) -> ep_core::Result<GpuDispatch> {
         Ok(d)
     }
+
+    fn ll_keep(_x: &GpuInputs) {}
+
+    fn ll_collect(out: Vec<Option<LlGpuDispatch>>) -> Vec<Option<LlGpuDispatch>> {
+        out
+    }
+
+    fn ll_spares(d: Vec<Option<LlGpuDispatch>>) -> Vec<Option<()>> {
+        // The outputs are views of the group's buffers: nothing to reuse.
+        d.iter().map(|_| None).collect()
+    }
+
+    fn ll_expert_shape(y: &GpuExpertOut, rank: usize) -> ep_core::Result<(usize, usize, usize)> {
+        y.shape(rank).map_err(refused)
+    }
 }
 
 /// Where the ranks of a [`Gpu`] live.
@@ -263,6 +292,9 @@ pub struct Gpu {
     timeout: Option<Duration>,
     placement: Placement,
     normal: Option<NormalGroup>,
+    /// How a low-latency group reaches its peers.
+    ll_peers: LlPeers,
+    ll: Option<LlExec>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -289,6 +321,8 @@ impl Gpu {
             timeout: None,
             placement: Placement::CoResident,
             normal: None,
+            ll_peers: LlPeers::Pointers,
+            ll: None,
         }
     }
 
@@ -308,7 +342,48 @@ impl Gpu {
                 exchange: Some(exchange),
             },
             normal: None,
+            ll_peers: LlPeers::Pointers,
+            ll: None,
         }
+    }
+
+    /// Low-latency mode over `session` (docs/protocol.md §3.11): with
+    /// [`LlVariant::Nvshmem`] every put, signal, fence and quiet goes through NVSHMEM's device
+    /// API (variant (b); co-resident ranks are regions of the one PE's heap, or one PE per
+    /// process); with [`LlVariant::Pointers`] and one rank per process, variant (a) over the
+    /// session's symmetric heap (peers by `nvshmem_ptr`). Without it, co-resident ranks run
+    /// variant (a) over plain device memory. Set before the `Buffer` is made.
+    #[must_use]
+    pub fn with_nvshmem(mut self, session: Arc<NvshmemSession>, variant: LlVariant) -> Self {
+        self.ll_peers = LlPeers::Nvshmem(session, variant);
+        self
+    }
+
+    /// The low-latency kernels' group, once the first low-latency dispatch made it (its
+    /// statistics, phase times, traces, CUDA-graph capture). Calls made on it directly are
+    /// not the `Buffer`'s.
+    pub fn low_latency(&self) -> Option<&LlGroup> {
+        self.ll.as_ref().and_then(LlExec::group)
+    }
+
+    /// The group, mutably.
+    pub fn low_latency_mut(&mut self) -> Option<&mut LlGroup> {
+        self.ll.as_mut().and_then(LlExec::group_mut)
+    }
+
+    /// `get_next_low_latency_combine_buffer` of local rank `i`: the zero-copy region of the
+    /// next low-latency operation, `[L·R·N, H]` BF16. Write the expert outputs there and pass
+    /// it to `Buffer::low_latency_combine` with `zero_copy` (it is then not copied).
+    pub fn next_combine_buffer(&self, i: usize) -> ep_core::Result<GpuExpertOut> {
+        let g = self.low_latency().ok_or_else(|| {
+            ep_core::Error::Unsupported(
+                "no low-latency dispatch yet: the zero-copy region exists after the first".into(),
+            )
+        })?;
+        Ok(GpuExpertOut {
+            y: g.next_combine_buffer(i).map_err(core)?,
+            num_local_experts: g.config().num_local_experts(),
+        })
     }
 
     /// Bound of every device wait (and of the host's wait for `num_recv`); the group's default
@@ -317,6 +392,9 @@ impl Gpu {
         self.timeout = Some(timeout);
         if let Some(g) = &mut self.normal {
             g.set_timeout(timeout);
+        }
+        if let Some(l) = &mut self.ll {
+            l.set_timeout(timeout);
         }
     }
 
@@ -340,6 +418,20 @@ impl Gpu {
     /// stay ahead of them).
     pub fn normal_mut(&mut self) -> Option<&mut NormalGroup> {
         self.normal.as_mut()
+    }
+
+    fn ll(&self) -> ep_core::Result<&LlExec> {
+        self.ll.as_ref().ok_or(ep_core::Error::ArenaMissing {
+            what: "low-latency buffer",
+            fix: "set low_latency_mode and num_rdma_bytes (Buffer::low_latency_size_hint)",
+        })
+    }
+
+    fn ll_mut(&mut self) -> ep_core::Result<&mut LlExec> {
+        self.ll.as_mut().ok_or(ep_core::Error::ArenaMissing {
+            what: "low-latency buffer",
+            fix: "set low_latency_mode and num_rdma_bytes (Buffer::low_latency_size_hint)",
+        })
     }
 
     fn group(&self) -> ep_core::Result<&NormalGroup> {
@@ -470,16 +562,10 @@ impl Gpu {
     }
 }
 
-fn ll_unsupported() -> ep_core::Error {
-    ep_core::Error::Unsupported(
-        "low-latency mode does not run through Buffer<Gpu> yet: use ep_kernels::gpu::LlGroup"
-            .into(),
-    )
-}
-
-fn ll_attempt<X>() -> LlAttempt<X> {
+/// An attempt that failed before any launch.
+fn failed<X>(e: ep_core::Error) -> LlAttempt<X> {
     LlAttempt {
-        result: Err(ll_unsupported()),
+        result: Err(e),
         gave_up: Vec::new(),
         out: Vec::new(),
     }
@@ -582,20 +668,60 @@ impl Executor for Gpu {
         ))
     }
 
-    fn alloc_low_latency(&mut self, _signals: u64, _data: u64) -> ep_core::Result<LlArena> {
-        Err(ll_unsupported())
+    fn alloc_low_latency(&mut self, signals: u64, data: u64) -> ep_core::Result<LlArena> {
+        if self.ll.is_some() {
+            return Err(ep_core::Error::Unsupported(
+                "a second low-latency buffer on one Gpu executor: make one Buffer per Gpu".into(),
+            ));
+        }
+        if matches!(self.placement, Placement::Process { .. })
+            && matches!(self.ll_peers, LlPeers::Pointers)
+        {
+            return Err(refused(Error::Unsupported(
+                "low-latency mode with one rank per process runs over NVSHMEM: make the \
+                 executor with Gpu::process(..).with_nvshmem(session, variant)"
+                    .into(),
+            )));
+        }
+        let r = self.fabric.num_ranks;
+        // The group's memory is allocated at the first dispatch, for its shape (the Buffer
+        // checked it fits num_rdma_bytes); the regions here are the Buffer's view of it.
+        self.ll = Some(LlExec::new(
+            self.dev.clone(),
+            r,
+            self.num_sms,
+            self.local_ranks(),
+            self.ll_peers.clone(),
+            self.timeout,
+        ));
+        let alloc = |name: &str, addr: u64, len: u64, init| SymAlloc {
+            name: name.into(),
+            region: Region::new(SymAddr(addr), len),
+            init,
+        };
+        Ok(LlArena::new(
+            r,
+            alloc("ll.signals", 0, signals, Init::Zero),
+            alloc("ll.data", signals, data, Init::Poison),
+        ))
     }
 
     fn poll(&mut self) -> ep_core::Result<()> {
-        match &mut self.normal {
-            Some(g) => g.check_ready().map_err(core),
+        if let Some(g) = &mut self.normal {
+            g.check_ready().map_err(core)?;
+        }
+        match &mut self.ll {
+            Some(l) => l.poll(),
             None => Ok(()),
         }
     }
 
     fn sync(&mut self) -> ep_core::Result<()> {
-        match &mut self.normal {
-            Some(g) => g.sync().map_err(core),
+        if let Some(g) = &mut self.normal {
+            g.sync().map_err(core)?;
+        }
+        match &mut self.ll {
+            Some(l) => l.sync(),
             None => Ok(()),
         }
     }
@@ -718,45 +844,78 @@ impl Executor for Gpu {
         ))
     }
 
-    fn check_ll_dispatch(&self, _inputs: &[RankInputs], _params: &LlParams) -> ep_core::Result<()> {
-        Err(ll_unsupported())
+    fn check_ll_dispatch(&self, inputs: &[GpuInputs], params: &LlParams) -> ep_core::Result<()> {
+        let l = self.ll()?;
+        // Expert ids are checked by the kernels (a typed error at the next call).
+        l.check_dispatch(
+            inputs,
+            params.num_max_dispatch_tokens_per_rank,
+            params.num_experts,
+        )
     }
 
-    fn run_ll_dispatch_send(&mut self, _job: &LlDispatchSendJob<'_>) -> LlAttempt<()> {
-        ll_attempt()
+    fn run_ll_dispatch_send(&mut self, job: &LlDispatchSendJob<'_, DevTensors>) -> LlAttempt<()> {
+        match self.ll_mut() {
+            Ok(l) => l.dispatch_send(job),
+            Err(e) => failed(e),
+        }
     }
 
     fn run_ll_dispatch_recv(
         &mut self,
-        _job: &LlDispatchRecvJob<'_>,
-        _spare: &mut [Option<LlDispatchOutput>],
-    ) -> LlAttempt<LlRecvOut> {
-        ll_attempt()
+        job: &LlDispatchRecvJob<'_, DevTensors>,
+        _spare: &mut [Option<()>],
+    ) -> LlAttempt<LlGpuDispatch> {
+        match self.ll_mut() {
+            Ok(l) => l.dispatch_recv(job),
+            Err(e) => failed(e),
+        }
     }
 
-    fn run_ll_expert_output(&mut self, _job: &LlExpertOutputJob<'_>) -> LlAttempt<()> {
-        ll_attempt()
+    fn run_ll_expert_output(&mut self, job: &LlExpertOutputJob<'_, DevTensors>) -> LlAttempt<()> {
+        match self.ll_mut() {
+            Ok(l) => l.expert_output(job),
+            Err(e) => failed(e),
+        }
     }
 
-    fn check_ll_combine(&self, _job: &LlCombineCheck<'_>) -> ep_core::Result<()> {
-        Err(ll_unsupported())
+    fn check_ll_combine(&self, _job: &LlCombineCheck<'_, DevTensors>) -> ep_core::Result<()> {
+        // The routing is the handle's: the group refuses a handle that is not the latest
+        // dispatch of its rank on its half (an identity check, no tensor contents).
+        self.ll().map(drop)
     }
 
-    fn run_ll_combine_send(&mut self, _job: &LlCombineSendJob<'_>) -> LlAttempt<()> {
-        ll_attempt()
+    fn run_ll_combine_send(&mut self, job: &LlCombineSendJob<'_, DevTensors>) -> LlAttempt<()> {
+        match self.ll_mut() {
+            Ok(l) => l.combine_send(job),
+            Err(e) => failed(e),
+        }
     }
 
-    fn run_ll_combine_recv(&mut self, _job: &LlCombineRecvJob<'_>) -> LlAttempt<Tensor2<bf16>> {
-        ll_attempt()
+    fn run_ll_combine_recv(
+        &mut self,
+        job: &LlCombineRecvJob<'_, DevTensors>,
+    ) -> LlAttempt<DevTensor> {
+        match self.ll_mut() {
+            Ok(l) => l.combine_recv(job),
+            Err(e) => failed(e),
+        }
+    }
+
+    fn take_masked_by_device(&mut self) -> Vec<usize> {
+        self.ll.as_mut().map(LlExec::take_lost).unwrap_or_default()
     }
 
     fn run_ll_clean(&mut self, _job: &LlCleanJob<'_>) -> ep_core::Result<()> {
-        Err(ll_unsupported())
+        self.ll_mut()?.clean()
     }
 
     fn run_reset(&mut self, _job: &ResetJob<'_>) -> ep_core::Result<()> {
-        match &mut self.normal {
-            Some(g) => g.reset().map_err(core),
+        if let Some(g) = &mut self.normal {
+            g.reset().map_err(core)?;
+        }
+        match &mut self.ll {
+            Some(l) => l.reset(),
             None => Ok(()),
         }
     }

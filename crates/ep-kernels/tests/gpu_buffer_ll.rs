@@ -1,0 +1,508 @@
+//! ep-core's `Buffer` in low-latency mode over the GPU executor (`Buffer<Gpu>`) against the
+//! same `Buffer` over the simulator (`Buffer<Sim>`), co-resident ranks on one GPU: dispatch
+//! (BF16, FP8, rounded scales, UE8M0) and combine (copying, zero-copy from the caller's tensor
+//! and from the region itself), with and without hooks, a masked rank — the canonical digest of
+//! every rank's outputs equal to the simulator's, combined rows bit for bit; back-to-back
+//! rounds with fresh routings; bad inputs as typed errors that leave the buffer usable; an
+//! absent rank as a typed device timeout that poisons the buffer until `reset`. Outputs are
+//! poisoned before each round; activations span a wide range of binades.
+//!
+//! Variant (a) by default; `EP_LL_VARIANT=nvshmem` runs every test over one NVSHMEM PE holding
+//! every rank (variant (b), kernels linked at run time), as `gpu_low_latency` does.
+//!
+//! These tests need a GPU: they are `#[ignore]`d, and `scripts/gpu-run.sh` runs them with
+//! `--include-ignored` on the GPU machine. Without a GPU they fail (they never pass unrun).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::ll::{session, variant};
+use common::{device_at, wide_tensor};
+use ep_core::config::BufferConfig;
+use ep_core::digest;
+use ep_core::plan::low_latency::LlParams;
+use ep_core::transport::FabricParams;
+use ep_core::workload::{Routing, WorkloadSpec};
+use ep_core::{Activations, Buffer, Error as CoreError, RankInputs, Tensor2, Tensor3};
+use ep_kernels::Error;
+use ep_kernels::gpu::{
+    DType, DevTensor, Device, Gpu, GpuExpertOut, GpuInputs, LlConfig, LlGpuDispatch, LlPoison,
+    LlVariant,
+};
+use ep_sim::{Sim, SimConfig};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+#[derive(Clone, Debug)]
+struct Case {
+    ranks: usize,
+    tokens: usize,
+    max_tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    fp8: Option<(bool, bool)>,
+    routing: Routing,
+    sms: usize,
+    hook: bool,
+    zero_copy: bool,
+    seed: u64,
+}
+
+impl Case {
+    fn new(ranks: usize, tokens: usize, hidden: usize, topk: usize, experts: usize) -> Self {
+        Self {
+            ranks,
+            tokens,
+            max_tokens: tokens,
+            hidden,
+            topk,
+            experts,
+            fp8: None,
+            routing: Routing::Uniform,
+            sms: 16,
+            hook: false,
+            zero_copy: false,
+            seed: 1,
+        }
+    }
+
+    fn params(&self) -> LlParams {
+        let p = LlParams::new(self.max_tokens, self.experts);
+        match self.fp8 {
+            Some((round, ue8m0)) => p.with_fp8(round, ue8m0),
+            None => p,
+        }
+    }
+
+    fn config(&self) -> BufferConfig {
+        let mut c = BufferConfig::new(self.ranks);
+        c.low_latency_mode = true;
+        c.enable_shrink = true;
+        c.num_qps_per_rank = (self.experts / self.ranks) as u32;
+        c.num_rdma_bytes = Buffer::<Sim>::low_latency_size_hint(
+            self.max_tokens,
+            self.hidden,
+            self.ranks,
+            self.experts,
+        )
+        .div_ceil(128)
+            * 128;
+        c
+    }
+
+    fn ll_config(&self) -> LlConfig {
+        LlConfig {
+            num_ranks: self.ranks,
+            num_max_dispatch_tokens_per_rank: self.max_tokens,
+            hidden: self.hidden,
+            num_experts: self.experts,
+            num_sms: self.sms,
+        }
+    }
+}
+
+fn device() -> Arc<Device> {
+    device_at(0)
+}
+
+fn gpu_buffer(dev: &Arc<Device>, case: &Case) -> Buffer<Gpu> {
+    let mut g = Gpu::co_resident(dev.clone(), case.ranks, case.sms);
+    if variant() == LlVariant::Nvshmem {
+        g = g.with_nvshmem(session(), LlVariant::Nvshmem);
+    }
+    g.set_timeout(Duration::from_secs(5));
+    Buffer::new(g, case.config()).expect("Buffer<Gpu>")
+}
+
+fn sim_buffer(case: &Case) -> Buffer<Sim> {
+    let sim = Sim::new(SimConfig::new(
+        FabricParams::single_node(case.ranks),
+        case.seed,
+    ));
+    Buffer::new(sim, case.config()).expect("Buffer<Sim>")
+}
+
+fn inputs_of(case: &Case) -> Vec<RankInputs> {
+    let mut spec = WorkloadSpec::new(
+        case.ranks,
+        case.tokens,
+        case.hidden,
+        case.topk,
+        case.experts,
+        case.seed,
+    );
+    spec.masked_per_rank = (case.tokens / 5).min(case.tokens * case.topk);
+    spec.routing = case.routing;
+    let mut inputs = spec.generate().expect("workload");
+    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0x11);
+    for inp in &mut inputs {
+        inp.x = Activations::Bf16(wide_tensor(&mut rng, case.tokens, case.hidden));
+    }
+    inputs
+}
+
+fn upload(dev: &Device, inputs: &[RankInputs]) -> Vec<GpuInputs> {
+    let ctx = dev.context();
+    inputs
+        .iter()
+        .map(|inp| {
+            let Activations::Bf16(x) = &inp.x else {
+                panic!("low-latency inputs are BF16")
+            };
+            GpuInputs {
+                x: DevTensor::upload(ctx, x).unwrap(),
+                x_scales: None,
+                topk_idx: Some(DevTensor::upload(ctx, &inp.topk_idx).unwrap()),
+                topk_weights: Some(DevTensor::upload(ctx, &inp.topk_weights).unwrap()),
+            }
+        })
+        .collect()
+}
+
+/// Random expert outputs `[L, R·N, H]` per unmasked rank (only the received rows matter).
+fn expert_outputs(case: &Case, masked: &[bool]) -> Vec<Option<Tensor3<bf16>>> {
+    let (l, rows, h) = (
+        case.experts / case.ranks,
+        case.ranks * case.max_tokens,
+        case.hidden,
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0xc0);
+    (0..case.ranks)
+        .map(|d| {
+            let y = wide_tensor(&mut rng, l * rows, h);
+            (!masked[d]).then(|| Tensor3::new(l, rows, h, y.data().to_vec()).expect("shape"))
+        })
+        .collect()
+}
+
+fn poison(buf: &mut Buffer<Gpu>) {
+    if let Some(g) = buf.transport_mut().low_latency_mut() {
+        g.poison_for_test(LlPoison::Dispatch, 0xa5).unwrap();
+        g.poison_for_test(LlPoison::Combine, 0x5a).unwrap();
+    }
+}
+
+/// One dispatch + combine through both Buffers under the buffers' mask; the GPU's canonical
+/// digest per rank (dispatch and combined rows) equal to the simulator's.
+fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case: &Case) {
+    let masked = sbuf.masked_ranks().to_vec();
+    assert_eq!(gbuf.masked_ranks(), &masked[..]);
+    let inputs = inputs_of(case);
+    let dins = upload(dev, &inputs);
+    let p = case.params();
+    poison(gbuf);
+    // The simulator: the reference.
+    let want = sbuf
+        .low_latency_dispatch(&inputs, &p)
+        .expect("sim dispatch");
+    let ys = expert_outputs(case, &masked);
+    let want_x = sbuf
+        .low_latency_combine(&want.routes, &ys, &inputs, case.zero_copy)
+        .expect("sim combine");
+    // The GPU, with or without hooks.
+    let got: Vec<Option<LlGpuDispatch>> = if case.hook {
+        let hook = gbuf.low_latency_dispatch_send(&dins, &p).expect("gpu send");
+        gbuf.low_latency_dispatch_recv(hook).expect("gpu recv")
+    } else {
+        gbuf.low_latency_dispatch(&dins, &p).expect("gpu dispatch")
+    };
+    let handles: Vec<_> = got
+        .iter()
+        .map(|o| o.as_ref().map(|o| o.handle.clone()))
+        .collect();
+    // Zero-copy from the region itself (written there, not copied) on even seeds, from the
+    // caller's tensor (copied into the region) on odd ones.
+    let l = case.experts / case.ranks;
+    let gys: Vec<Option<GpuExpertOut>> = ys
+        .iter()
+        .enumerate()
+        .map(|(i, y)| {
+            y.as_ref().map(|y| {
+                let flat = Tensor2::new(y.matrices() * y.rows(), y.cols(), y.data().to_vec())
+                    .expect("flat");
+                if case.zero_copy && case.seed.is_multiple_of(2) {
+                    let region = gbuf.transport().next_combine_buffer(i).expect("region");
+                    region.y.write(&flat).expect("write region");
+                    region
+                } else {
+                    GpuExpertOut {
+                        y: DevTensor::upload(dev.context(), &flat).unwrap(),
+                        num_local_experts: l,
+                    }
+                }
+            })
+        })
+        .collect();
+    let got_x = if case.hook {
+        let hook = gbuf
+            .low_latency_combine_send(&handles, &gys, &dins, case.zero_copy)
+            .expect("gpu combine send");
+        gbuf.low_latency_combine_recv(hook)
+            .expect("gpu combine recv")
+    } else {
+        gbuf.low_latency_combine(&handles, &gys, &dins, case.zero_copy)
+            .expect("gpu combine")
+    };
+    gbuf.sync().expect("sync");
+    let cfg = case.ll_config();
+    for d in 0..case.ranks {
+        assert_eq!(got[d].is_none(), masked[d], "rank {d}: mask");
+        assert_eq!(got_x[d].is_none(), masked[d], "rank {d}: mask");
+        let host = got[d].as_ref().map(|o| o.download(&cfg).expect("download"));
+        let hx: Option<Tensor2<bf16>> = got_x[d].as_ref().map(|t| t.download().expect("x"));
+        if let (Some(a), Some(b)) = (&hx, &want_x[d]) {
+            let diff = a
+                .data()
+                .iter()
+                .zip(b.data())
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(diff, 0, "rank {d}: combined elements differ ({case:?})");
+        }
+        let g = digest::low_latency_rank(d, host.as_ref(), hx.as_ref()).unwrap();
+        let s = digest::low_latency_rank(d, want.outputs[d].as_ref(), want_x[d].as_ref()).unwrap();
+        assert_eq!(g, s, "rank {d}: canonical digest ({case:?})");
+    }
+}
+
+fn run(dev: &Arc<Device>, case: &Case) {
+    let mut g = gpu_buffer(dev, case);
+    let mut s = sim_buffer(case);
+    round(&mut g, &mut s, dev, case);
+}
+
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn buffer_gpu_low_latency_equals_buffer_sim() {
+    let dev = device();
+    for &(ranks, tokens, hidden, topk, experts) in &[
+        (2, 128, 7168, 8, 32),
+        (2, 64, 2048, 8, 32),
+        (4, 48, 4096, 6, 64),
+        (8, 32, 1024, 8, 64),
+        (3, 40, 512, 11, 33),
+    ] {
+        for (i, fp8) in [
+            None,
+            Some((false, false)),
+            Some((true, false)),
+            Some((true, true)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            if fp8.is_some() && hidden % 512 != 0 {
+                continue;
+            }
+            let mut c = Case::new(ranks, tokens, hidden, topk, experts);
+            c.fp8 = fp8;
+            c.sms = (132 / ranks).min(24);
+            c.hook = i % 2 == 1;
+            c.zero_copy = i >= 2;
+            c.seed = (ranks * 1000 + tokens + i) as u64;
+            eprintln!("case {c:?}");
+            run(&dev, &c);
+        }
+    }
+    // Skewed routings, fewer tokens than N.
+    let mut c = Case::new(2, 100, 2048, 8, 64);
+    c.max_tokens = 128;
+    c.fp8 = Some((false, false));
+    for routing in [
+        Routing::Zipf { exponent: 1.2 },
+        Routing::Hot { fraction: 0.8 },
+    ] {
+        c.routing = routing;
+        eprintln!("case {c:?}");
+        run(&dev, &c);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn a_masked_rank_and_many_rounds_with_fresh_routings() {
+    let dev = device();
+    let mut c = Case::new(4, 24, 512, 4, 16);
+    c.max_tokens = 32;
+    c.sms = 8;
+    let mut g = gpu_buffer(&dev, &c);
+    let mut s = sim_buffer(&c);
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let rounds = 1_000;
+    for i in 0..rounds {
+        // A masked rank for a stretch of rounds, as shrink mode's caller sets it.
+        let masked = (i / 250) % 4 == 1;
+        for b in [&mut g as &mut dyn MaskSet, &mut s] {
+            b.mask(2, masked);
+        }
+        c.seed = 1000 + i;
+        c.tokens = rng.random_range(0..=32);
+        c.fp8 = match i % 3 {
+            0 => None,
+            1 => Some((false, false)),
+            _ => Some((true, true)),
+        };
+        c.hook = i % 5 == 0;
+        c.zero_copy = i % 2 == 0;
+        round(&mut g, &mut s, &dev, &c);
+    }
+    let stats = g
+        .transport_mut()
+        .low_latency_mut()
+        .expect("group")
+        .stats()
+        .unwrap();
+    assert!(
+        stats
+            .iter()
+            .all(|st| st.local_expert_recv.iter().sum::<i32>() > 0)
+    );
+}
+
+/// Both Buffers' `update_mask`.
+trait MaskSet {
+    fn mask(&mut self, rank: usize, on: bool);
+}
+
+impl MaskSet for Buffer<Gpu> {
+    fn mask(&mut self, rank: usize, on: bool) {
+        self.update_mask(rank, on).unwrap();
+    }
+}
+
+impl MaskSet for Buffer<Sim> {
+    fn mask(&mut self, rank: usize, on: bool) {
+        self.update_mask(rank, on).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn bad_inputs_are_typed_errors_and_leave_the_buffer_usable() {
+    let dev = device();
+    let c = Case::new(2, 32, 512, 4, 16);
+    let mut g = gpu_buffer(&dev, &c);
+    let mut s = sim_buffer(&c);
+    round(&mut g, &mut s, &dev, &c);
+    let inputs = inputs_of(&c);
+    let dins = upload(&dev, &inputs);
+    let p = c.params();
+    // More tokens than N: a shape rule, before any launch.
+    let mut big = c.clone();
+    big.tokens = 40;
+    let bins = upload(&dev, &inputs_of(&big));
+    let err = g.low_latency_dispatch(&bins, &p).unwrap_err();
+    assert!(g.poisoned().is_none(), "{err}");
+    // x of the wrong dtype: refused by the backend's shape check.
+    let mut wrong = dins.clone();
+    wrong[1].x = DevTensor::zeros(dev.context(), DType::F32, 32, 512).unwrap();
+    let err = g.low_latency_dispatch(&wrong, &p).unwrap_err();
+    assert!(
+        matches!(err.backend::<Error>(), Some(Error::TensorMismatch { .. })),
+        "{err}"
+    );
+    assert!(g.poisoned().is_none());
+    // Another N than the kernels run: refused, usable after.
+    let other = LlParams::new(64, c.experts);
+    let err = g.low_latency_dispatch(&dins, &other).unwrap_err();
+    assert!(matches!(err, CoreError::InputRefused { .. }), "{err}");
+    // A combine with expert outputs of the wrong shape.
+    let d = g.low_latency_dispatch(&dins, &p).unwrap();
+    let handles: Vec<_> = d
+        .iter()
+        .map(|o| o.as_ref().map(|o| o.handle.clone()))
+        .collect();
+    let bad_y: Vec<Option<GpuExpertOut>> = (0..2)
+        .map(|_| {
+            Some(GpuExpertOut {
+                y: DevTensor::zeros(dev.context(), DType::Bf16, 7, 512).unwrap(),
+                num_local_experts: 8,
+            })
+        })
+        .collect();
+    let err = g
+        .low_latency_combine(&handles, &bad_y, &dins, false)
+        .unwrap_err();
+    assert!(g.poisoned().is_none(), "{err}");
+    // A stale handle (a later dispatch on the same half reused its buffers) is refused.
+    let _ = g.low_latency_dispatch(&dins, &p).unwrap();
+    let _ = g.low_latency_dispatch(&dins, &p).unwrap();
+    let ys = expert_outputs(&c, &[false, false]);
+    let gys: Vec<Option<GpuExpertOut>> = ys
+        .iter()
+        .map(|y| {
+            y.as_ref().map(|y| GpuExpertOut {
+                y: DevTensor::upload(
+                    dev.context(),
+                    &Tensor2::new(y.matrices() * y.rows(), y.cols(), y.data().to_vec()).unwrap(),
+                )
+                .unwrap(),
+                num_local_experts: y.matrices(),
+            })
+        })
+        .collect();
+    let err = g
+        .low_latency_combine(&handles, &gys, &dins, false)
+        .unwrap_err();
+    assert!(matches!(err, CoreError::InputRefused { .. }), "{err}");
+    assert!(g.poisoned().is_none());
+    // A hook pending refuses the next send, then the round goes on.
+    let hook = g.low_latency_dispatch_send(&dins, &p).unwrap();
+    let err = g.low_latency_dispatch_send(&dins, &p).unwrap_err();
+    assert!(
+        matches!(err, CoreError::LowLatencyHookPending { .. }),
+        "{err}"
+    );
+    let _ = g.low_latency_dispatch_recv(hook).unwrap();
+    g.sync().unwrap();
+    let mut s = sim_buffer(&c);
+    round(&mut g, &mut s, &dev, &c);
+    // Clean, then a round.
+    g.clean_low_latency_buffer().unwrap();
+    round(&mut g, &mut s, &dev, &c);
+}
+
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn an_absent_rank_times_out_naming_it_and_reset_recovers() {
+    let dev = device();
+    let c = Case::new(2, 32, 512, 4, 16);
+    let mut g = gpu_buffer(&dev, &c);
+    let mut s = sim_buffer(&c);
+    round(&mut g, &mut s, &dev, &c);
+    let dins = upload(&dev, &inputs_of(&c));
+    g.transport_mut().set_timeout(Duration::from_millis(200));
+    g.transport_mut()
+        .low_latency_mut()
+        .expect("group")
+        .set_absent_rank_for_test(Some(1));
+    let _ = g.low_latency_dispatch(&dins, &c.params()).unwrap();
+    let err = g.sync().unwrap_err();
+    match err.backend::<Error>() {
+        Some(Error::DeviceWaitTimeout {
+            rank, writer, word, ..
+        }) => {
+            assert_eq!(*rank, 0, "{err}");
+            assert_eq!(*writer, Some(1), "{err}");
+            assert!(word.starts_with("disp_sig"), "{err}");
+        }
+        _ => panic!("expected a device timeout, got {err}"),
+    }
+    assert!(g.poisoned().is_some());
+    assert!(matches!(
+        g.low_latency_dispatch(&dins, &c.params()),
+        Err(CoreError::BufferPoisoned { .. })
+    ));
+    g.transport_mut()
+        .low_latency_mut()
+        .expect("group")
+        .set_absent_rank_for_test(None);
+    g.transport_mut().set_timeout(Duration::from_secs(5));
+    g.reset().unwrap();
+    let mut s = sim_buffer(&c);
+    round(&mut g, &mut s, &dev, &c);
+}
