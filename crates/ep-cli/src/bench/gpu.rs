@@ -67,7 +67,7 @@ const DEEPEP_ONE_GPU: [(usize, f64, f64, f64); 4] = [
 ];
 
 /// A `Buffer<Gpu>` call's error, with the GPU's own inside when there is one.
-fn core_err(what: &'static str) -> impl FnOnce(ep_core::Error) -> BenchError {
+pub(super) fn core_err(what: &'static str) -> impl FnOnce(ep_core::Error) -> BenchError {
     move |e| BenchError::GpuBuffer {
         what,
         source: Box::new(e),

@@ -5,8 +5,10 @@
 //! with one PE holding every rank, and the plan, NVSHMEM's init report and the group's transport
 //! report are printed before anything runs.
 //!
-//! Verification first: one dispatch and combine of the workload (outputs poisoned before) against
-//! the plan (`plan::low_latency`, itself checked against the oracle) — counts and layout ranges
+//! Verification first, through ep-core's `Buffer` over the GPU executor (`Buffer<Gpu>`, the API
+//! a user calls; the group is its low-latency kernels, and LogFMT's combine, which the simulator
+//! and so the `Buffer` do not have, runs on the group): one dispatch and combine of the workload
+//! (outputs poisoned before) against the plan (`plan::low_latency`, itself checked against the oracle) — counts and layout ranges
 //! exact, every received row canonically, combine bit for bit with ep-rs's reduction order, and
 //! the canonical digest equal to the plan's — before anything is timed.
 //!
@@ -40,6 +42,7 @@ use ep_core::plan::low_latency::{
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use ep_core::Buffer;
 use ep_core::config::{
     BufferConfig, IbgdaNicHandler, low_latency_rdma_size_hint, nvshmem_env_plan,
 };
@@ -48,8 +51,8 @@ use ep_core::tensor::{Tensor2, Tensor3};
 use ep_kernels::gpu::floor::{EmptyGraphs, flag_round_trip};
 use ep_kernels::gpu::mem::DevBuf;
 use ep_kernels::gpu::{
-    DType, DevTensor, Device, LlCombineArgs, LlCombineInput, LlConfig, LlDispatchArgs,
-    LlGpuDispatch, LlGroup, LlPoison, LlRankInputs,
+    DType, DevTensor, Device, Gpu, GpuExpertOut, GpuInputs, LlCombineArgs, LlCombineInput,
+    LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup, LlPoison, LlRankInputs, LlVariant,
 };
 use ep_kernels::nvshmem::{
     Bootstrap, BringUp, NvshmemSession, SoloRendezvous, TcpRendezvous, env as nv_env,
@@ -57,7 +60,7 @@ use ep_kernels::nvshmem::{
 use half::bf16;
 
 use super::error::BenchError;
-use super::gpu::{Figure, figure, gpu_err, samples};
+use super::gpu::{Figure, core_err, figure, gpu_err, samples};
 use super::{BenchArgs, LlVariantArg};
 use crate::workload::{self, Defaults};
 
@@ -225,23 +228,25 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         num_experts: e,
         num_sms: sms,
     };
-    let mut g = match (session, me, args.variant) {
-        (None, _, _) => LlGroup::new(dev.clone(), cfg),
-        (Some(s), Some(_), LlVariantArg::Pointers) => {
-            LlGroup::with_nvshmem_pointers(dev.clone(), cfg, s)
-        }
-        (Some(s), _, _) => LlGroup::with_nvshmem(dev.clone(), cfg, s),
-    }
-    .map_err(gpu_err("creating the group"))?;
-    let transport = g.transport_report();
-    println!("transport: {transport}");
-    if transport.contains("IBGDA: requested, NVSHMEM fell back") {
-        // The doctor's verdict on why, surfaced at run time (file-based checks; `ep doctor`
-        // adds the live probes).
-        for line in ibgda_diagnosis(std::path::Path::new("/")) {
-            println!("ep doctor: {line}");
-        }
-    }
+    // The verified call goes through ep-core's `Buffer` over the GPU executor (the API a user
+    // calls); the timed calls then run on its low-latency group directly.
+    let variant = match args.variant {
+        LlVariantArg::Pointers => LlVariant::Pointers,
+        LlVariantArg::Nvshmem => LlVariant::Nvshmem,
+    };
+    let exec = match (session, me) {
+        (None, _) => Gpu::co_resident(dev.clone(), r, sms),
+        (Some(s), Some(_)) => Gpu::process_over_nvshmem(dev.clone(), sms, s, variant),
+        (Some(s), None) => Gpu::co_resident(dev.clone(), r, sms).with_nvshmem(s, variant),
+    };
+    let mut bcfg = BufferConfig::new(r);
+    bcfg.low_latency_mode = true;
+    bcfg.num_qps_per_rank = (e / r).max(1) as u32;
+    bcfg.num_rdma_bytes =
+        Buffer::<Gpu>::low_latency_size_hint(cfg.num_max_dispatch_tokens_per_rank, hidden, r, e)
+            .div_ceil(128)
+            * 128;
+    let mut buf = Buffer::new(exec, bcfg).map_err(core_err("creating the Buffer<Gpu>"))?;
     let ctx = dev.context();
     let mut set = DevSet {
         x: Vec::new(),
@@ -261,6 +266,14 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         set.w
             .push(DevTensor::upload(ctx, &inp.topk_weights).map_err(gpu_err("uploading weights"))?);
     }
+    let gpu_inputs: Vec<GpuInputs> = (0..set.x.len())
+        .map(|i| GpuInputs {
+            x: set.x[i].clone(),
+            x_scales: None,
+            topk_idx: Some(set.idx[i].clone()),
+            topk_weights: Some(set.w[i].clone()),
+        })
+        .collect();
     let cast = w.ll_cast();
     let cargs = LlCombineArgs {
         return_recv_hook: false,
@@ -303,21 +316,58 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         .collect::<Result<_, _>>()?;
     drop(expert_out);
     let y_in: Vec<LlCombineInput<'_>> = y_dev.iter().map(LlCombineInput::Tensor).collect();
-    // Outputs and arenas poisoned first, so that anything the kernels fail to write shows.
-    g.poison_for_test(LlPoison::Dispatch, 0xa5)
+    // A first dispatch makes the group (for this shape); then outputs and arenas are poisoned,
+    // so that anything the kernels fail to write in the verified call shows.
+    buf.low_latency_dispatch(&gpu_inputs, &params)
+        .map_err(core_err("first dispatch"))?;
+    buf.sync().map_err(core_err("first dispatch"))?;
+    let transport = group(&mut buf)?.transport_report();
+    println!("transport: {transport}");
+    if transport.contains("IBGDA: requested, NVSHMEM fell back") {
+        // The doctor's verdict on why, surfaced at run time (file-based checks; `ep doctor`
+        // adds the live probes).
+        for line in ibgda_diagnosis(std::path::Path::new("/")) {
+            println!("ep doctor: {line}");
+        }
+    }
+    group(&mut buf)?
+        .poison_for_test(LlPoison::Dispatch, 0xa5)
         .map_err(gpu_err("poisoning the outputs"))?;
-    let out = g
-        .dispatch(&set.inputs(), &dargs)
-        .map_err(gpu_err("dispatch"))?;
-    g.sync().map_err(gpu_err("dispatch"))?;
-    g.poison_for_test(LlPoison::Combine, 0x5a)
+    let out: Vec<LlGpuDispatch> = buf
+        .low_latency_dispatch(&gpu_inputs, &params)
+        .map_err(core_err("dispatch"))?
+        .into_iter()
+        .flatten()
+        .collect();
+    buf.sync().map_err(core_err("dispatch"))?;
+    group(&mut buf)?
+        .poison_for_test(LlPoison::Combine, 0x5a)
         .map_err(gpu_err("poisoning the outputs"))?;
-    let handles: Vec<_> = out.iter().map(|o| o.handle.clone()).collect();
-    let hs: Vec<_> = handles.iter().collect();
-    let combined = g
-        .combine_with(&hs, &y_in, &cargs)
-        .map_err(gpu_err("combine"))?;
-    g.sync().map_err(gpu_err("first call"))?;
+    let handles: Vec<_> = out.iter().map(|o| Some(o.handle.clone())).collect();
+    let combined: Vec<DevTensor> = if args.logfmt {
+        // LogFMT-10 is the group's option (the simulator, and so the Buffer, has none).
+        let hs: Vec<_> = handles.iter().flatten().collect();
+        group(&mut buf)?
+            .combine_with(&hs, &y_in, &cargs)
+            .map_err(gpu_err("combine"))?
+    } else {
+        let ys: Vec<Option<GpuExpertOut>> = y_dev
+            .iter()
+            .map(|y| {
+                Some(GpuExpertOut {
+                    y: y.clone(),
+                    num_local_experts: l,
+                })
+            })
+            .collect();
+        buf.low_latency_combine(&handles, &ys, &gpu_inputs, false)
+            .map_err(core_err("combine"))?
+            .into_iter()
+            .flatten()
+            .collect()
+    };
+    buf.sync().map_err(core_err("first call"))?;
+    let g = group(&mut buf)?;
     let v = Verify {
         cfg: &cfg,
         local: &local,
@@ -473,7 +523,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
 
     // CUDA graphs of the same calls (after the un-graphed figures).
     let graph_samples = if args.graph {
-        let t = time_graphs(&mut g, &inputs, (&dargs, &cargs), &y_in, &v, total, warm)?;
+        let t = time_graphs(g, &inputs, (&dargs, &cargs), &y_in, &v, total, warm)?;
         if let Some(bad) = t.bad {
             for b in &bad {
                 eprintln!("MISMATCH (graph replay) {b}");
@@ -699,6 +749,13 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     }
     println!("total {:.1} s", started.elapsed().as_secs_f64());
     Ok(0)
+}
+
+/// The low-latency group of the `Buffer` (made by its first dispatch).
+fn group(buf: &mut Buffer<Gpu>) -> Result<&mut LlGroup, BenchError> {
+    buf.transport_mut()
+        .low_latency_mut()
+        .ok_or_else(|| BenchError::Usage("the Buffer made no low-latency group".into()))
 }
 
 /// The plan a call's outputs are verified against.

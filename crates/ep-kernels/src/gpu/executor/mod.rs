@@ -347,6 +347,33 @@ impl Gpu {
         }
     }
 
+    /// One rank per process for low-latency mode only: this process is PE `session.my_pe()`
+    /// of the session's `n_pes` ranks, reached through NVSHMEM (`variant` as in
+    /// [`Gpu::with_nvshmem`]). Normal mode needs [`Gpu::process`] (its peers are mapped over an
+    /// exchange).
+    #[must_use]
+    pub fn process_over_nvshmem(
+        dev: Arc<Device>,
+        num_sms: usize,
+        session: Arc<NvshmemSession>,
+        variant: LlVariant,
+    ) -> Self {
+        let (rank, world) = (session.my_pe() as usize, session.n_pes() as usize);
+        Self {
+            dev,
+            fabric: FabricParams::single_node(world),
+            num_sms,
+            timeout: None,
+            placement: Placement::Process {
+                local: vec![rank],
+                exchange: None,
+            },
+            normal: None,
+            ll_peers: LlPeers::Nvshmem(session, variant),
+            ll: None,
+        }
+    }
+
     /// Low-latency mode over `session` (docs/protocol.md §3.11): with
     /// [`LlVariant::Nvshmem`] every put, signal, fence and quiet goes through NVSHMEM's device
     /// API (variant (b); co-resident ranks are regions of the one PE's heap, or one PE per
@@ -640,7 +667,11 @@ impl Executor for Gpu {
             Placement::CoResident => NormalGroup::new(self.dev.clone(), r, self.num_sms, bytes),
             Placement::Process { local, exchange } => {
                 let ex = exchange.take().ok_or_else(|| {
-                    ep_core::Error::Unsupported("the exchange was already used".into())
+                    ep_core::Error::Unsupported(
+                        "normal mode with one rank per process maps its peers over an exchange: \
+                         make the executor with Gpu::process (Gpu::process_over_nvshmem has none)"
+                            .into(),
+                    )
                 })?;
                 NormalGroup::with_peers(self.dev.clone(), r, local, self.num_sms, bytes, ex)
             }
