@@ -21,8 +21,8 @@
 //! [`core::Buffer`] is generic over its [`core::Executor`] and takes the local ranks' inputs:
 //! the simulator's executor (every rank local) and the GPU's (`kernels::gpu::Gpu`: co-resident
 //! ranks of one GPU, or one rank per process) run the same host logic; each backend's tensors
-//! are its executor's [`core::Tensors`] family (host tensors, device views). Low-latency mode
-//! on the GPU is still `kernels::gpu::LlGroup`'s own API (docs/buffer-api.md).
+//! are its executor's [`core::Tensors`] family (host tensors, device views), in both normal
+//! and low-latency mode (docs/buffer-api.md).
 //!
 //! ## Quick start (on the simulator)
 //!
@@ -167,7 +167,7 @@ pub mod prelude {
     pub use ep_core::plan::combine::{CombineArgs, CombineOutput};
     pub use ep_core::plan::intranode::{IntranodeDispatch, IntranodeHandle};
     pub use ep_core::plan::layout::DispatchLayout;
-    pub use ep_core::plan::low_latency::LlHandle;
+    pub use ep_core::plan::low_latency::{LlHandle, LlParams};
     pub use ep_core::transport::FabricParams;
     pub use ep_core::workload::WorkloadSpec;
     pub use ep_core::{
@@ -175,7 +175,8 @@ pub mod prelude {
     };
     pub use ep_kernels::gpu::{
         DType, DevTensor, DevTensors, Device, Gpu, GpuCombineIn, GpuCombined, GpuDispatch,
-        GpuHandle, GpuInputs, GpuLayout, GpuRows, LlConfig, LlGroup, LlVariant, NormalGroup,
+        GpuExpertOut, GpuHandle, GpuInputs, GpuLayout, GpuRows, LlConfig, LlGpuDispatch,
+        LlGpuHandle, LlGroup, LlVariant, NormalGroup,
     };
     pub use ep_sim::{Sim, SimConfig, ThreadSim};
 }
