@@ -9,7 +9,8 @@
 # --backend gpu` R = 2 BF16 and FP8 and R = 8, each with the canonical digest beside the
 # simulator's for the same flags; mps = gpu_normal_procs and `ep bench --procs 2` (DeepEP's
 # one-GPU configuration: 2 rank processes, 24 SMs each) under MPS, started for that step only;
-# criterion = benches/gpu (the public API, host wall-clock). Every step has its own time limit; the whole run stays within
+# criterion = benches/gpu (the public API, host wall-clock); llbench = `ep bench --mode
+# low-latency` at DeepEP's shape on variants (a) and (b), graphs, digest beside the simulator's. Every step has its own time limit; the whole run stays within
 # BUDGET seconds (default 540), and a step that would not fit is reported NOT RUN, never passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +61,17 @@ bench() { # name, flags...
   if [ -n "$g" ] && [ "$g" = "$s" ]; then table+=("$name digest|equal to sim|$g"); else
     table+=("$name digest|DIFFERENT or missing|gpu=$g sim=$s"); fi
 }
+llbench() { # name, flags... (low-latency mode, DeepEP's shape, verified through Buffer<Gpu>)
+  local name="$1"; shift
+  local shape="--mode low-latency --ranks 2 --tokens 128 --hidden 7168 --topk 8 --experts 288"
+  # shellcheck disable=SC2086
+  step "$name" 150 bundle/ep bench --backend gpu $shape --num-sms 64 --gpu-iters 1000 "$@"
+  # shellcheck disable=SC2086
+  timeout 120 bundle/ep bench --backend sim $shape --iters 1 >"$out/$name-sim.log" 2>&1
+  local g s; g=$(digest_of "$out/$name.log"); s=$(digest_of "$out/$name-sim.log")
+  if [ -n "$g" ] && [ "$g" = "$s" ]; then table+=("$name digest|equal to sim|$g"); else
+    table+=("$name digest|DIFFERENT or missing|gpu=$g sim=$s"); fi
+}
 nvidia-smi -L 2>&1 | sed 's/^/gpu: /'
 for s in "${steps[@]}"; do
   case "$s" in
@@ -79,11 +91,13 @@ for s in "${steps[@]}"; do
            echo quit | nvidia-cuda-mps-control
          else table+=("mps|MPS did not start|"); fi
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+    llbench) llbench bench-ll-a --graph; llbench bench-ll-b --variant nvshmem --graph ;;
     criterion) step criterion 120 bundle/benches/gpu --bench --warm-up-time 1 --measurement-time 3 ;;
     *) table+=("$s|unknown step|") ;;
   esac
 done
 for f in "$out"/bench-*.log "$out"/criterion.log; do
+  case "$f" in *bench-ll-*) [ -f "$f" ] && { echo "== $(basename "$f")"; grep -E "^(dispatch|combine|both|floor|verified|transport)" "$f" | cut -c1-200 | head -14; }; continue ;; esac
   [ -f "$f" ] || continue
   case "$f" in *-sim.log) continue ;; esac
   echo "== $(basename "$f")"; grep -E "dispatch (BF16|FP8):|combine BF16:|verified|digest|time:" "$f" | cut -c1-200 | head -16

@@ -25,12 +25,13 @@ use ep_core::digest;
 use ep_core::plan::low_latency::LlParams;
 use ep_core::transport::FabricParams;
 use ep_core::workload::{Routing, WorkloadSpec};
-use ep_core::{Activations, Buffer, Error as CoreError, RankInputs, Tensor2, Tensor3};
+use ep_core::{Activations, Buffer, Error as CoreError, Executor, RankInputs, Tensor2, Tensor3};
 use ep_kernels::Error;
 use ep_kernels::gpu::{
     DType, DevTensor, Device, Gpu, GpuExpertOut, GpuInputs, LlConfig, LlGpuDispatch, LlPoison,
     LlVariant,
 };
+use ep_kernels::nvshmem::{Bootstrap, BringUp, TcpRendezvous};
 use ep_sim::{Sim, SimConfig};
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -187,12 +188,15 @@ fn poison(buf: &mut Buffer<Gpu>) {
 }
 
 /// One dispatch + combine through both Buffers under the buffers' mask; the GPU's canonical
-/// digest per rank (dispatch and combined rows) equal to the simulator's.
+/// digest per local rank (dispatch and combined rows) equal to the simulator's (which runs every
+/// rank), combined rows bit for bit.
 fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case: &Case) {
     let masked = sbuf.masked_ranks().to_vec();
     assert_eq!(gbuf.masked_ranks(), &masked[..]);
+    let local = gbuf.transport().local_ranks();
     let inputs = inputs_of(case);
-    let dins = upload(dev, &inputs);
+    let mine: Vec<RankInputs> = local.iter().map(|&d| inputs[d].clone()).collect();
+    let dins = upload(dev, &mine);
     let p = case.params();
     poison(gbuf);
     // The simulator: the reference.
@@ -217,11 +221,11 @@ fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case
     // Zero-copy from the region itself (written there, not copied) on even seeds, from the
     // caller's tensor (copied into the region) on odd ones.
     let l = case.experts / case.ranks;
-    let gys: Vec<Option<GpuExpertOut>> = ys
+    let gys: Vec<Option<GpuExpertOut>> = local
         .iter()
         .enumerate()
-        .map(|(i, y)| {
-            y.as_ref().map(|y| {
+        .map(|(i, &d)| {
+            ys[d].as_ref().map(|y| {
                 let flat = Tensor2::new(y.matrices() * y.rows(), y.cols(), y.data().to_vec())
                     .expect("flat");
                 if case.zero_copy && case.seed.is_multiple_of(2) {
@@ -249,11 +253,11 @@ fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case
     };
     gbuf.sync().expect("sync");
     let cfg = case.ll_config();
-    for d in 0..case.ranks {
-        assert_eq!(got[d].is_none(), masked[d], "rank {d}: mask");
-        assert_eq!(got_x[d].is_none(), masked[d], "rank {d}: mask");
-        let host = got[d].as_ref().map(|o| o.download(&cfg).expect("download"));
-        let hx: Option<Tensor2<bf16>> = got_x[d].as_ref().map(|t| t.download().expect("x"));
+    for (i, &d) in local.iter().enumerate() {
+        assert_eq!(got[i].is_none(), masked[d], "rank {d}: mask");
+        assert_eq!(got_x[i].is_none(), masked[d], "rank {d}: mask");
+        let host = got[i].as_ref().map(|o| o.download(&cfg).expect("download"));
+        let hx: Option<Tensor2<bf16>> = got_x[i].as_ref().map(|t| t.download().expect("x"));
         if let (Some(a), Some(b)) = (&hx, &want_x[d]) {
             let diff = a
                 .data()
@@ -505,4 +509,57 @@ fn an_absent_rank_times_out_naming_it_and_reset_recovers() {
     g.reset().unwrap();
     let mut s = sim_buffer(&c);
     round(&mut g, &mut s, &dev, &c);
+}
+
+/// One `Buffer<Gpu>` per process (the deployment shape), over NVSHMEM with one PE per rank:
+/// variant (b) through the device API and variant (a) by `nvshmem_ptr`; each process checks
+/// its rank against the simulator of the whole world.
+#[test]
+#[ignore = "needs a GPU and NVSHMEM: run by scripts/gpu-run.sh"]
+fn a_buffer_per_process_over_nvshmem_equals_buffer_sim() {
+    common::procs::spawn_or_run(
+        "a_buffer_per_process_over_nvshmem_equals_buffer_sim",
+        2,
+        |rank| {
+            let ordinal = common::procs::my_ordinal();
+            let rdv = TcpRendezvous::from_env()?;
+            let session = Arc::new(
+                BringUp::new(rank, 2, Bootstrap::UniqueId(&rdv))
+                    .device(ordinal)
+                    .init()?,
+            );
+            let dev = Device::open(ordinal)?;
+            let mut c = Case::new(2, 64, 2048, 8, 32);
+            c.fp8 = Some((true, true));
+            c.sms = 16;
+            for v in [LlVariant::Nvshmem, LlVariant::Pointers] {
+                // Collective: both processes make (and drop) their Buffers in the same order.
+                let mut exec = Gpu::process_over_nvshmem(dev.clone(), c.sms, session.clone(), v);
+                exec.set_timeout(Duration::from_secs(20));
+                let mut g = Buffer::new(exec, c.config()).expect("Buffer<Gpu>");
+                assert_eq!(g.transport().local_ranks(), vec![rank as usize]);
+                let mut s = sim_buffer(&c);
+                for (i, (hook, zero_copy)) in [(false, false), (true, true), (false, true)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let mut f = c.clone();
+                    f.hook = hook;
+                    f.zero_copy = zero_copy;
+                    f.seed = 7 + i as u64;
+                    round(&mut g, &mut s, &dev, &f);
+                }
+                g.clean_low_latency_buffer().expect("clean");
+                round(&mut g, &mut s, &dev, &c);
+                eprintln!(
+                    "rank {rank}: {}",
+                    g.transport()
+                        .low_latency()
+                        .expect("group")
+                        .transport_report()
+                );
+            }
+            Ok(())
+        },
+    );
 }
