@@ -111,12 +111,16 @@ fn device() -> Arc<Device> {
 }
 
 fn gpu_buffer(dev: &Arc<Device>, case: &Case) -> Buffer<Gpu> {
+    gpu_buffer_with(dev, case, case.config())
+}
+
+fn gpu_buffer_with(dev: &Arc<Device>, case: &Case, cfg: BufferConfig) -> Buffer<Gpu> {
     let mut g = Gpu::co_resident(dev.clone(), case.ranks, case.sms);
     if variant() == LlVariant::Nvshmem {
         g = g.with_nvshmem(session(), LlVariant::Nvshmem);
     }
     g.set_timeout(Duration::from_secs(5));
-    Buffer::new(g, case.config()).expect("Buffer<Gpu>")
+    Buffer::new(g, cfg).expect("Buffer<Gpu>")
 }
 
 fn sim_buffer(case: &Case) -> Buffer<Sim> {
@@ -475,15 +479,34 @@ fn bad_inputs_are_typed_errors_and_leave_the_buffer_usable() {
 fn an_absent_rank_times_out_naming_it_and_reset_recovers() {
     let dev = device();
     let c = Case::new(2, 32, 512, 4, 16);
-    let mut g = gpu_buffer(&dev, &c);
+    let dins = upload(&dev, &inputs_of(&c));
+    let absent = |g: &mut Buffer<Gpu>, rank: Option<usize>| {
+        g.transport_mut()
+            .low_latency_mut()
+            .expect("group")
+            .set_absent_rank_for_test(rank);
+    };
+    // Shrink mode: the kernels mask the rank that never arrives instead of failing, and the
+    // Buffer adopts it into its mask at the next sync.
+    {
+        let mut g = gpu_buffer(&dev, &c);
+        let mut s = sim_buffer(&c);
+        round(&mut g, &mut s, &dev, &c);
+        g.transport_mut().set_timeout(Duration::from_millis(200));
+        absent(&mut g, Some(1));
+        let _ = g.low_latency_dispatch(&dins, &c.params()).unwrap();
+        g.sync().expect("shrink mode: no error");
+        assert!(g.poisoned().is_none());
+        assert_eq!(g.query_mask().unwrap(), vec![0, 1]);
+    }
+    // Without shrink mode: a typed timeout naming the rank, the Buffer poisoned until reset.
+    let mut cfg = c.config();
+    cfg.enable_shrink = false;
+    let mut g = gpu_buffer_with(&dev, &c, cfg);
     let mut s = sim_buffer(&c);
     round(&mut g, &mut s, &dev, &c);
-    let dins = upload(&dev, &inputs_of(&c));
     g.transport_mut().set_timeout(Duration::from_millis(200));
-    g.transport_mut()
-        .low_latency_mut()
-        .expect("group")
-        .set_absent_rank_for_test(Some(1));
+    absent(&mut g, Some(1));
     let _ = g.low_latency_dispatch(&dins, &c.params()).unwrap();
     let err = g.sync().unwrap_err();
     match err.backend::<Error>() {
@@ -501,10 +524,7 @@ fn an_absent_rank_times_out_naming_it_and_reset_recovers() {
         g.low_latency_dispatch(&dins, &c.params()),
         Err(CoreError::BufferPoisoned { .. })
     ));
-    g.transport_mut()
-        .low_latency_mut()
-        .expect("group")
-        .set_absent_rank_for_test(None);
+    absent(&mut g, None);
     g.transport_mut().set_timeout(Duration::from_secs(5));
     g.reset().unwrap();
     let mut s = sim_buffer(&c);
