@@ -150,7 +150,7 @@ pub(crate) const CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_KERNEL_LAYOUT", 3, "ep_normal_layout."),
     ("EP_KERNEL_DISPATCH", 1, "ep_normal_dispatch."),
     ("EP_KERNEL_COMBINE", 2, "ep_normal_combine."),
-    ("EP_PHASE_SLOTS", 16, "Stamps per block: start, offsets known, rows stored, done released, done acquired, end; the normal dispatch's notify block also: records fenced (6), every notify acquired (7), then its steps 8..14 (cuda/normal.cu), every block 15 (first-half count)."),
+    ("EP_PHASE_SLOTS", 16, "Stamps per block: start, offsets known, rows stored, done released, done acquired, end; the normal dispatch's notify block also: record heads fenced (6), every notify acquired (7), then its steps 8..14 (cuda/normal.cu), every block 15 (its own channel start counted)."),
 ];
 
 /// The device trace of debug builds (`ep_kernels::gpu::trace`, judged by
