@@ -23,8 +23,9 @@
 //! Host synchronisation: a non-worst-token dispatch waits (bounded) for each rank's notify block
 //! to publish `num_recv` and the expert list in host-mapped memory — the only host sync of a
 //! call; with `num_worst_tokens > 0` there is none. Errors from the device (a wait that timed
-//! out, rows that do not fit, a bad expert id) surface at the next call or [`NormalGroup::sync`];
-//! a timeout poisons the group until [`NormalGroup::reset`].
+//! out, rows that do not fit, a bad expert id, a `num_tokens_per_rank` that disagrees with its
+//! `is_token_in_rank`) surface at the next call or [`NormalGroup::sync`]; a timeout or a
+//! disagreeing layout poisons the group until [`NormalGroup::reset`].
 //!
 //! Calls without a host wait can be captured in CUDA graphs and replayed
 //! ([`NormalGroup::capture`]; the kernels then take their call number from device-resident epoch
