@@ -255,6 +255,11 @@ fn table() -> Vec<Row> {
             &["read of poison", "data race", "oracle"],
         ),
         (
+            ProtocolMutation::ReceiverReadsPrefixEarly,
+            normal_scenario,
+            &["read of poison", "data race", "oracle"],
+        ),
+        (
             ProtocolMutation::CombineSkipYReady,
             normal_scenario,
             &["read of poison", "data race", "store not published"],

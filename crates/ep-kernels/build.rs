@@ -529,7 +529,6 @@ uint64_t ep_shim_normal_count_record(uint64_t r, uint64_t p, uint64_t s) { retur
 uint64_t ep_shim_count_record_cpm(uint64_t r) { return ep_count_record_cpm(r); }
 uint64_t ep_shim_count_record_experts(uint64_t r) { return ep_count_record_experts(r); }
 uint64_t ep_shim_table_recv_begin(uint64_t r) { return ep_table_recv_begin(r); }
-uint64_t ep_shim_table_recv_chan(uint64_t r) { return ep_table_recv_chan(r); }
 uint64_t ep_shim_row_scales_offset(uint64_t h, uint64_t e) { return ep_row_scales_offset(h, e); }
 uint64_t ep_shim_normal_table(uint64_t r, uint64_t p) { return ep_normal_table(r, p); }
 uint64_t ep_shim_normal_rows_base(uint64_t r) { return ep_normal_rows_base(r); }

@@ -113,7 +113,7 @@ pub(crate) const ERR_BLOCK: Fields = &[
     ("word_offset", 0, "Offset of the word in normal.ctrl."),
     ("expected", 0, "Value awaited."),
     ("last_seen", 0, "Last value read."),
-    ("detail", 0, "Extra (EP_ERR_CAPACITY: rows needed)."),
+    ("detail", 0, "Extra (EP_ERR_CAPACITY: rows needed; EP_ERR_LAYOUT: the destination rank)."),
     ("abort", 0, "Set once any wait failed: every other wait gives up."),
 ];
 
@@ -144,12 +144,13 @@ pub(crate) const CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_ERR_EXPERT", 3, "An expert id outside [-1, E) (detail: token * K + slot, last_seen: the id)."),
     ("EP_ERR_EPOCH", 4, "A low-latency signal carried another call's epoch (detail: source rank)."),
     ("EP_ERR_COUNT", 5, "A combine signal announced another message count (detail: source rank)."),
+    ("EP_ERR_LAYOUT", 6, "Normal dispatch: num_tokens_per_rank[d] is not the count of is_token_in_rank[., d] (word_rank, detail: d; expected: the input; last_seen: the count)."),
     ("EP_KERNEL_LL_DISPATCH", 4, "ep_ll_dispatch."),
     ("EP_KERNEL_LL_COMBINE", 5, "ep_ll_combine."),
     ("EP_KERNEL_LAYOUT", 3, "ep_normal_layout."),
     ("EP_KERNEL_DISPATCH", 1, "ep_normal_dispatch."),
     ("EP_KERNEL_COMBINE", 2, "ep_normal_combine."),
-    ("EP_PHASE_SLOTS", 16, "Stamps per block: start, offsets known, rows stored, done released, done acquired, end; the normal dispatch's notify block also: records fenced (6), every notify acquired (7), then its steps 8..14 (cuda/normal.cu), every block 15 (first-half count)."),
+    ("EP_PHASE_SLOTS", 16, "Stamps per block: start, offsets known, rows stored, done released, done acquired, end; the normal dispatch's notify block also: record heads fenced (6), every notify acquired (7), then its steps 8..14 (cuda/normal.cu), every block 15 (its own channel start counted)."),
 ];
 
 /// The device trace of debug builds (`ep_kernels::gpu::trace`, judged by

@@ -331,15 +331,90 @@ extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) 
 
 // ---- dispatch ----------------------------------------------------------------------------------
 
-// Bytes of the notify block's shared tile for its membership scan (the send part's s_rows,
-// unused until the table is known).
+// Bytes of the shared tile in which membership bytes are staged (the notify scan, every block's
+// own channel start): the send part's s_rows, unused until the block's offsets are known.
 #define NOTIFY_TILE_BYTES (4 * NT * MAXR)
-// Experts per thread whose counts the notify block loads before its scan.
+// Experts per thread whose counts the notify block loads for its record.
 #define NOTIFY_PE 4
 
-// The notify agent (§2.3) on block 0: count records to every rank, then rpm, the table, the
-// handle matrices, the expert list and num_recv. `tile`: NOTIFY_TILE_BYTES of shared memory,
-// 16-aligned. Returns false when a wait failed.
+// Copies nbytes of membership bytes from src (16-aligned when vec) into tile, every load issued
+// before any is stored: one round trip per tile (a byte load per (token, d) in a counting loop
+// waited for each in turn, 8.6 us at 4096 tokens). The caller barriers before and after.
+__device__ __forceinline__ void stage_tile(const uint8_t *src, uint32_t nbytes, uint8_t *tile, bool vec) {
+    const uint32_t tid = threadIdx.x;
+    if (vec) {
+        int4 v[NOTIFY_TILE_BYTES / (16 * NT)];
+#pragma unroll
+        for (int u = 0; u < NOTIFY_TILE_BYTES / (16 * NT); ++u) {
+            const uint32_t i = ((uint32_t)u * NT + tid) * 16u;
+            if (i + 16u <= nbytes) v[u] = *(const int4 *)(src + i);
+        }
+#pragma unroll
+        for (int u = 0; u < NOTIFY_TILE_BYTES / (16 * NT); ++u) {
+            const uint32_t i = ((uint32_t)u * NT + tid) * 16u;
+            if (i + 16u <= nbytes) *(int4 *)(tile + i) = v[u];
+        }
+        const uint32_t tail = nbytes & ~15u;
+        if (tail + tid < nbytes) tile[tail + tid] = src[tail + tid];
+    } else {
+        for (uint32_t i = tid; i < nbytes; i += NT) tile[i] = src[i];  // a misaligned view
+    }
+}
+
+// Tokens per staged tile: a multiple of 32, so t0 * R stays 16-aligned.
+__device__ __forceinline__ uint32_t tile_tokens(uint32_t R) { return (NOTIFY_TILE_BYTES / R) & ~31u; }
+
+// A block's own channel start (§2.3, sender step 1): the tokens of [lo, split) going to each d
+// added into s_a[d], those of [split, hi) into s_b[d] (shared, zeroed by the caller), the
+// membership bytes staged in shared memory as in the notify scan. Lanes take tokens strided by
+// NT, counts per d in registers, one warp reduction and one shared atomic per (warp, d).
+__device__ void count_tokens(const Args &a, uint64_t lo, uint64_t split, uint64_t hi, uint8_t *tile, int32_t *s_a,
+                             int32_t *s_b) {
+    const uint32_t tid = threadIdx.x, lane = tid & 31u, R = (uint32_t)a.num_ranks;
+    const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
+    const bool vec = ((uintptr_t)in_rank & 15u) == 0;
+    const uint32_t tt = tile_tokens(R);
+    int32_t ca[MAXR], cb[MAXR];
+#pragma unroll
+    for (uint32_t d = 0; d < MAXR; ++d) ca[d] = cb[d] = 0;
+    for (uint64_t t0 = lo / tt * tt; t0 < hi; t0 += tt) {
+        const uint32_t nt = (uint32_t)min((uint64_t)tt, hi - t0);
+        __syncthreads();  // the previous tile is counted
+        stage_tile(in_rank + t0 * R, nt * R, tile, vec);
+        __syncthreads();
+        for (uint32_t j = tid; j < nt; j += NT) {
+            const uint64_t t = t0 + j;
+            if (t < lo) continue;
+            const uint8_t *m = tile + j * R;
+            const bool first = t < split;
+#pragma unroll
+            for (uint32_t d = 0; d < MAXR; ++d) {
+                if (d >= R) break;
+                const int32_t v = m[d] != 0;
+                if (first)
+                    ca[d] += v;
+                else
+                    cb[d] += v;
+            }
+        }
+    }
+#pragma unroll
+    for (uint32_t d = 0; d < MAXR; ++d) {
+        if (d >= R) break;
+        const int32_t na = __reduce_add_sync(0xffffffffu, ca[d]);
+        const int32_t nb = __reduce_add_sync(0xffffffffu, cb[d]);
+        if (lane == 0 && na) atomicAdd(&s_a[d], na);
+        if (lane == 0 && nb) atomicAdd(&s_b[d], nb);
+    }
+    __syncthreads();
+}
+
+// The notify agent (§2.3) on block 0, with sender (me, 0)'s prefix part: the count records'
+// heads to every rank from the inputs (no scan) and notify[p][me]; then the membership scan (the
+// handle's channel_prefix_matrix, the records' channel prefix parts, published later by this
+// block's done[me][0], and the check of num_tokens_per_rank against it); then every rank's head:
+// rpm, the table, the expert list and num_recv. `tile`: NOTIFY_TILE_BYTES of shared memory,
+// 16-aligned. Returns false when a wait failed or the rows exceed the arena.
 __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, uint8_t *tile) {
     const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
     const uint32_t C = (uint32_t)a.num_channels, L = (uint32_t)a.num_local_experts;
@@ -347,51 +422,58 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
     ep_err_block *err = (ep_err_block *)a.err;
     int32_t *cpm = (int32_t *)a.channel_prefix_matrix;
     int32_t *rpm = (int32_t *)a.rank_prefix_matrix;
-    int32_t *rcpm = (int32_t *)a.recv_channel_prefix_matrix;
+    const int32_t *per_rank = (const int32_t *)a.num_tokens_per_rank;
+    const int32_t *per_expert = (const int32_t *)a.num_tokens_per_expert;
     __shared__ int s_ok;
 
     for (uint32_t i = tid; i < C * R; i += NT) s_cc[i] = 0;
     if (tid == 0) s_ok = 1;
-    __syncthreads();
     stamp(a, 8);
-    const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
-    // This rank's per-expert counts for the records, loaded now so that their round trip
-    // overlaps the scan's.
-    const int32_t *per_expert = (const int32_t *)a.num_tokens_per_expert;
+    // 1. The record's head to every d (itself included): n_s[0..R] and e_s[d*L..d*L+L], loads of
+    //    the inputs only, then notify[p][me] on d.
+    const uint64_t crec_me = ep_normal_count_record(R, p, me);
+    for (uint32_t i = tid; i < R * R; i += NT) {
+        const uint32_t d = i / R, e = i % R;
+        *(int32_t *)data_at(a, d, crec_me + 4u * e) = per_rank[e];
+    }
     int32_t pe[NOTIFY_PE];
 #pragma unroll
     for (int u = 0; u < NOTIFY_PE; ++u) {
         const uint32_t i = (uint32_t)u * NT + tid;
         pe[u] = i < R * L ? per_expert[i] : 0;
     }
-    // Per (channel, d) counts. The membership bytes of a tile of tokens are staged in shared
-    // memory with every load issued before any is used (one round trip per tile: a byte load
-    // per (token, d) in the counting loop waited for each in turn, 8.6 us at 4096 tokens), then
-    // counted from shared memory (below).
-    const uint32_t tile_tokens = (NOTIFY_TILE_BYTES / R) & ~31u;  // t0 * R stays 16-aligned
-    const bool vec = ((uintptr_t)in_rank & 15u) == 0;
-    for (uint64_t t0 = 0; t0 < T; t0 += tile_tokens) {
-        const uint32_t nt = (uint32_t)min((uint64_t)tile_tokens, T - t0);
-        const uint32_t nbytes = nt * R;
-        const uint8_t *src = in_rank + t0 * R;
-        __syncthreads();  // the previous tile is counted
-        if (vec) {
-            int4 v[NOTIFY_TILE_BYTES / (16 * NT)];
 #pragma unroll
-            for (int u = 0; u < NOTIFY_TILE_BYTES / (16 * NT); ++u) {
-                const uint32_t i = ((uint32_t)u * NT + tid) * 16u;
-                if (i + 16u <= nbytes) v[u] = *(const int4 *)(src + i);
-            }
-#pragma unroll
-            for (int u = 0; u < NOTIFY_TILE_BYTES / (16 * NT); ++u) {
-                const uint32_t i = ((uint32_t)u * NT + tid) * 16u;
-                if (i + 16u <= nbytes) *(int4 *)(tile + i) = v[u];
-            }
-            const uint32_t tail = nbytes & ~15u;
-            if (tail + tid < nbytes) tile[tail + tid] = src[tail + tid];
-        } else {
-            for (uint32_t i = tid; i < nbytes; i += NT) tile[i] = src[i];  // a misaligned view
+    for (int u = 0; u < NOTIFY_PE; ++u) {
+        const uint32_t i = (uint32_t)u * NT + tid;
+        if (i < R * L) *(int32_t *)data_at(a, i / L, crec_me + ep_count_record_experts(R) + 4u * (i % L)) = pe[u];
+    }
+    for (uint32_t i = NOTIFY_PE * NT + tid; i < R * L; i += NT)
+        *(int32_t *)data_at(a, i / L, crec_me + ep_count_record_experts(R) + 4u * (i % L)) = per_expert[i];
+    stamp(a, 11);
+    peer_fence(a);
+    if (TRACED && tid == 0) {
+        // Before the barrier: the releases after it are recorded after these.
+        for (uint32_t d = 0; d < R; ++d) {
+            TRACE_STORE(d, crec_me, 4ull * R);
+            TRACE_STORE(d, crec_me + ep_count_record_experts(R), 4ull * L);
         }
+        TRACE_FENCE(PEER_FENCE_SCOPE(a));
+    }
+    __syncthreads();
+    stamp(a, 6);
+    if (tid < R) {
+        ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_notify(R, p, me)), k);
+        TRACE_RELEASE(tid, ep_normal_notify(R, p, me), k);
+    }
+    // 2. The membership scan, while the other ranks' heads arrive: per (channel, d) counts of
+    //    tiles of tokens staged in shared memory (stage_tile), then counted from there.
+    const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
+    const uint32_t tt = tile_tokens(R);
+    const bool vec = ((uintptr_t)in_rank & 15u) == 0;
+    for (uint64_t t0 = 0; t0 < T; t0 += tt) {
+        const uint32_t nt = (uint32_t)min((uint64_t)tt, T - t0);
+        __syncthreads();  // the previous tile is counted (the first: s_cc is zeroed)
+        stage_tile(in_rank + t0 * R, nt * R, tile, vec);
         __syncthreads();
         // Counting: warp w takes pieces w, w + WARPS, ... of the C x split pieces (channel ch,
         // part q: a split-th of the channel's tokens in this tile), lanes strided over its tokens
@@ -450,40 +532,23 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
     }
     __syncthreads();
     stamp(a, 10);
-    // Count record to every d (itself included), then notify[p][me] on d.
-    const uint64_t crec_me = ep_normal_count_record(R, p, me);
-    for (uint32_t i = tid; i < R * R; i += NT) {
-        uint32_t d = i / R, e = i % R;
-        *(int32_t *)data_at(a, d, crec_me + 4u * e) = s_n[e];
-    }
+    // Inputs that disagree: rows would land at wrong places (each store stays below the arena's
+    // rows, recv_rows_cap). The error record poisons the group; the call goes on, bounded.
+    if (tid < R && s_n[tid] != per_rank[tid])
+        ep_fail(err, EP_ERR_LAYOUT, me, EP_KERNEL_DISPATCH, tid, 0, (uint64_t)(int64_t)per_rank[tid],
+                (uint64_t)(int64_t)s_n[tid], tid);
+    // Sender (me, 0)'s prefix part of the records, cpm_me[d][0..C] on every d: published by this
+    // block's done[me][0] release (its fence, barriers and release), read by d's receive parts
+    // after they acquire it. (Parity: d read the call-(k - 2) part of this slot inside call
+    // k - 2, before its senders of call k - 1 released the done words this rank's call k - 1
+    // waited for.)
     for (uint32_t i = tid; i < R * C; i += NT) {
-        uint32_t d = i / C, c = i % C;
+        const uint32_t d = i / C, c = i % C;
         *(int32_t *)data_at(a, d, crec_me + ep_count_record_cpm(R) + 4u * c) = s_cc[c * R + d];
     }
-#pragma unroll
-    for (int u = 0; u < NOTIFY_PE; ++u) {
-        const uint32_t i = (uint32_t)u * NT + tid;
-        if (i < R * L) *(int32_t *)data_at(a, i / L, crec_me + ep_count_record_experts(R) + 4u * (i % L)) = pe[u];
-    }
-    for (uint32_t i = NOTIFY_PE * NT + tid; i < R * L; i += NT)
-        *(int32_t *)data_at(a, i / L, crec_me + ep_count_record_experts(R) + 4u * (i % L)) = per_expert[i];
-    stamp(a, 11);
-    peer_fence(a);
-    if (TRACED && tid == 0) {
-        // Before the barrier: the releases after it are recorded after these.
-        for (uint32_t d = 0; d < R; ++d) {
-            TRACE_STORE(d, crec_me, 4ull * R);
-            TRACE_STORE(d, crec_me + ep_count_record_cpm(R), 4ull * C);
-            TRACE_STORE(d, crec_me + ep_count_record_experts(R), 4ull * L);
-        }
-        TRACE_FENCE(PEER_FENCE_SCOPE(a));
-    }
-    __syncthreads();
-    stamp(a, 6);
-    if (tid < R) {
-        ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_notify(R, p, me)), k);
-        TRACE_RELEASE(tid, ep_normal_notify(R, p, me), k);
-    }
+    if (TRACED && tid == 0)
+        for (uint32_t d = 0; d < R; ++d) TRACE_STORE(d, crec_me + ep_count_record_cpm(R), 4ull * C);
+    // 3. Every rank's head.
     if (tid < R) {
         uint64_t off = ep_normal_notify(R, p, tid);
         if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, me, off))
@@ -494,17 +559,14 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
     __syncthreads();
     stamp(a, 7);
     if (!s_ok) return false;
-    // Records from every s are visible (acquired by thread s, then the barrier).
+    // Heads from every s are visible (acquired by thread s, then the barrier).
     // rpm: every n_s[e] loaded at once (thread s * R + e), the prefix over s from shared memory.
     __shared__ int32_t s_rpm[MAXR * MAXR];
     if (tid < R * R) s_rpm[tid] = ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, tid / R) + 4u * (tid % R)));
     __syncthreads();
     stamp(a, 12);
     if (TRACED && tid == 0)
-        for (uint32_t s = 0; s < R; ++s) {
-            TRACE_LOAD(me, ep_normal_count_record(R, p, s), 4ull * R);
-            if (C > 1) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_cpm(R), 4ull * (C - 1));
-        }
+        for (uint32_t s = 0; s < R; ++s) TRACE_LOAD(me, ep_normal_count_record(R, p, s), 4ull * R);
     if (tid < R) {
         int32_t run = 0;
         for (uint32_t s = 0; s < R; ++s) {
@@ -513,19 +575,10 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
             rpm[s * R + tid] = run;
         }
     }
-    // The table (§2.1) of this rank: recv_chan with the handle's rcpm from the same loads, then
-    // (after the barrier that completes the rpm prefix) send_base and recv_begin.
-    const uint64_t tab = ep_normal_table(R, p);
-    for (uint32_t i = tid; i < R * C; i += NT) {
-        uint32_t s = i / C, c = i % C;
-        int32_t v = c == 0 ? 0
-                           : ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
-                                                          ep_count_record_cpm(R) + 4u * (c - 1)));
-        rcpm[s * C + c] = v;
-        *(int32_t *)data_at(a, me, tab + ep_table_recv_chan(R) + 4u * (s * EP_MAX_CHANNELS + c)) = v;
-    }
     __syncthreads();
     stamp(a, 13);
+    // The table (§2.1) of this rank: send_base and recv_begin.
+    const uint64_t tab = ep_normal_table(R, p);
     for (uint32_t e = tid; e < R; e += NT)
         *(int32_t *)data_at(a, me, tab + 4u * e) = me == 0 ? 0 : s_rpm[(me - 1) * R + e];
     for (uint32_t s = tid; s <= R; s += NT)
@@ -547,7 +600,6 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
     if (TRACED && tid == 0) {
         TRACE_STORE(me, tab, 4ull * R);
         TRACE_STORE(me, tab + ep_table_recv_begin(R), 4ull * (R + 1));
-        for (uint32_t s = 0; s < R; ++s) TRACE_STORE(me, tab + ep_table_recv_chan(R) + 4ull * s * EP_MAX_CHANNELS, 4ull * C);
         TRACE_FENCE(EP_TRACE_SCOPE_GPU);
     }
     if (tid == 0) {
@@ -613,6 +665,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     static_assert(sizeof(s_rows) >= NOTIFY_TILE_BYTES, "the notify tile lives in s_rows");
 
     __shared__ int32_t s_before[MAXR];  // tokens of the channel's first half going to d
+    __shared__ int32_t s_chan[MAXR];    // tokens before the channel going to d (non-cached)
     __shared__ int32_t s_nrec[MAXR * MAXR];  // n_s[d] of every count record (non-cached)
     __shared__ int32_t s_base[MAXR];         // Σ_{s < me} n_s[d]: this rank's block start on d
     uint32_t t0, t1, mid;
@@ -620,26 +673,26 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
     stamp(a, 0);
     if (tid == 0) s_ok = 1;
-    if (tid < MAXR) s_before[tid] = 0;
+    if (tid < MAXR) s_before[tid] = s_chan[tid] = 0;
     __syncthreads();
-    if (h == 1) {
+    {
+        // This block's own channel start (§2.3, sender step 1), before the exchange's waits:
+        // tokens before the channel (non-cached; a cached dispatch takes it from the handle) and
+        // before this half, staged in the s_rows tile. Block 0 (channel 0, first half) counts
+        // nothing and runs the notify agent.
         uint64_t cs, ce;
         ep_channel_range(a.num_tokens, C, c, &cs, &ce);
-        for (uint64_t t = cs + tid; t < mid; t += NT)
-            for (uint32_t d = 0; d < R; ++d)
-                if (in_rank[t * R + d]) atomicAdd(&s_before[d], 1);
+        count_tokens(a, cached ? cs : 0, cs, t0, (uint8_t *)s_rows, s_chan, s_before);
     }
-    __syncthreads();
     stamp(a, 15);
     // 1. Offsets: the count exchange, or the handle plus the ready handshake.
     if (!cached) {
         if (blockIdx.x == 0 && !notify(a, k, s_cc, s_n, (uint8_t *)s_rows) && tid == 0) s_ok = 0;
         __syncthreads();
         // Sender step 1 (§2.3): notify[p][s'] of every s' (which also lets this call's rows into
-        // s'), then the first R counts of every record: this rank's block start on each d, and
-        // the rows each d receives (every block refuses an overflow alike; block 0's notify
-        // writes the error record). cpm, written by block 0 before its notify release, is
-        // visible with notify[p][me].
+        // s'), then the first R counts of every record's head: this rank's block start on each
+        // d, and the rows each d receives (every block refuses an overflow alike; block 0's
+        // notify writes the error record). The channel start this block counted itself.
         if (tid < R && s_ok) {
             const uint64_t off = ep_normal_notify(R, p, tid);
             if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off))
@@ -685,15 +738,17 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     if (ok && tid < R) {
         const int32_t before = s_before[tid];
         int32_t send_base = !cached ? s_base[tid] : me == 0 ? 0 : __ldcg(&rpm[(me - 1) * R + tid]);
-        int32_t chan_start = c == 0 ? 0 : __ldcg(&cpm[tid * C + c - 1]);
+        int32_t chan_start = !cached ? s_chan[tid] : c == 0 ? 0 : __ldcg(&cpm[tid * C + c - 1]);
         s_slot0[tid] = before;
         s_rowbase[tid] = (int32_t)ep_normal_final_row((uint32_t)send_base, (uint32_t)chan_start, (uint32_t)before);
         s_n[tid] = 0;  // running count of this block
     }
     __syncthreads();
 
-    // 2. Send: every row record stored once, at its final row on each destination.
+    // 2. Send: every row record stored once, at its final row on each destination. A row past
+    //    the arena's rows (inputs that disagree, EP_ERR_LAYOUT) is not stored.
     int32_t *send_head = (int32_t *)a.send_head;
+    const int64_t row_cap = (int64_t)recv_rows_cap(a);
     for (uint32_t base = t0; ok && base < t1; base += NT) {
         const uint32_t t = base + tid;
         const bool valid = t < t1;
@@ -711,7 +766,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
             int32_t off = s_n[d] + pre[d];
             for (uint32_t w = 0; w < warp; ++w) off += s_warp[w][d];
             const bool bit = (mask >> d) & 1u;
-            s_rows[tid][d] = bit ? s_rowbase[d] + off : -1;
+            const int64_t row = (int64_t)s_rowbase[d] + off;
+            s_rows[tid][d] = bit && row < row_cap ? (int32_t)row : -1;
             if (!cached && valid) send_head[(uint64_t)t * R + d] = bit ? s_slot0[d] + off : -1;
         }
         __syncthreads();
@@ -783,8 +839,10 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     }
     stamp(a, 3);
 
-    // 4. Receive channel c: wait done[s][c] of every source, then copy the rows' meta out. The
-    //    rows' offsets come from the handle matrices that block 0 wrote before table_ready.
+    // 4. Receive channel c: wait done[s][c] (and done[s][0], which publishes the records'
+    //    channel prefix parts) of every source, then copy the rows' meta out. The rows' offsets
+    //    come from rpm, which block 0 wrote before table_ready, and from the prefix parts (a
+    //    cached dispatch: from the handle's matrices).
     if (tid == 0) s_ok = ok ? 1 : 0;
     if (ok && !cached && tid == 0) {
         uint64_t off = ep_normal_table_ready(R, p);
@@ -797,14 +855,33 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     __syncthreads();
     if (ok && tid < R) {
         uint64_t off = ep_normal_done(R, tid, c);
-        if (!ep_wait_eq(ctrl_word(a, me, off), k, err, 3 * a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off))
-            s_ok = 0;
-        else
-            TRACE_ACQUIRE(me, off, k);
+        bool got = ep_wait_eq(ctrl_word(a, me, off), k, err, 3 * a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off);
+        if (got) TRACE_ACQUIRE(me, off, k);
+        if (got && !cached && c != 0) {
+            // Usually released already: sender (s, 0) releases it as this rank's senders do.
+            off = ep_normal_done(R, tid, 0);
+            got = ep_wait_eq(ctrl_word(a, me, off), k, err, 3 * a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off);
+            if (got) TRACE_ACQUIRE(me, off, k);
+        }
+        if (!got) s_ok = 0;
     }
     __syncthreads();
     if (!s_ok) return;
     stamp(a, 4);
+    // Channel 0's receive part writes the handle's recv_channel_prefix_matrix, rcpm[s][c] =
+    // cpm_s[me][c - 1] (0 for c = 0), from the prefix parts done[s][0] published.
+    if (!cached && c == 0 && h == 0) {
+        int32_t *rcpm_out = (int32_t *)a.recv_channel_prefix_matrix;
+        for (uint32_t i = tid; i < R * C; i += NT) {
+            const uint32_t s = i / C, ch = i % C;
+            rcpm_out[s * C + ch] = ch == 0 ? 0
+                                          : ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
+                                                                         ep_count_record_cpm(R) + 4u * (ch - 1)));
+        }
+        if (TRACED && tid == 0 && C > 1)
+            for (uint32_t s = 0; s < R; ++s)
+                TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_cpm(R), 4ull * (C - 1));
+    }
     int32_t *out_src = (int32_t *)a.recv_src_idx;
     // This CTA's rows of each source: thread s computes them (one round trip for all s).
     __shared__ int32_t s_lo[MAXR], s_hi[MAXR];
@@ -812,8 +889,19 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         const uint32_t s = tid;
         int32_t block_begin = s == 0 ? 0 : __ldcg(&rpm[(s - 1) * R + me]);
         int32_t n_s = __ldcg(&rpm[s * R + me]) - block_begin;
-        int32_t b = block_begin + __ldcg(&rcpm[s * C + c]);
-        int32_t e = block_begin + (c + 1 < C ? __ldcg(&rcpm[s * C + c + 1]) : n_s);
+        // Channel c's start and end within s's block: cpm_s[me][c - 1] and cpm_s[me][c].
+        const uint8_t *part = data_at(a, me, ep_normal_count_record(R, p, s) + ep_count_record_cpm(R));
+        int32_t cb = cached ? __ldcg(&rcpm[s * C + c]) : c == 0 ? 0 : ld_i32_cg(part + 4u * (c - 1));
+        int32_t ce = c + 1 < C ? (cached ? __ldcg(&rcpm[s * C + c + 1]) : ld_i32_cg(part + 4u * c)) : n_s;
+        if (TRACED && !cached) {
+            if (c > 0) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_cpm(R) + 4ull * (c - 1), 4);
+            if (c + 1 < C) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_cpm(R) + 4ull * c, 4);
+        }
+        // Kept inside s's block (inputs that disagree, EP_ERR_LAYOUT: the record says so).
+        cb = min(max(cb, 0), n_s);
+        ce = min(max(ce, cb), n_s);
+        int32_t b = block_begin + cb;
+        int32_t e = block_begin + ce;
         int32_t m = b + (e - b + 1) / 2;
         s_lo[s] = h == 0 ? b : m;
         s_hi[s] = h == 0 ? m : e;

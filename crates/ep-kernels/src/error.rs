@@ -295,6 +295,22 @@ pub enum Error {
         /// The id.
         expert: i64,
     },
+    /// A normal dispatch's `num_tokens_per_rank` disagrees with its `is_token_in_rank`, seen by
+    /// the notify block's membership scan (`EP_ERR_LAYOUT`): rows landed at wrong places (every
+    /// store inside the arena), so the group is poisoned until `reset`.
+    #[error(
+        "rank {rank}'s num_tokens_per_rank[{dest}] is {given} but its is_token_in_rank sends {counted} tokens to rank {dest}: pass the layout get_dispatch_layout gives for these topk_idx; the group is poisoned until reset()"
+    )]
+    DeviceLayoutMismatch {
+        /// The sending rank whose layout disagrees.
+        rank: usize,
+        /// The destination rank whose count differs.
+        dest: usize,
+        /// `num_tokens_per_rank[dest]` as given.
+        given: i64,
+        /// Tokens `is_token_in_rank` sends to `dest`.
+        counted: i64,
+    },
     /// A device wait ran out (the group is poisoned until `reset`).
     #[error(
         "rank {rank}'s {kernel} kernel (block {block}) waited {timeout:?} for {word} == {expected} (last seen {last_seen}), written by rank {}: that rank did not arrive; the group is poisoned until reset()",

@@ -41,7 +41,6 @@ mod ffi {
         pub(super) fn ep_shim_count_record_cpm(r: u64) -> u64;
         pub(super) fn ep_shim_count_record_experts(r: u64) -> u64;
         pub(super) fn ep_shim_table_recv_begin(r: u64) -> u64;
-        pub(super) fn ep_shim_table_recv_chan(r: u64) -> u64;
         pub(super) fn ep_shim_row_scales_offset(h: u64, e: u64) -> u64;
         pub(super) fn ep_shim_normal_table(r: u64, p: u64) -> u64;
         pub(super) fn ep_shim_normal_rows_base(r: u64) -> u64;
@@ -141,8 +140,6 @@ rule!(/// `ep_count_record_experts`.
     count_record_experts => ep_shim_count_record_experts(r: u64) -> u64);
 rule!(/// `ep_table_recv_begin`.
     table_recv_begin => ep_shim_table_recv_begin(r: u64) -> u64);
-rule!(/// `ep_table_recv_chan`.
-    table_recv_chan => ep_shim_table_recv_chan(r: u64) -> u64);
 rule!(/// `ep_row_scales_offset`.
     row_scales_offset => ep_shim_row_scales_offset(hidden: u64, elem: u64) -> u64);
 rule!(/// `ep_normal_table`.

@@ -1,9 +1,10 @@
 //! Normal mode on the GPU against the plan (ep-core's reference of the protocol, itself
 //! checked against the oracle), on co-resident ranks of one GPU: layout, dispatch (BF16, FP8,
 //! worst-token), cached dispatch, combine (in place and from the combine rows, weights, biases)
-//! bit for bit, the canonical digest, many back-to-back rounds, a planted absent rank and bad
-//! inputs. Arenas are poisoned before each call; activations span a wide range of binades so
-//! that a combine adding in another order would not match.
+//! bit for bit, the canonical digest, many back-to-back rounds, a planted absent rank, bad
+//! inputs and a layout that disagrees with its membership. Arenas are poisoned before each
+//! call; activations span a wide range of binades so that a combine adding in another order
+//! would not match.
 //!
 //! These tests need a GPU: they are `#[ignore]`d, and `scripts/gpu-run.sh` runs them with
 //! `--include-ignored` on the GPU machine. Without a GPU they fail (they never pass unrun).
@@ -231,6 +232,68 @@ fn bad_inputs_are_typed_errors_and_leave_the_group_usable() {
         ),
         "{err}"
     );
+    run_case(&mut g, &c);
+}
+
+/// A layout whose `num_tokens_per_rank` disagrees with its `is_token_in_rank` (docs/protocol.md
+/// §2.3): the notify block's scan sees it (`EP_ERR_LAYOUT`), the call fails with a typed error
+/// naming both ranks and both counts, the group is poisoned until `reset`, and after the reset
+/// calls equal the plan again.
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn a_layout_that_disagrees_with_its_membership_poisons_until_reset() {
+    let dev = device();
+    let c = Case::new(2, 256, 1024, 4, 16);
+    let mut g = group(&dev, &c);
+    g.set_timeout(Duration::from_millis(500));
+    let inputs = inputs_of(&c);
+    let dins = upload(&dev, &inputs, &all(&c));
+    let idx: Vec<&DevTensor> = dins.iter().map(|d| &d.idx).collect();
+    let mut glay = g.layout(&idx, c.experts).unwrap();
+    g.sync().unwrap();
+    let mut n: ep_core::tensor::Tensor2<i32> = glay[1].num_tokens_per_rank.download().unwrap();
+    let counted = n.get(0, 0);
+    assert!(counted > 0, "rank 1 sends to rank 0");
+    n.set(0, 0, counted - 1);
+    glay[1].num_tokens_per_rank = DevTensor::upload(dev.context(), &n).unwrap();
+    let t0 = std::time::Instant::now();
+    let err = g
+        .dispatch(
+            &rank_inputs(&dins, true),
+            &glay,
+            c.experts,
+            &GpuDispatchArgs::default(),
+        )
+        .and_then(|_| g.sync())
+        .unwrap_err();
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "bounded: {:?}",
+        t0.elapsed()
+    );
+    match &err {
+        Error::DeviceLayoutMismatch {
+            rank,
+            dest,
+            given,
+            counted: seen,
+        } => {
+            assert_eq!((*rank, *dest), (1, 0), "{err}");
+            assert_eq!(
+                (*given, *seen),
+                (i64::from(counted) - 1, i64::from(counted)),
+                "{err}"
+            );
+        }
+        other => panic!("expected a layout mismatch, got {other}"),
+    }
+    eprintln!("planted: {err}");
+    assert!(
+        matches!(g.sync(), Err(Error::Poisoned { .. })),
+        "poisoned until reset"
+    );
+    g.reset().unwrap();
+    g.set_timeout(Duration::from_secs(5));
     run_case(&mut g, &c);
 }
 

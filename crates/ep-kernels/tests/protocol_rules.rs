@@ -54,8 +54,8 @@ proptest! {
         prop_assert_eq!(c::normal_table(ru, p), d.table(p));
         let (crec_n, crec_cpm, crec_e) = l::count_record_fields(r);
         prop_assert_eq!((0, c::count_record_cpm(ru), c::count_record_experts(ru)), (crec_n, crec_cpm, crec_e));
-        let (tab_send, tab_begin, tab_chan) = l::table_fields(r);
-        prop_assert_eq!((0, c::table_recv_begin(ru), c::table_recv_chan(ru)), (tab_send, tab_begin, tab_chan));
+        let (tab_send, tab_begin) = l::table_fields(r);
+        prop_assert_eq!((0, c::table_recv_begin(ru)), (tab_send, tab_begin));
         prop_assert_eq!(c::normal_rows_base(ru), d.rows_base());
         prop_assert_eq!(c::normal_half(ru, data), d.half());
         let f = l::RowFormat { hidden: h, elem_bytes: elem, num_scales: scales, num_topk: k };

@@ -132,26 +132,28 @@ pub fn count_record_bytes(num_ranks: usize) -> u64 {
     align16(4 * (num_ranks + MAX_CHANNELS + MAX_LOCAL_EXPERTS) as u64)
 }
 
-/// Bytes of a table of `num_ranks` ranks: `a16(4·(2R + 1 + R·MAX_CHANNELS))`.
+/// Bytes of a table of `num_ranks` ranks: `a16(4·(2R + 1))`.
 #[must_use]
 pub fn table_bytes(num_ranks: usize) -> u64 {
-    align16(4 * (2 * num_ranks + 1 + num_ranks * MAX_CHANNELS) as u64)
+    align16(4 * (2 * num_ranks + 1) as u64)
 }
 
-/// Byte offsets inside a count record: `(rank counts, channel prefix, expert counts)`.
+/// Byte offsets inside a count record: `(rank counts, channel prefix, expert counts)`. The
+/// record's head (rank and expert counts) is stored by the notify agent before `notify`; its
+/// channel prefix part by sender `(s, 0)` before `done[s][0]` (docs/protocol.md §2.3).
+/// The prefix part starts on its own 16-byte granule (`a16(4R)`): its writer is not the head's,
+/// and no two writers share a granule (docs/protocol.md §1.2); the record's size is unchanged.
 #[must_use]
 pub fn count_record_fields(num_ranks: usize) -> (u64, u64, u64) {
-    let r = num_ranks as u64;
-    (0, 4 * r, 4 * (r + MAX_CHANNELS as u64))
+    let cpm = align16(4 * num_ranks as u64);
+    (0, cpm, cpm + 4 * MAX_CHANNELS as u64)
 }
 
-/// Byte offsets inside a table: `(send_base, recv_begin, recv_chan)`. `send_base[e]` (R i32),
-/// `recv_begin[s]` (R + 1 i32, the last one = rows received), `recv_chan[s][c]` at
-/// `recv_chan + 4·(s·MAX_CHANNELS + c)`.
+/// Byte offsets inside a table: `(send_base, recv_begin)`. `send_base[e]` (R i32),
+/// `recv_begin[s]` (R + 1 i32, the last one = rows received).
 #[must_use]
-pub fn table_fields(num_ranks: usize) -> (u64, u64, u64) {
-    let r = num_ranks as u64;
-    (0, 4 * r, 4 * (2 * r + 1))
+pub fn table_fields(num_ranks: usize) -> (u64, u64) {
+    (0, 4 * num_ranks as u64)
 }
 
 impl NormalData {
@@ -487,6 +489,22 @@ mod tests {
         all.dedup();
         assert_eq!(all.len(), n);
         assert!(all.iter().all(|&w| w % 16 == 0 && w + 8 <= c.bytes()));
+    }
+
+    /// A count record's head (notify agent) and prefix part (sender `(s, 0)`) never share a
+    /// 16-byte granule, and the three fields fit the record, for every rank count.
+    #[test]
+    fn count_record_parts_have_their_own_granules() {
+        for r in 1..=160 {
+            let (n, cpm, e) = count_record_fields(r);
+            assert_eq!(n, 0);
+            assert!(cpm >= 4 * r as u64 && cpm % 16 == 0, "R = {r}");
+            assert_eq!(e, cpm + 4 * MAX_CHANNELS as u64);
+            assert!(e % 16 == 0);
+            assert!(e + 4 * MAX_LOCAL_EXPERTS as u64 <= count_record_bytes(r));
+            let (b, rb) = table_fields(r);
+            assert!(b == 0 && rb + 4 * (r as u64 + 1) <= table_bytes(r));
+        }
     }
 
     #[test]

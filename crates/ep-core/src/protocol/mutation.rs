@@ -19,6 +19,9 @@ pub enum ProtocolMutation {
     /// Normal dispatch: a sender loads the count records (its block start) without waiting for
     /// every rank's `notify`.
     SenderSkipsNotify,
+    /// Normal dispatch: the receiver reads the count records' channel prefix part (its
+    /// `recv_channel_prefix_matrix`) before acquiring `done[s][0]`, which publishes it.
+    ReceiverReadsPrefixEarly,
     /// Normal combine: reducers pull without waiting for `y_ready`.
     CombineSkipYReady,
     /// Low-latency dispatch: the signal is posted with no fence after row puts on other QPs.

@@ -16,8 +16,8 @@ use super::bytes::{
     put_f32s, put_i32, put_i64,
 };
 use super::layout::{
-    MAX_CHANNELS, NormalCtrl, NormalData, RowFormat, channel_range, count_record_fields,
-    normal_final_row, parity, table_fields,
+    NormalCtrl, NormalData, RowFormat, channel_range, count_record_fields, normal_final_row,
+    parity, table_fields,
 };
 use crate::error::{Error, Result};
 use crate::plan::combine::{init_accumulator, round_row};
@@ -117,12 +117,12 @@ fn wait_own_table(ctx: &mut dyn AgentCtx, arena: &NormalArena, call: u64) -> Res
     wait_eq_patient(ctx, s, word, call, || format!("own table of call {call}")).map(|_| ())
 }
 
-/// What the count exchange of a rank computed (the host-visible part of its outputs).
+/// What the count exchange of a rank computed (the host-visible part of its outputs; the
+/// receiver gives `recv_channel_prefix_matrix`, from the records' channel prefix parts).
 #[derive(Clone, Debug)]
 pub(crate) struct NotifyResult {
     pub(crate) rank_prefix_matrix: Tensor2<i32>,
     pub(crate) channel_prefix_matrix: Tensor2<i32>,
-    pub(crate) recv_channel_prefix_matrix: Tensor2<i32>,
     pub(crate) send_head: Tensor2<i32>,
     pub(crate) num_recv: usize,
     pub(crate) expert_list: Vec<i32>,
@@ -157,6 +157,8 @@ pub(crate) struct DispatchJob<'a> {
 pub(crate) struct DispatchSlots {
     pub(crate) notify: Vec<Mutex<Option<NotifyResult>>>,
     pub(crate) recv: Vec<Mutex<Option<RecvResult>>>,
+    /// The receiver's `recv_channel_prefix_matrix` (`[R, C]`).
+    pub(crate) recv_cpm: Vec<Mutex<Option<Tensor2<i32>>>>,
 }
 
 impl DispatchSlots {
@@ -164,6 +166,7 @@ impl DispatchSlots {
         Self {
             notify: (0..r).map(|_| Mutex::new(None)).collect(),
             recv: (0..r).map(|_| Mutex::new(None)).collect(),
+            recv_cpm: (0..r).map(|_| Mutex::new(None)).collect(),
         }
     }
 }
@@ -193,9 +196,7 @@ struct Table {
 
 fn load_table(ctx: &mut dyn AgentCtx, arena: &NormalArena, rank: usize, p: u64) -> Result<Table> {
     let r = arena.num_ranks;
-    let (_, fr, _) = table_fields(r);
-    // `recv_chan` (after `recv_begin`) is for kernels that place rows per channel; the receiver
-    // here loads whole blocks and does not need it.
+    let (_, fr) = table_fields(r);
     let mut buf = vec![0u8; 4 * (r + 1)];
     ctx.load(rank, arena.at(arena.data_layout().table(p) + fr), &mut buf)?;
     Ok(Table {
@@ -441,12 +442,54 @@ pub(crate) fn dispatch_phase<'a>(
                 with_topk: job.with_topk,
                 in_place: job.in_place,
             };
+            // Planted bug: the channel prefix parts are read before `done[s'][0]` published them.
+            let early = mutation == ProtocolMutation::ReceiverReadsPrefixEarly;
+            let early_cpm = if early {
+                Some(load_recv_cpm(ctx, arena, p, c_count)?)
+            } else {
+                None
+            };
             let res = receive(ctx, arena, &rx)?;
+            // Every `done[s'][0]` is acquired: sender `(s', 0)`'s prefix parts are visible.
+            let recv_cpm = match early_cpm {
+                Some(m) => m,
+                None => load_recv_cpm(ctx, arena, p, c_count)?,
+            };
             put_slot(&slots.recv[s], res);
+            put_slot(&slots.recv_cpm[s], recv_cpm);
             Ok(())
         });
     }
     phase
+}
+
+/// The receiver's `recv_channel_prefix_matrix` (`[R, C]`, `[s][c] = cpm_s[me][c − 1]`, 0 for
+/// `c = 0`) from the channel prefix parts of its count records of parity `p`, which sender
+/// `(s, 0)` stored before its `done[s][0]` release: call only after acquiring every
+/// `done[s][0]` (docs/protocol.md §2.3).
+fn load_recv_cpm(
+    ctx: &mut dyn AgentCtx,
+    arena: &NormalArena,
+    p: u64,
+    c_count: usize,
+) -> Result<Tensor2<i32>> {
+    let me = ctx.me().rank;
+    let r = arena.num_ranks;
+    let (_, fc, _) = count_record_fields(r);
+    let mut out = Tensor2::filled(r, c_count, 0i32);
+    if c_count < 2 {
+        return Ok(out);
+    }
+    // Only `cpm_s[me][0..C−1]` is read (the last entry is `n_s[me]`).
+    let mut buf = vec![0u8; 4 * (c_count - 1)];
+    for s2 in 0..r {
+        let at = arena.data_layout().count_record(p, s2) + fc;
+        ctx.load(me, arena.at(at), &mut buf)?;
+        for c in 1..c_count {
+            out.set(s2, c, get_i32(&buf, 4 * (c - 1)));
+        }
+    }
+    Ok(out)
 }
 
 fn notify(
@@ -465,50 +508,57 @@ fn notify(
     let ctrl = arena.ctrl_layout();
     let data = arena.data_layout();
     let lay = &job.layouts[s];
-    let (cpm, send_head) = sender_channels(&lay.is_token_in_rank, c_count);
-    let (_, fc, fe) = count_record_fields(r);
-    let rec_len = fe as usize + 4 * l_count;
-    let mut rec = vec![0u8; rec_len];
+    let (_, _, fe) = count_record_fields(r);
     // Planted bug: the record goes to the other parity's slot while `notify` says it is here.
     let p_write = if mutation == ProtocolMutation::CountsWrongParity {
         1 - p
     } else {
         p
     };
+    // 1. The record's head, from the inputs (no scan): `n_s[0..R]` (the whole row, to every
+    //    rank) and `e_s[d·L..d·L+L]`; the channel prefix part is sender `(s, 0)`'s (§2.3).
+    let mut head_n = vec![0u8; 4 * r];
+    for (e, &n) in lay.num_tokens_per_rank.iter().enumerate() {
+        put_i32(&mut head_n, 4 * e, n);
+    }
+    let mut head_e = vec![0u8; 4 * l_count];
     for d in 0..r {
-        for (e, &n) in lay.num_tokens_per_rank.iter().enumerate() {
-            put_i32(&mut rec, 4 * e, n);
-        }
-        for c in 0..c_count {
-            put_i32(&mut rec, fc as usize + 4 * c, cpm.get(d, c));
-        }
         for l in 0..l_count {
             put_i32(
-                &mut rec,
-                fe as usize + 4 * l,
+                &mut head_e,
+                4 * l,
                 lay.num_tokens_per_expert[d * l_count + l],
             );
         }
-        ctx.store(d, arena.at(data.count_record(p_write, s)), &rec)?;
+        let at = data.count_record(p_write, s);
+        ctx.store(d, arena.at(at), &head_n)?;
+        if l_count > 0 {
+            ctx.store(d, arena.at(at + fe), &head_e)?;
+        }
         ctx.store_release(d, arena.word(ctrl.notify(p, s)), call)?;
     }
-    // Every rank's record, in rank order.
+    // The membership scan (the handle's `channel_prefix_matrix` and `send_head`), after the
+    // release: nobody waits for it but this rank's host and sender `(s, 0)`, which counts its
+    // prefix part itself.
+    let (cpm, send_head) = sender_channels(&lay.is_token_in_rank, c_count);
+    // 2. Every rank's record head, in rank order (never the prefix part: not yet published).
     let mut counts = Tensor2::filled(r, r, 0i32);
-    let mut chan = vec![Tensor2::filled(1, c_count, 0i32); r];
     let mut experts = vec![0i64; l_count];
+    let mut e_buf = vec![0u8; 4 * l_count];
     for s2 in 0..r {
         wait_eq(ctx, s, arena.word(ctrl.notify(p, s2)), call, || {
             format!("count record of rank {s2} for call {call}")
         })?;
-        ctx.load(s, arena.at(data.count_record(p, s2)), &mut rec)?;
+        let at = data.count_record(p, s2);
+        ctx.load(s, arena.at(at), &mut head_n)?;
         for e in 0..r {
-            counts.set(s2, e, get_i32(&rec, 4 * e));
+            counts.set(s2, e, get_i32(&head_n, 4 * e));
         }
-        for c in 0..c_count {
-            chan[s2].set(0, c, get_i32(&rec, fc as usize + 4 * c));
+        if l_count > 0 {
+            ctx.load(s, arena.at(at + fe), &mut e_buf)?;
         }
         for (l, x) in experts.iter_mut().enumerate() {
-            *x += i64::from(get_i32(&rec, fe as usize + 4 * l));
+            *x += i64::from(get_i32(&e_buf, 4 * l));
         }
     }
     let mut rpm = Tensor2::filled(r, r, 0i32);
@@ -519,28 +569,15 @@ fn notify(
         }
     }
     let before = |i: usize, j: usize| before(&rpm, i, j);
-    let mut recv_cpm = Tensor2::filled(r, c_count, 0i32);
-    for s2 in 0..r {
-        for c in 1..c_count {
-            recv_cpm.set(s2, c, chan[s2].get(0, c - 1));
-        }
-    }
     let num_recv = rpm.get(r - 1, s) as usize;
-    // Table: send_base, recv_begin (+ total), recv_chan.
-    let (fb, fr, ftc) = table_fields(r);
-    let mut table = vec![0u8; ftc as usize + 4 * r * MAX_CHANNELS];
+    // 3. Table: send_base, recv_begin (+ total).
+    let (fb, fr) = table_fields(r);
+    let mut table = vec![0u8; fr as usize + 4 * (r + 1)];
     for e in 0..r {
         put_i32(&mut table, fb as usize + 4 * e, before(s, e));
     }
     for s2 in 0..r {
         put_i32(&mut table, fr as usize + 4 * s2, before(s2, s));
-        for c in 0..c_count {
-            put_i32(
-                &mut table,
-                ftc as usize + 4 * (s2 * MAX_CHANNELS + c),
-                recv_cpm.get(s2, c),
-            );
-        }
     }
     put_i32(&mut table, fr as usize + 4 * r, num_recv as i32);
     ctx.store(s, arena.at(data.table(p)), &table)?;
@@ -555,12 +592,30 @@ fn notify(
             .map(|&x| ((x + a - 1) / a * a) as i32)
             .collect()
     };
+    // Inputs that disagree (`num_tokens_per_rank` not the count of `is_token_in_rank`) put
+    // rows at wrong places; the host refuses them before the phase (`check_dispatch`), the
+    // scan's totals refuse them here too, as the GPU's notify block does (EP_ERR_LAYOUT).
+    if c_count > 0 {
+        for d in 0..r {
+            let counted = cpm.get(d, c_count - 1);
+            if counted != lay.num_tokens_per_rank[d] {
+                return Err(Error::LayoutMismatch {
+                    rank: s,
+                    field: "num_tokens_per_rank",
+                    detail: format!(
+                        "{} tokens for rank {d}, is_token_in_rank has {counted} (seen by the \
+                         notify agent)",
+                        lay.num_tokens_per_rank[d]
+                    ),
+                });
+            }
+        }
+    }
     put_slot(
         out,
         NotifyResult {
             rank_prefix_matrix: rpm,
             channel_prefix_matrix: cpm,
-            recv_channel_prefix_matrix: recv_cpm,
             send_head,
             num_recv,
             expert_list,
@@ -591,6 +646,25 @@ fn send(
     let s = ctx.me().rank;
     let r = arena.num_ranks;
     let p = parity(call);
+    let inp = &job.inputs[s];
+    let itr = &job.layouts[s].is_token_in_rank;
+    if c == 0 {
+        // Sender `(s, 0)` stores the records' channel prefix part `cpm_s[d][0..C]` into every
+        // `d`, published with its `done[s][0]` below; `d`'s receiver reads it after acquiring
+        // that word. No wait first: `d` read this slot's call-`(k − 2)` part inside call
+        // `k − 2`, before its senders of call `k − 1` released the `done` words this rank's
+        // call `k − 1` waited for (§2.3, arena reuse).
+        let (cpm, _) = sender_channels(itr, job.num_channels);
+        let (_, fc, _) = count_record_fields(r);
+        let mut part = vec![0u8; 4 * job.num_channels];
+        for d in 0..r {
+            for c2 in 0..job.num_channels {
+                put_i32(&mut part, 4 * c2, cpm.get(d, c2));
+            }
+            let at = arena.data_layout().count_record(p, s) + fc;
+            ctx.store(d, arena.at(at), &part)?;
+        }
+    }
     // Step 1 (docs/protocol.md §2.3): every rank's count record, whose first `R` counts give
     // this rank's block start on each destination, `send_base[d] = Σ_{s' < s} n_{s'}[d]`; the
     // notify from every `d` is also what lets this call's rows into `d` (arena reuse).
@@ -614,8 +688,6 @@ fn send(
             }
         }
     }
-    let inp = &job.inputs[s];
-    let itr = &job.layouts[s].is_token_in_rank;
     let range = channel_range(inp.num_tokens(), job.num_channels, c);
     let chan_start = counts_before(itr, range.start);
     let topk = job.with_topk.then_some((&inp.topk_idx, &inp.topk_weights));

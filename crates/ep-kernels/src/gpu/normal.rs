@@ -23,8 +23,9 @@
 //! Host synchronisation: a non-worst-token dispatch waits (bounded) for each rank's notify block
 //! to publish `num_recv` and the expert list in host-mapped memory — the only host sync of a
 //! call; with `num_worst_tokens > 0` there is none. Errors from the device (a wait that timed
-//! out, rows that do not fit, a bad expert id) surface at the next call or [`NormalGroup::sync`];
-//! a timeout poisons the group until [`NormalGroup::reset`].
+//! out, rows that do not fit, a bad expert id, a `num_tokens_per_rank` that disagrees with its
+//! `is_token_in_rank`) surface at the next call or [`NormalGroup::sync`]; a timeout or a
+//! disagreeing layout poisons the group until [`NormalGroup::reset`].
 //!
 //! Calls without a host wait can be captured in CUDA graphs and replayed
 //! ([`NormalGroup::capture`]; the kernels then take their call number from device-resident epoch
@@ -694,8 +695,9 @@ impl NormalGroup {
     }
 
     /// Turns the process's error record into a typed error (after syncing every stream).
-    /// Timeouts poison the group; refused inputs (capacity, expert ids) do not: the record is
-    /// cleared and the group stays usable.
+    /// Timeouts and layouts that disagree with their membership (rows stored at wrong places)
+    /// poison the group; refused inputs (capacity, expert ids) do not: the record is cleared and
+    /// the group stays usable.
     fn check_device_error(&mut self) -> Result<()> {
         let e = self.dev.err.read();
         if e.status == 0 {
@@ -704,7 +706,7 @@ impl NormalGroup {
         self.sync_streams()?;
         let e = self.dev.err.read();
         let err = self.decode(&e);
-        if e.status == abi::EP_ERR_TIMEOUT {
+        if matches!(e.status, abi::EP_ERR_TIMEOUT | abi::EP_ERR_LAYOUT) {
             self.poison = Some(err.to_string());
         } else {
             self.dev.err.write(ErrBlock::default());
@@ -713,40 +715,7 @@ impl NormalGroup {
     }
 
     fn decode(&self, e: &ErrBlock) -> Error {
-        let kernel = match e.kernel {
-            abi::EP_KERNEL_DISPATCH => "dispatch",
-            abi::EP_KERNEL_COMBINE => "combine",
-            abi::EP_KERNEL_LAYOUT => "layout",
-            _ => "?",
-        };
-        match e.status {
-            abi::EP_ERR_TIMEOUT => {
-                let ctrl = NormalCtrl {
-                    num_ranks: self.num_ranks(),
-                };
-                Error::DeviceWaitTimeout {
-                    rank: e.rank as usize,
-                    kernel,
-                    block: e.block as usize,
-                    word: ctrl_word_name(ctrl, e.word_offset),
-                    writer: ctrl.writer(e.word_offset, e.word_rank as usize),
-                    expected: e.expected,
-                    last_seen: e.last_seen,
-                    timeout: self.timeout,
-                }
-            }
-            abi::EP_ERR_CAPACITY => Error::DeviceCapacity {
-                rank: e.word_rank as usize,
-                rows: e.last_seen,
-                capacity: e.expected,
-            },
-            abi::EP_ERR_EXPERT => Error::ExpertOutOfRange {
-                rank: e.rank as usize,
-                index: e.detail,
-                expert: e.last_seen as i64,
-            },
-            s => Error::Unsupported(format!("unknown device error status {s}")),
-        }
+        decode_record(e, self.num_ranks(), self.timeout)
     }
 
     /// Waits for every local rank's stream and reports any device error
@@ -1733,6 +1702,48 @@ impl NormalGroup {
     }
 }
 
+/// The typed error of a process's error record (`R` ranks, waits bounded by `timeout`).
+fn decode_record(e: &ErrBlock, num_ranks: usize, timeout: Duration) -> Error {
+    let kernel = match e.kernel {
+        abi::EP_KERNEL_DISPATCH => "dispatch",
+        abi::EP_KERNEL_COMBINE => "combine",
+        abi::EP_KERNEL_LAYOUT => "layout",
+        _ => "?",
+    };
+    match e.status {
+        abi::EP_ERR_TIMEOUT => {
+            let ctrl = NormalCtrl { num_ranks };
+            Error::DeviceWaitTimeout {
+                rank: e.rank as usize,
+                kernel,
+                block: e.block as usize,
+                word: ctrl_word_name(ctrl, e.word_offset),
+                writer: ctrl.writer(e.word_offset, e.word_rank as usize),
+                expected: e.expected,
+                last_seen: e.last_seen,
+                timeout,
+            }
+        }
+        abi::EP_ERR_CAPACITY => Error::DeviceCapacity {
+            rank: e.word_rank as usize,
+            rows: e.last_seen,
+            capacity: e.expected,
+        },
+        abi::EP_ERR_EXPERT => Error::ExpertOutOfRange {
+            rank: e.rank as usize,
+            index: e.detail,
+            expert: e.last_seen as i64,
+        },
+        abi::EP_ERR_LAYOUT => Error::DeviceLayoutMismatch {
+            rank: e.rank as usize,
+            dest: e.detail as usize,
+            given: e.expected as i64,
+            counted: e.last_seen as i64,
+        },
+        s => Error::Unsupported(format!("unknown device error status {s}")),
+    }
+}
+
 impl NormalGroup {
     /// The ceiling of a combine's data movement: every token of local rank `i` reduces its
     /// rows of the last dispatch (BF16 x parts; `src_rows[i]` `[T, R]` i32, the token's row on
@@ -1920,5 +1931,35 @@ mod tests {
             assert_eq!(ctrl_word_name(ctrl, ctrl.table_ready(0)), "table_ready[0]");
             assert!(ctrl_word_name(ctrl, ctrl.bytes() + 16).starts_with("control word at"));
         }
+    }
+
+    /// The notify block's record of a layout that disagrees with its membership (EP_ERR_LAYOUT)
+    /// is a typed error naming both ranks and both counts.
+    #[test]
+    fn a_layout_record_is_a_typed_error() {
+        let e = ErrBlock {
+            status: abi::EP_ERR_LAYOUT,
+            rank: 1,
+            kernel: abi::EP_KERNEL_DISPATCH,
+            word_rank: 3,
+            expected: 17,
+            last_seen: 19,
+            detail: 3,
+            ..ErrBlock::default()
+        };
+        let err = decode_record(&e, 4, Duration::from_secs(1));
+        assert!(
+            matches!(
+                err,
+                Error::DeviceLayoutMismatch {
+                    rank: 1,
+                    dest: 3,
+                    given: 17,
+                    counted: 19
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("poisoned until reset"), "{err}");
     }
 }

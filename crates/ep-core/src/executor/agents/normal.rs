@@ -70,6 +70,7 @@ pub(super) fn dispatch(
         .map(|d| {
             let n = take_slot(&slots.notify[d], d, "notify")?;
             let v = take_slot(&slots.recv[d], d, "receiver")?;
+            let recv_cpm = take_slot(&slots.recv_cpm[d], d, "receiver")?;
             let disp = InPlaceDispatch {
                 num_rows: v.src_idx.len(),
                 recv_topk_idx: v.topk_idx,
@@ -78,7 +79,7 @@ pub(super) fn dispatch(
                 handle: IntranodeHandle {
                     rank_prefix_matrix: n.rank_prefix_matrix,
                     channel_prefix_matrix: n.channel_prefix_matrix,
-                    recv_channel_prefix_matrix: n.recv_channel_prefix_matrix,
+                    recv_channel_prefix_matrix: recv_cpm,
                     recv_src_idx: v.src_idx,
                     is_token_in_rank: job.layouts[d].is_token_in_rank.clone(),
                     send_head: n.send_head,

@@ -996,6 +996,14 @@ mod tests {
             ),
             "{e}"
         );
+        // A layout the device found disagreeing with its membership poisons (a failed phase).
+        let e = core(Error::DeviceLayoutMismatch {
+            rank: 0,
+            dest: 1,
+            given: 3,
+            counted: 4,
+        });
+        assert!(matches!(e, ep_core::Error::Backend { .. }), "{e}");
         let shape = ep_core::Error::ZeroExpertAlignment;
         assert_eq!(core(Error::Shape(shape.clone())), shape);
         assert_eq!(refused(Error::Shape(shape.clone())), shape);
