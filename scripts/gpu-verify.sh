@@ -78,6 +78,8 @@ for s in "${steps[@]}"; do
     buffer) tests gpu_buffer 240; tests gpu_buffer_ll 200
             export EP_LL_VARIANT=nvshmem; tests gpu_buffer_ll 150 gpu_buffer_ll-nvshmem; unset EP_LL_VARIANT ;;
     normal) tests gpu_normal 200; tests gpu_normal_graph 120; tests gpu_normal_procs 120 ;;
+    normal-core) tests gpu_normal 200 ;;
+    normal-more) tests gpu_normal_graph 120; tests gpu_normal_procs 120 ;;
     ll) tests gpu_low_latency 240
         export EP_LL_VARIANT=nvshmem; tests gpu_low_latency 200 gpu_low_latency-nvshmem --skip variant_b_; unset EP_LL_VARIANT ;;
     bench) bench bench-r2 --ranks 2 --sms-sweep 24,8,64
@@ -91,6 +93,7 @@ for s in "${steps[@]}"; do
            echo quit | nvidia-cuda-mps-control
          else table+=("mps|MPS did not start|"); fi
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+    buffer-ll-absent) tests gpu_buffer_ll 60 gpu_buffer_ll-absent an_absent_rank ;;
     llbench) llbench bench-ll-a --graph; llbench bench-ll-b --variant nvshmem --graph ;;
     criterion) step criterion 120 bundle/benches/gpu --bench --warm-up-time 1 --measurement-time 3 ;;
     *) table+=("$s|unknown step|") ;;
