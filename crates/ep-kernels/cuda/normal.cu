@@ -409,24 +409,20 @@ __device__ void count_tokens(const Args &a, uint64_t lo, uint64_t split, uint64_
     __syncthreads();
 }
 
-// The notify agent (§2.3) on block 0, with sender (me, 0)'s prefix part: the count records'
-// heads to every rank from the inputs (no scan) and notify[p][me]; then the membership scan (the
-// handle's channel_prefix_matrix, the records' channel prefix parts, published later by this
-// block's done[me][0], and the check of num_tokens_per_rank against it); then every rank's head:
-// rpm, the table, the expert list and num_recv. `tile`: NOTIFY_TILE_BYTES of shared memory,
-// 16-aligned. Returns false when a wait failed or the rows exceed the arena.
-__device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, uint8_t *tile) {
-    const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
-    const uint32_t C = (uint32_t)a.num_channels, L = (uint32_t)a.num_local_experts;
-    const uint64_t T = a.num_tokens, p = ep_parity(k);
+// The notify agent (§2.3) on block 0: the count records' heads to every rank from the inputs (no
+// scan) and notify[p][me]; then every rank's head: rpm, the table, the expert list and num_recv.
+// (The channel prefixes are each channel's own: its second CTA stores them after its rows.)
+// Returns false when a wait failed or the rows exceed the arena.
+__device__ bool notify(const Args &a, uint64_t k) {
+    const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
+    const uint32_t L = (uint32_t)a.num_local_experts;
+    const uint64_t p = ep_parity(k);
     ep_err_block *err = (ep_err_block *)a.err;
-    int32_t *cpm = (int32_t *)a.channel_prefix_matrix;
     int32_t *rpm = (int32_t *)a.rank_prefix_matrix;
     const int32_t *per_rank = (const int32_t *)a.num_tokens_per_rank;
     const int32_t *per_expert = (const int32_t *)a.num_tokens_per_expert;
     __shared__ int s_ok;
 
-    for (uint32_t i = tid; i < C * R; i += NT) s_cc[i] = 0;
     if (tid == 0) s_ok = 1;
     stamp(a, 8);
     // 1. The record's head to every d (itself included): n_s[0..R] and e_s[d*L..d*L+L], loads of
@@ -465,90 +461,7 @@ __device__ bool notify(const Args &a, uint64_t k, int32_t *s_cc, int32_t *s_n, u
         ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_notify(R, p, me)), k);
         TRACE_RELEASE(tid, ep_normal_notify(R, p, me), k);
     }
-    // 2. The membership scan, while the other ranks' heads arrive: per (channel, d) counts of
-    //    tiles of tokens staged in shared memory (stage_tile), then counted from there.
-    const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
-    const uint32_t tt = tile_tokens(R);
-    const bool vec = ((uintptr_t)in_rank & 15u) == 0;
-    for (uint64_t t0 = 0; t0 < T; t0 += tt) {
-        const uint32_t nt = (uint32_t)min((uint64_t)tt, T - t0);
-        __syncthreads();  // the previous tile is counted (the first: s_cc is zeroed)
-        stage_tile(in_rank + t0 * R, nt * R, tile, vec);
-        __syncthreads();
-        // Counting: warp w takes pieces w, w + WARPS, ... of the C x split pieces (channel ch,
-        // part q: a split-th of the channel's tokens in this tile), lanes strided over its tokens
-        // (conflict-free bytes), one count per d in registers, one warp reduction per d, one
-        // shared atomic per (piece, d). Each lane's loads and adds are independent: the ballot
-        // and shuffle chain of a count per 32-token step (5.0 us at 4096 tokens) is gone.
-        const uint32_t split = C >= WARPS ? 1u : WARPS / C;
-        for (uint32_t piece = warp; piece < C * split; piece += WARPS) {
-            const uint32_t ch = piece / split, q = piece % split;
-            uint64_t cs, ce;
-            ep_channel_range(T, C, ch, &cs, &ce);
-            const uint64_t lo = max(cs, t0), hi = min(ce, t0 + nt);
-            if (lo >= hi) continue;  // warp-uniform
-            const uint64_t len = hi - lo;
-            const uint32_t j0 = (uint32_t)(lo - t0 + len * q / split), j1 = (uint32_t)(lo - t0 + len * (q + 1) / split);
-            int32_t cnt[MAXR];
-#pragma unroll
-            for (uint32_t d = 0; d < MAXR; ++d) cnt[d] = 0;
-            for (uint32_t j = j0 + lane; j < j1; j += 32) {
-                const uint8_t *m = tile + j * R;
-#pragma unroll
-                for (uint32_t d = 0; d < MAXR; ++d)
-                    if (d < R) cnt[d] += m[d] != 0;
-            }
-#pragma unroll
-            for (uint32_t d = 0; d < MAXR; ++d) {
-                if (d >= R) break;
-                const int32_t n = __reduce_add_sync(0xffffffffu, cnt[d]);
-                if (lane == 0 && n) atomicAdd(&s_cc[ch * R + d], n);
-            }
-        }
-    }
-    __syncthreads();
-    stamp(a, 9);
-    // The inclusive prefix over channels of each d: warp d scans 32 channels a step (a serial
-    // loop over C per d was 0.8 us).
-    if (warp < R) {
-        const uint32_t d = warp;
-        int32_t carry = 0;
-        for (uint32_t c0 = 0; c0 < C; c0 += 32) {
-            const uint32_t ch = c0 + lane;
-            int32_t v = ch < C ? s_cc[ch * R + d] : 0;
-#pragma unroll
-            for (uint32_t o = 1; o < 32; o <<= 1) {
-                const int32_t u = __shfl_up_sync(0xffffffffu, v, o);
-                if (lane >= o) v += u;
-            }
-            v += carry;
-            if (ch < C) {
-                s_cc[ch * R + d] = v;  // now inclusive
-                cpm[d * C + ch] = v;
-            }
-            carry = __shfl_sync(0xffffffffu, v, 31);
-        }
-        if (lane == 0) s_n[d] = carry;
-    }
-    __syncthreads();
-    stamp(a, 10);
-    // Inputs that disagree: rows would land at wrong places (each store stays below the arena's
-    // rows, recv_rows_cap). The error record poisons the group; the call goes on, bounded.
-    if (tid < R && s_n[tid] != per_rank[tid])
-        ep_fail(err, EP_ERR_LAYOUT, me, EP_KERNEL_DISPATCH, tid, 0, (uint64_t)(int64_t)per_rank[tid],
-                (uint64_t)(int64_t)s_n[tid], tid);
-    // Sender (me, 0)'s prefix part of the records, cpm_me[d][0..C] on every d: published by this
-    // block's done[me][0] release (its fence, barriers and release), read by d's receive parts
-    // after they acquire it. (Parity: d read the call-(k - 2) part of this slot inside call
-    // k - 2, before its senders of call k - 1 released the done words this rank's call k - 1
-    // waited for.)
-    for (uint32_t i = tid; i < R * C; i += NT) {
-        const uint32_t d = i / C, c = i % C;
-        *(int32_t *)data_at(a, d, crec_me + ep_count_record_cpm(R) + 4u * c) = s_cc[c * R + d];
-    }
-    if (TRACED && tid == 0)
-        for (uint32_t d = 0; d < R; ++d) TRACE_STORE(d, crec_me + ep_count_record_cpm(R), 4ull * C);
-    // 3. Every rank's head.
+    // 2. Every rank's head.
     if (tid < R) {
         uint64_t off = ep_normal_notify(R, p, tid);
         if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, me, off))
@@ -656,13 +569,12 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     const int32_t *rcpm = (const int32_t *)a.recv_channel_prefix_matrix;
 
     __shared__ int s_ok;
-    __shared__ int32_t s_cc[EP_MAX_CHANNELS * MAXR];
     __shared__ int32_t s_n[MAXR];
     __shared__ int32_t s_slot0[MAXR];   // index in (channel, d) of this block's first token to d
     __shared__ int32_t s_rowbase[MAXR]; // final row of that token on d
     __shared__ int32_t s_warp[WARPS][MAXR];
     __shared__ __align__(16) int32_t s_rows[NT][MAXR];
-    static_assert(sizeof(s_rows) >= NOTIFY_TILE_BYTES, "the notify tile lives in s_rows");
+    static_assert(sizeof(s_rows) >= NOTIFY_TILE_BYTES, "count_tokens' tile lives in s_rows");
 
     __shared__ int32_t s_before[MAXR];  // tokens of the channel's first half going to d
     __shared__ int32_t s_chan[MAXR];    // tokens before the channel going to d (non-cached)
@@ -687,7 +599,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     stamp(a, 15);
     // 1. Offsets: the count exchange, or the handle plus the ready handshake.
     if (!cached) {
-        if (blockIdx.x == 0 && !notify(a, k, s_cc, s_n, (uint8_t *)s_rows) && tid == 0) s_ok = 0;
+        if (blockIdx.x == 0 && !notify(a, k) && tid == 0) s_ok = 0;
         __syncthreads();
         // Sender step 1 (§2.3): notify[p][s'] of every s' (which also lets this call's rows into
         // s'), then the first R counts of every record's head: this rank's block start on each
@@ -822,6 +734,31 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         __syncthreads();
     }
 
+    // The channel's prefix entry (§2.3): the second CTA knows its start and end after its rows
+    // (the tokens before the channel, in its first half, in its own). The end goes to the
+    // handle's channel_prefix_matrix; [start, end] into this rank's count record on every d, the
+    // channel's own granule, published by the channel's done[me][c] below (this CTA's fence, the
+    // cluster barrier, the first CTA's release). The last channel's end is the total to d: inputs
+    // that disagree with it are EP_ERR_LAYOUT (the record poisons the group; every row store
+    // above stayed below the arena's rows).
+    if (ok && !cached && h == 1 && tid < R) {
+        const uint32_t d = tid;
+        const int32_t start = s_chan[d], end = s_chan[d] + s_before[d] + s_n[d];
+        ((int32_t *)a.channel_prefix_matrix)[d * C + c] = end;
+        *(int2 *)data_at(a, d, ep_normal_count_record(R, p, me) + ep_count_record_cpm(R) + EP_WORD_STRIDE * c) =
+            make_int2(start, end);
+        const int32_t given = ((const int32_t *)a.num_tokens_per_rank)[d];
+        if (c + 1 == C && end != given)
+            ep_fail(err, EP_ERR_LAYOUT, me, EP_KERNEL_DISPATCH, d, 0, (uint64_t)(int64_t)given,
+                    (uint64_t)(int64_t)end, d);
+    }
+    if (TRACED && ok && !cached && h == 1) {
+        __syncthreads();
+        if (tid == 0)
+            for (uint32_t d = 0; d < R; ++d)
+                TRACE_STORE(d, ep_normal_count_record(R, p, me) + ep_count_record_cpm(R) + EP_WORD_STRIDE * c, 8);
+    }
+
     // 3. done[me][c] on every d once both CTAs of the channel stored their rows.
     stamp(a, 2);
     // Traced kernels only: a planted missing fence in the second CTA (the checker must catch it).
@@ -839,10 +776,10 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     }
     stamp(a, 3);
 
-    // 4. Receive channel c: wait done[s][c] (and done[s][0], which publishes the records'
-    //    channel prefix parts) of every source, then copy the rows' meta out. The rows' offsets
-    //    come from rpm, which block 0 wrote before table_ready, and from the prefix parts (a
-    //    cached dispatch: from the handle's matrices).
+    // 4. Receive channel c: wait done[s][c] of every source (it publishes the rows and the
+    //    channel's prefix entry), then copy the rows' meta out. The rows' offsets come from rpm,
+    //    which block 0 wrote before table_ready, and from the prefix entries (a cached dispatch:
+    //    from the handle's matrices).
     if (tid == 0) s_ok = ok ? 1 : 0;
     if (ok && !cached && tid == 0) {
         uint64_t off = ep_normal_table_ready(R, p);
@@ -857,31 +794,11 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         uint64_t off = ep_normal_done(R, tid, c);
         bool got = ep_wait_eq(ctrl_word(a, me, off), k, err, 3 * a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off);
         if (got) TRACE_ACQUIRE(me, off, k);
-        if (got && !cached && c != 0) {
-            // Usually released already: sender (s, 0) releases it as this rank's senders do.
-            off = ep_normal_done(R, tid, 0);
-            got = ep_wait_eq(ctrl_word(a, me, off), k, err, 3 * a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off);
-            if (got) TRACE_ACQUIRE(me, off, k);
-        }
         if (!got) s_ok = 0;
     }
     __syncthreads();
     if (!s_ok) return;
     stamp(a, 4);
-    // Channel 0's receive part writes the handle's recv_channel_prefix_matrix, rcpm[s][c] =
-    // cpm_s[me][c - 1] (0 for c = 0), from the prefix parts done[s][0] published.
-    if (!cached && c == 0 && h == 0) {
-        int32_t *rcpm_out = (int32_t *)a.recv_channel_prefix_matrix;
-        for (uint32_t i = tid; i < R * C; i += NT) {
-            const uint32_t s = i / C, ch = i % C;
-            rcpm_out[s * C + ch] = ch == 0 ? 0
-                                          : ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
-                                                                         ep_count_record_cpm(R) + 4u * (ch - 1)));
-        }
-        if (TRACED && tid == 0 && C > 1)
-            for (uint32_t s = 0; s < R; ++s)
-                TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_cpm(R), 4ull * (C - 1));
-    }
     int32_t *out_src = (int32_t *)a.recv_src_idx;
     // This CTA's rows of each source: thread s computes them (one round trip for all s).
     __shared__ int32_t s_lo[MAXR], s_hi[MAXR];
@@ -889,14 +806,22 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         const uint32_t s = tid;
         int32_t block_begin = s == 0 ? 0 : __ldcg(&rpm[(s - 1) * R + me]);
         int32_t n_s = __ldcg(&rpm[s * R + me]) - block_begin;
-        // Channel c's start and end within s's block: cpm_s[me][c - 1] and cpm_s[me][c].
-        const uint8_t *part = data_at(a, me, ep_normal_count_record(R, p, s) + ep_count_record_cpm(R));
-        int32_t cb = cached ? __ldcg(&rcpm[s * C + c]) : c == 0 ? 0 : ld_i32_cg(part + 4u * (c - 1));
-        int32_t ce = c + 1 < C ? (cached ? __ldcg(&rcpm[s * C + c + 1]) : ld_i32_cg(part + 4u * c)) : n_s;
-        if (TRACED && !cached) {
-            if (c > 0) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_cpm(R) + 4ull * (c - 1), 4);
-            if (c + 1 < C) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_cpm(R) + 4ull * c, 4);
+        // Channel c's start and end within s's block: its prefix entry (cpm_s[me][c - 1],
+        // cpm_s[me][c]), or the handle's matrix for a cached dispatch.
+        const uint64_t entry = ep_normal_count_record(R, p, s) + ep_count_record_cpm(R) + EP_WORD_STRIDE * c;
+        int32_t cb, ce;
+        if (cached) {
+            cb = __ldcg(&rcpm[s * C + c]);
+            ce = c + 1 < C ? __ldcg(&rcpm[s * C + c + 1]) : n_s;
+        } else {
+            const int2 v = __ldcg((const int2 *)data_at(a, me, entry));
+            cb = v.x;
+            ce = v.y;
+            if (TRACED) TRACE_LOAD(me, entry, 8);
         }
+        // The handle's recv_channel_prefix_matrix, rcpm[s][c] = cpm_s[me][c - 1]: each channel's
+        // first CTA writes its own column.
+        if (!cached && h == 0) ((int32_t *)a.recv_channel_prefix_matrix)[s * C + c] = cb;
         // Kept inside s's block (inputs that disagree, EP_ERR_LAYOUT: the record says so).
         cb = min(max(cb, 0), n_s);
         ce = min(max(ce, cb), n_s);

@@ -68,14 +68,15 @@ EP_HD uint64_t ep_normal_y_ready(uint64_t r, uint64_t d) {
 /* ---- normal intranode: data (allocation normal.data) ---------------------------------------- */
 
 EP_HD uint64_t ep_count_record_bytes(uint64_t r) {
-    return ep_align16(4u * (r + EP_MAX_CHANNELS + EP_MAX_LOCAL_EXPERTS));
+    return ep_align16(4u * r) + EP_WORD_STRIDE * EP_MAX_CHANNELS + ep_align16(4u * EP_MAX_LOCAL_EXPERTS);
 }
 EP_HD uint64_t ep_table_bytes(uint64_t r) { return ep_align16(4u * (2u * r + 1u)); }
-/* Fields of a count record: n_s[0..R] i32 at 0, cpm_s[d][0..Cmax] i32, e_s[d*L..d*L+L] i32. The
- * head (n_s, e_s) is stored by the notify agent before notify[p][s], the channel prefix part by
- * sender (s, 0) before done[s][0] (docs/protocol.md §2.3). */
+/* Fields of a count record: n_s[0..R] i32 at 0, the channel prefix part (one 16-byte granule per
+ * channel c: [start, end] i32 of c's tokens towards the record's destination, at cpm + 16c),
+ * e_s[d*L..d*L+L] i32. The head (n_s, e_s) is stored by the notify agent before notify[p][s];
+ * channel c's entry by sender (s, c) before done[s][c] (docs/protocol.md §2.3). */
 EP_HD uint64_t ep_count_record_cpm(uint64_t r) { return ep_align16(4u * r); }  /* its own granule */
-EP_HD uint64_t ep_count_record_experts(uint64_t r) { return ep_align16(4u * r) + 4u * EP_MAX_CHANNELS; }
+EP_HD uint64_t ep_count_record_experts(uint64_t r) { return ep_align16(4u * r) + EP_WORD_STRIDE * EP_MAX_CHANNELS; }
 /* Fields of a table: send_base[R] i32 at 0, recv_begin[R + 1] i32. */
 EP_HD uint64_t ep_table_recv_begin(uint64_t r) { return 4u * r; }
 EP_HD uint64_t ep_normal_count_record(uint64_t r, uint64_t p, uint64_t s) {

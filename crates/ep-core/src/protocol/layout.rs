@@ -126,10 +126,12 @@ pub struct NormalData {
     pub data_bytes: u64,
 }
 
-/// Bytes of a count record of `num_ranks` ranks: `a16(4·(R + MAX_CHANNELS + MAX_LOCAL_EXPERTS))`.
+/// Bytes of a count record of `num_ranks` ranks:
+/// `a16(4R) + 16·MAX_CHANNELS + a16(4·MAX_LOCAL_EXPERTS)` ([`count_record_fields`]).
 #[must_use]
 pub fn count_record_bytes(num_ranks: usize) -> u64 {
-    align16(4 * (num_ranks + MAX_CHANNELS + MAX_LOCAL_EXPERTS) as u64)
+    let (_, _, fe) = count_record_fields(num_ranks);
+    fe + align16(4 * MAX_LOCAL_EXPERTS as u64)
 }
 
 /// Bytes of a table of `num_ranks` ranks: `a16(4·(2R + 1))`.
@@ -140,13 +142,14 @@ pub fn table_bytes(num_ranks: usize) -> u64 {
 
 /// Byte offsets inside a count record: `(rank counts, channel prefix, expert counts)`. The
 /// record's head (rank and expert counts) is stored by the notify agent before `notify`; its
-/// channel prefix part by sender `(s, 0)` before `done[s][0]` (docs/protocol.md §2.3).
-/// The prefix part starts on its own 16-byte granule (`a16(4R)`): its writer is not the head's,
-/// and no two writers share a granule (docs/protocol.md §1.2); the record's size is unchanged.
+/// channel prefix part, one 16-byte granule per channel (`[start, end]` i32 of channel `c`'s
+/// tokens towards the record's destination, at `cpm + 16·c`), stored by sender `(s, c)` before
+/// `done[s][c]` (docs/protocol.md §2.3). No two writers share a granule (docs/protocol.md §1.2):
+/// the prefix part starts at `a16(4R)`, each channel's entry is its own granule.
 #[must_use]
 pub fn count_record_fields(num_ranks: usize) -> (u64, u64, u64) {
     let cpm = align16(4 * num_ranks as u64);
-    (0, cpm, cpm + 4 * MAX_CHANNELS as u64)
+    (0, cpm, cpm + WORD_STRIDE * MAX_CHANNELS as u64)
 }
 
 /// Byte offsets inside a table: `(send_base, recv_begin)`. `send_base[e]` (R i32),
@@ -491,7 +494,7 @@ mod tests {
         assert!(all.iter().all(|&w| w % 16 == 0 && w + 8 <= c.bytes()));
     }
 
-    /// A count record's head (notify agent) and prefix part (sender `(s, 0)`) never share a
+    /// A count record's head (notify agent) and prefix part (the senders) never share a
     /// 16-byte granule, and the three fields fit the record, for every rank count.
     #[test]
     fn count_record_parts_have_their_own_granules() {
@@ -499,7 +502,7 @@ mod tests {
             let (n, cpm, e) = count_record_fields(r);
             assert_eq!(n, 0);
             assert!(cpm >= 4 * r as u64 && cpm % 16 == 0, "R = {r}");
-            assert_eq!(e, cpm + 4 * MAX_CHANNELS as u64);
+            assert_eq!(e, cpm + WORD_STRIDE * MAX_CHANNELS as u64);
             assert!(e % 16 == 0);
             assert!(e + 4 * MAX_LOCAL_EXPERTS as u64 <= count_record_bytes(r));
             let (b, rb) = table_fields(r);

@@ -20,7 +20,7 @@ pub enum ProtocolMutation {
     /// every rank's `notify`.
     SenderSkipsNotify,
     /// Normal dispatch: the receiver reads the count records' channel prefix part (its
-    /// `recv_channel_prefix_matrix`) before acquiring `done[s][0]`, which publishes it.
+    /// `recv_channel_prefix_matrix`) before acquiring the `done[s][c]` words that publish them.
     ReceiverReadsPrefixEarly,
     /// Normal combine: reducers pull without waiting for `y_ready`.
     CombineSkipYReady,

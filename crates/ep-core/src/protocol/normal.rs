@@ -16,8 +16,8 @@ use super::bytes::{
     put_f32s, put_i32, put_i64,
 };
 use super::layout::{
-    NormalCtrl, NormalData, RowFormat, channel_range, count_record_fields, normal_final_row,
-    parity, table_fields,
+    NormalCtrl, NormalData, RowFormat, WORD_STRIDE, channel_range, count_record_fields,
+    normal_final_row, parity, table_fields,
 };
 use crate::error::{Error, Result};
 use crate::plan::combine::{init_accumulator, round_row};
@@ -442,7 +442,7 @@ pub(crate) fn dispatch_phase<'a>(
                 with_topk: job.with_topk,
                 in_place: job.in_place,
             };
-            // Planted bug: the channel prefix parts are read before `done[s'][0]` published them.
+            // Planted bug: the channel prefix parts are read before the `done[s'][c]` that publish them.
             let early = mutation == ProtocolMutation::ReceiverReadsPrefixEarly;
             let early_cpm = if early {
                 Some(load_recv_cpm(ctx, arena, p, c_count)?)
@@ -450,7 +450,7 @@ pub(crate) fn dispatch_phase<'a>(
                 None
             };
             let res = receive(ctx, arena, &rx)?;
-            // Every `done[s'][0]` is acquired: sender `(s', 0)`'s prefix parts are visible.
+            // Every `done[s'][c]` is acquired: every sender's prefix entry is visible.
             let recv_cpm = match early_cpm {
                 Some(m) => m,
                 None => load_recv_cpm(ctx, arena, p, c_count)?,
@@ -464,9 +464,9 @@ pub(crate) fn dispatch_phase<'a>(
 }
 
 /// The receiver's `recv_channel_prefix_matrix` (`[R, C]`, `[s][c] = cpm_s[me][c − 1]`, 0 for
-/// `c = 0`) from the channel prefix parts of its count records of parity `p`, which sender
-/// `(s, 0)` stored before its `done[s][0]` release: call only after acquiring every
-/// `done[s][0]` (docs/protocol.md §2.3).
+/// `c = 0`, the start of channel `c`) from the channel prefix parts of its count records of
+/// parity `p`, entry `c` of which sender `(s, c)` stored before its `done[s][c]` release: call
+/// only after acquiring every `done[s][c]` (docs/protocol.md §2.3).
 fn load_recv_cpm(
     ctx: &mut dyn AgentCtx,
     arena: &NormalArena,
@@ -480,13 +480,14 @@ fn load_recv_cpm(
     if c_count < 2 {
         return Ok(out);
     }
-    // Only `cpm_s[me][0..C−1]` is read (the last entry is `n_s[me]`).
-    let mut buf = vec![0u8; 4 * (c_count - 1)];
+    // The starts of channels `1..C` (channel `c`'s entry, its own granule: `[start, end]`, the
+    // 8 bytes its sender stored).
+    let mut buf = [0u8; 8];
     for s2 in 0..r {
         let at = arena.data_layout().count_record(p, s2) + fc;
-        ctx.load(me, arena.at(at), &mut buf)?;
         for c in 1..c_count {
-            out.set(s2, c, get_i32(&buf, 4 * (c - 1)));
+            ctx.load(me, arena.at(at + WORD_STRIDE * c as u64), &mut buf)?;
+            out.set(s2, c, get_i32(&buf, 0));
         }
     }
     Ok(out)
@@ -516,7 +517,8 @@ fn notify(
         p
     };
     // 1. The record's head, from the inputs (no scan): `n_s[0..R]` (the whole row, to every
-    //    rank) and `e_s[d·L..d·L+L]`; the channel prefix part is sender `(s, 0)`'s (§2.3).
+    //    rank) and `e_s[d·L..d·L+L]`; entry `c` of the channel prefix part is sender `(s, c)`'s
+    //    (§2.3).
     let mut head_n = vec![0u8; 4 * r];
     for (e, &n) in lay.num_tokens_per_rank.iter().enumerate() {
         put_i32(&mut head_n, 4 * e, n);
@@ -537,9 +539,9 @@ fn notify(
         }
         ctx.store_release(d, arena.word(ctrl.notify(p, s)), call)?;
     }
-    // The membership scan (the handle's `channel_prefix_matrix` and `send_head`), after the
-    // release: nobody waits for it but this rank's host and sender `(s, 0)`, which counts its
-    // prefix part itself.
+    // The membership scan (the handle's `channel_prefix_matrix` and `send_head`, host outputs),
+    // after the release: nobody waits for it (each sender counts its own channel's prefix; the
+    // GPU's channels write these outputs themselves).
     let (cpm, send_head) = sender_channels(&lay.is_token_in_rank, c_count);
     // 2. Every rank's record head, in rank order (never the prefix part: not yet published).
     let mut counts = Tensor2::filled(r, r, 0i32);
@@ -648,23 +650,6 @@ fn send(
     let p = parity(call);
     let inp = &job.inputs[s];
     let itr = &job.layouts[s].is_token_in_rank;
-    if c == 0 {
-        // Sender `(s, 0)` stores the records' channel prefix part `cpm_s[d][0..C]` into every
-        // `d`, published with its `done[s][0]` below; `d`'s receiver reads it after acquiring
-        // that word. No wait first: `d` read this slot's call-`(k − 2)` part inside call
-        // `k − 2`, before its senders of call `k − 1` released the `done` words this rank's
-        // call `k − 1` waited for (§2.3, arena reuse).
-        let (cpm, _) = sender_channels(itr, job.num_channels);
-        let (_, fc, _) = count_record_fields(r);
-        let mut part = vec![0u8; 4 * job.num_channels];
-        for d in 0..r {
-            for c2 in 0..job.num_channels {
-                put_i32(&mut part, 4 * c2, cpm.get(d, c2));
-            }
-            let at = arena.data_layout().count_record(p, s) + fc;
-            ctx.store(d, arena.at(at), &part)?;
-        }
-    }
     // Step 1 (docs/protocol.md §2.3): every rank's count record, whose first `R` counts give
     // this rank's block start on each destination, `send_base[d] = Σ_{s' < s} n_{s'}[d]`; the
     // notify from every `d` is also what lets this call's rows into `d` (arena reuse).
@@ -706,6 +691,7 @@ fn send(
             topk,
             num_local: job.num_local_experts,
             mutation,
+            prefix: Some(p),
         },
     )
 }
@@ -732,6 +718,9 @@ struct SendRows<'a> {
     /// Local experts per rank (to remap the top-k ids).
     num_local: usize,
     mutation: ProtocolMutation,
+    /// Non-cached dispatch: the parity of this call's count records, into which the channel's
+    /// end prefix `cpm_s[d][c]` goes on every `d` before `done[s][c]` (docs/protocol.md §2.3).
+    prefix: Option<u64>,
 }
 
 /// Stores every selected row of channel `c` at its final row on its destination, then releases
@@ -749,6 +738,7 @@ fn send_rows(ctx: &mut dyn AgentCtx, arena: &NormalArena, job: &SendRows<'_>) ->
         topk,
         num_local,
         mutation,
+        prefix,
     } = *job;
     let s = ctx.me().rank;
     let r = arena.num_ranks;
@@ -778,6 +768,20 @@ fn send_rows(ctx: &mut dyn AgentCtx, arena: &NormalArena, job: &SendRows<'_>) ->
             } else {
                 ctx.store(d, addr, &rec)?;
             }
+        }
+    }
+    if let Some(p) = prefix {
+        // The channel's prefix entry `[start, end]` (its own granule) on every `d`, published by
+        // the `done[s][c]` below; `d`'s receiver reads it after acquiring that word. The slot's
+        // call-`(k − 2)` part was read by `d` inside call `k − 2`, before its notify of call `k`,
+        // which this sender waited for (§2.3, arena reuse).
+        let (_, fc, _) = count_record_fields(r);
+        let at = data.count_record(p, s) + fc + WORD_STRIDE * c as u64;
+        for d in 0..r {
+            let mut v = [0u8; 8];
+            put_i32(&mut v, 0, chan_start[d] as i32);
+            put_i32(&mut v, 4, (chan_start[d] + idx[d]) as i32);
+            ctx.store(d, arena.at(at), &v)?;
         }
     }
     for d in 0..r {
@@ -844,6 +848,7 @@ pub(crate) fn cached_phase<'a>(
                     topk: None,
                     num_local: 0,
                     mutation,
+                    prefix: None,
                 };
                 send_rows(ctx, arena, &send)
             });
