@@ -79,6 +79,7 @@ for s in "${steps[@]}"; do
             export EP_LL_VARIANT=nvshmem; tests gpu_buffer_ll 150 gpu_buffer_ll-nvshmem; unset EP_LL_VARIANT ;;
     normal) tests gpu_normal 200; tests gpu_normal_graph 120; tests gpu_normal_procs 120 ;;
     normal-core) tests gpu_normal 200 ;;
+    normal-core-fast) tests gpu_normal 240 gpu_normal --skip deepep_shape ;;
     normal-more) tests gpu_normal_graph 120; tests gpu_normal_procs 120 ;;
     ll) tests gpu_low_latency 240
         export EP_LL_VARIANT=nvshmem; tests gpu_low_latency 200 gpu_low_latency-nvshmem --skip variant_b_; unset EP_LL_VARIANT ;;
