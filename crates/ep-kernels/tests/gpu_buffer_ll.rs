@@ -18,18 +18,17 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::ll::{session, variant};
-use common::{device_at, wide_tensor};
+use common::device_at;
+use common::ll::{Case, inputs_of, session, variant, wide_tensor};
 use ep_core::config::BufferConfig;
 use ep_core::digest;
 use ep_core::plan::low_latency::LlParams;
 use ep_core::transport::FabricParams;
-use ep_core::workload::{Routing, WorkloadSpec};
+use ep_core::workload::Routing;
 use ep_core::{Activations, Buffer, Error as CoreError, Executor, RankInputs, Tensor2, Tensor3};
 use ep_kernels::Error;
 use ep_kernels::gpu::{
-    DType, DevTensor, Device, Gpu, GpuExpertOut, GpuInputs, LlConfig, LlGpuDispatch, LlPoison,
-    LlVariant,
+    DType, DevTensor, Device, Gpu, GpuExpertOut, GpuInputs, LlGpuDispatch, LlPoison, LlVariant,
 };
 use ep_kernels::nvshmem::{Bootstrap, BringUp, TcpRendezvous};
 use ep_sim::{Sim, SimConfig};
@@ -37,73 +36,21 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-#[derive(Clone, Debug)]
-struct Case {
-    ranks: usize,
-    tokens: usize,
-    max_tokens: usize,
-    hidden: usize,
-    topk: usize,
-    experts: usize,
-    fp8: Option<(bool, bool)>,
-    routing: Routing,
-    sms: usize,
-    hook: bool,
-    zero_copy: bool,
-    seed: u64,
-}
-
-impl Case {
-    fn new(ranks: usize, tokens: usize, hidden: usize, topk: usize, experts: usize) -> Self {
-        Self {
-            ranks,
-            tokens,
-            max_tokens: tokens,
-            hidden,
-            topk,
-            experts,
-            fp8: None,
-            routing: Routing::Uniform,
-            sms: 16,
-            hook: false,
-            zero_copy: false,
-            seed: 1,
-        }
-    }
-
-    fn params(&self) -> LlParams {
-        let p = LlParams::new(self.max_tokens, self.experts);
-        match self.fp8 {
-            Some((round, ue8m0)) => p.with_fp8(round, ue8m0),
-            None => p,
-        }
-    }
-
-    fn config(&self) -> BufferConfig {
-        let mut c = BufferConfig::new(self.ranks);
-        c.low_latency_mode = true;
-        c.enable_shrink = true;
-        c.num_qps_per_rank = (self.experts / self.ranks) as u32;
-        c.num_rdma_bytes = Buffer::<Sim>::low_latency_size_hint(
-            self.max_tokens,
-            self.hidden,
-            self.ranks,
-            self.experts,
-        )
-        .div_ceil(128)
-            * 128;
-        c
-    }
-
-    fn ll_config(&self) -> LlConfig {
-        LlConfig {
-            num_ranks: self.ranks,
-            num_max_dispatch_tokens_per_rank: self.max_tokens,
-            hidden: self.hidden,
-            num_experts: self.experts,
-            num_sms: self.sms,
-        }
-    }
+/// The Buffer's configuration for a case: low-latency mode, shrink mode, sized by the hint.
+fn buffer_config(case: &Case) -> BufferConfig {
+    let mut c = BufferConfig::new(case.ranks);
+    c.low_latency_mode = true;
+    c.enable_shrink = true;
+    c.num_qps_per_rank = (case.experts / case.ranks) as u32;
+    c.num_rdma_bytes = Buffer::<Sim>::low_latency_size_hint(
+        case.max_tokens,
+        case.hidden,
+        case.ranks,
+        case.experts,
+    )
+    .div_ceil(128)
+        * 128;
+    c
 }
 
 fn device() -> Arc<Device> {
@@ -111,7 +58,7 @@ fn device() -> Arc<Device> {
 }
 
 fn gpu_buffer(dev: &Arc<Device>, case: &Case) -> Buffer<Gpu> {
-    gpu_buffer_with(dev, case, case.config())
+    gpu_buffer_with(dev, case, buffer_config(case))
 }
 
 fn gpu_buffer_with(dev: &Arc<Device>, case: &Case, cfg: BufferConfig) -> Buffer<Gpu> {
@@ -128,26 +75,7 @@ fn sim_buffer(case: &Case) -> Buffer<Sim> {
         FabricParams::single_node(case.ranks),
         case.seed,
     ));
-    Buffer::new(sim, case.config()).expect("Buffer<Sim>")
-}
-
-fn inputs_of(case: &Case) -> Vec<RankInputs> {
-    let mut spec = WorkloadSpec::new(
-        case.ranks,
-        case.tokens,
-        case.hidden,
-        case.topk,
-        case.experts,
-        case.seed,
-    );
-    spec.masked_per_rank = (case.tokens / 5).min(case.tokens * case.topk);
-    spec.routing = case.routing;
-    let mut inputs = spec.generate().expect("workload");
-    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0x11);
-    for inp in &mut inputs {
-        inp.x = Activations::Bf16(wide_tensor(&mut rng, case.tokens, case.hidden));
-    }
-    inputs
+    Buffer::new(sim, buffer_config(case)).expect("Buffer<Sim>")
 }
 
 fn upload(dev: &Device, inputs: &[RankInputs]) -> Vec<GpuInputs> {
@@ -201,7 +129,7 @@ fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case
     let inputs = inputs_of(case);
     let mine: Vec<RankInputs> = local.iter().map(|&d| inputs[d].clone()).collect();
     let dins = upload(dev, &mine);
-    let p = case.params();
+    let p = case.params(&[]);
     poison(gbuf);
     // The simulator: the reference.
     let want = sbuf
@@ -256,7 +184,7 @@ fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case
             .expect("gpu combine")
     };
     gbuf.sync().expect("sync");
-    let cfg = case.ll_config();
+    let cfg = case.config();
     for (i, &d) in local.iter().enumerate() {
         assert_eq!(got[i].is_none(), masked[d], "rank {d}: mask");
         assert_eq!(got_x[i].is_none(), masked[d], "rank {d}: mask");
@@ -398,7 +326,7 @@ fn bad_inputs_are_typed_errors_and_leave_the_buffer_usable() {
     round(&mut g, &mut s, &dev, &c);
     let inputs = inputs_of(&c);
     let dins = upload(&dev, &inputs);
-    let p = c.params();
+    let p = c.params(&[]);
     // More tokens than N: a shape rule, before any launch.
     let mut big = c.clone();
     big.tokens = 40;
@@ -494,20 +422,20 @@ fn an_absent_rank_times_out_naming_it_and_reset_recovers() {
         round(&mut g, &mut s, &dev, &c);
         g.transport_mut().set_timeout(Duration::from_millis(200));
         absent(&mut g, Some(1));
-        let _ = g.low_latency_dispatch(&dins, &c.params()).unwrap();
+        let _ = g.low_latency_dispatch(&dins, &c.params(&[])).unwrap();
         g.sync().expect("shrink mode: no error");
         assert!(g.poisoned().is_none());
         assert_eq!(g.query_mask().unwrap(), vec![0, 1]);
     }
     // Without shrink mode: a typed timeout naming the rank, the Buffer poisoned until reset.
-    let mut cfg = c.config();
+    let mut cfg = buffer_config(&c);
     cfg.enable_shrink = false;
     let mut g = gpu_buffer_with(&dev, &c, cfg);
     let mut s = sim_buffer(&c);
     round(&mut g, &mut s, &dev, &c);
     g.transport_mut().set_timeout(Duration::from_millis(200));
     absent(&mut g, Some(1));
-    let _ = g.low_latency_dispatch(&dins, &c.params()).unwrap();
+    let _ = g.low_latency_dispatch(&dins, &c.params(&[])).unwrap();
     let err = g.sync().unwrap_err();
     match err.backend::<Error>() {
         Some(Error::DeviceWaitTimeout {
@@ -521,7 +449,7 @@ fn an_absent_rank_times_out_naming_it_and_reset_recovers() {
     }
     assert!(g.poisoned().is_some());
     assert!(matches!(
-        g.low_latency_dispatch(&dins, &c.params()),
+        g.low_latency_dispatch(&dins, &c.params(&[])),
         Err(CoreError::BufferPoisoned { .. })
     ));
     absent(&mut g, None);
@@ -556,7 +484,7 @@ fn a_buffer_per_process_over_nvshmem_equals_buffer_sim() {
                 // Collective: both processes make (and drop) their Buffers in the same order.
                 let mut exec = Gpu::process_over_nvshmem(dev.clone(), c.sms, session.clone(), v);
                 exec.set_timeout(Duration::from_secs(20));
-                let mut g = Buffer::new(exec, c.config()).expect("Buffer<Gpu>");
+                let mut g = Buffer::new(exec, buffer_config(&c)).expect("Buffer<Gpu>");
                 assert_eq!(g.transport().local_ranks(), vec![rank as usize]);
                 let mut s = sim_buffer(&c);
                 for (i, (hook, zero_copy)) in [(false, false), (true, true), (false, true)]

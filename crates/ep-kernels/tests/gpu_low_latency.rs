@@ -21,18 +21,18 @@
 
 mod common;
 
-use common::ll::{session, variant};
+use common::ll::{Case, inputs_of, session, variant, wide_tensor};
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use ep_core::plan::low_latency::{
-    LlDispatchOutput, LlHandle, LlParams, LlRecvX, PartialPrecision,
-    combine_reduced_on_expert_rank, dispatch as plan_dispatch,
+    LlDispatchOutput, LlHandle, LlRecvX, PartialPrecision, combine_reduced_on_expert_rank,
+    dispatch as plan_dispatch,
 };
 use ep_core::routing::{Activations, RankInputs};
 use ep_core::tensor::{Tensor2, Tensor3};
-use ep_core::workload::{Routing, WorkloadSpec};
+use ep_core::workload::Routing;
 use ep_kernels::Error;
 use ep_kernels::gpu::mem::DevBuf;
 use ep_kernels::gpu::{
@@ -47,112 +47,6 @@ use rand_chacha::ChaCha8Rng;
 
 fn device() -> Arc<Device> {
     Device::open(0).expect("these tests need a GPU (run them with scripts/gpu-run.sh)")
-}
-
-/// A finite BF16 value from 2^-30 to 2^30 in magnitude, or a signed zero.
-fn wide_bf16(rng: &mut ChaCha8Rng) -> bf16 {
-    match rng.random_range(0..16) {
-        0 => bf16::ZERO,
-        1 => bf16::NEG_ZERO,
-        _ => {
-            let e: i32 = rng.random_range(-30..=30);
-            let m: f32 = 1.0 + rng.random_range(0..128) as f32 / 128.0;
-            let s = if rng.random_bool(0.5) { -1.0 } else { 1.0 };
-            bf16::from_f32(s * m * 2f32.powi(e))
-        }
-    }
-}
-
-fn wide_tensor(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Tensor2<bf16> {
-    Tensor2::from_fn(rows, cols, |_, _| wide_bf16(rng))
-}
-
-#[derive(Clone, Debug)]
-struct Case {
-    ranks: usize,
-    tokens: usize,
-    max_tokens: usize,
-    hidden: usize,
-    topk: usize,
-    experts: usize,
-    fp8: Option<(bool, bool)>,
-    masked_entries: usize,
-    routing: Routing,
-    sms: usize,
-    hook: bool,
-    zero_copy: bool,
-    seed: u64,
-}
-
-impl Case {
-    fn new(ranks: usize, tokens: usize, hidden: usize, topk: usize, experts: usize) -> Self {
-        Self {
-            ranks,
-            tokens,
-            max_tokens: tokens,
-            hidden,
-            topk,
-            experts,
-            fp8: None,
-            masked_entries: tokens / 5,
-            routing: Routing::Uniform,
-            sms: 16,
-            hook: false,
-            zero_copy: false,
-            seed: 1,
-        }
-    }
-
-    fn params(&self, masked: &[bool]) -> LlParams {
-        let p = LlParams::new(self.max_tokens, self.experts);
-        let p = match self.fp8 {
-            Some((round, ue8m0)) => p.with_fp8(round, ue8m0),
-            None => p,
-        };
-        if masked.iter().any(|&m| m) {
-            p.with_masked_ranks(masked.to_vec())
-        } else {
-            p
-        }
-    }
-
-    fn args(&self) -> LlDispatchArgs {
-        LlDispatchArgs {
-            use_fp8: self.fp8.is_some(),
-            round_scale: self.fp8.is_some_and(|f| f.0),
-            use_ue8m0: self.fp8.is_some_and(|f| f.1),
-            return_recv_hook: self.hook,
-        }
-    }
-
-    fn config(&self) -> LlConfig {
-        LlConfig {
-            num_ranks: self.ranks,
-            num_max_dispatch_tokens_per_rank: self.max_tokens,
-            hidden: self.hidden,
-            num_experts: self.experts,
-            num_sms: self.sms,
-        }
-    }
-}
-
-fn inputs_of(case: &Case) -> Vec<RankInputs> {
-    let mut spec = WorkloadSpec::new(
-        case.ranks,
-        case.tokens,
-        case.hidden,
-        case.topk,
-        case.experts,
-        case.seed,
-    );
-    spec.masked_per_rank = case.masked_entries.min(case.tokens * case.topk);
-    spec.routing = case.routing;
-    let mut inputs = spec.generate().expect("workload");
-    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0x11);
-    for inp in &mut inputs {
-        inp.x = Activations::Bf16(wide_tensor(&mut rng, case.tokens, case.hidden));
-    }
-    inputs
 }
 
 struct DevInputs {

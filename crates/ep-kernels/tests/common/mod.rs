@@ -41,11 +41,16 @@ pub(crate) fn device_at(ordinal: usize) -> Arc<Device> {
 /// A finite BF16 value anywhere from 2^-60 to 2^60 in magnitude, or zero (sums of up to 8 of
 /// them in f32 depend on their order).
 pub(crate) fn wide_bf16(rng: &mut ChaCha8Rng) -> bf16 {
+    wide_bf16_within(rng, 60)
+}
+
+/// A finite BF16 value from 2^-`max_exp` to 2^`max_exp` in magnitude, or a signed zero.
+pub(crate) fn wide_bf16_within(rng: &mut ChaCha8Rng, max_exp: i32) -> bf16 {
     match rng.random_range(0..16) {
         0 => bf16::ZERO,
         1 => bf16::NEG_ZERO,
         _ => {
-            let e: i32 = rng.random_range(-60..=60);
+            let e: i32 = rng.random_range(-max_exp..=max_exp);
             let m: f32 = 1.0 + rng.random_range(0..128) as f32 / 128.0;
             let s = if rng.random_bool(0.5) { -1.0 } else { 1.0 };
             bf16::from_f32(s * m * 2f32.powi(e))

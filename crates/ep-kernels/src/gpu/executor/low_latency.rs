@@ -229,6 +229,16 @@ impl LlExec {
         Ok(g)
     }
 
+    /// A receive half: launches the pending receive kernels (a hook; a call without hook
+    /// launched both halves at once).
+    fn launch_pending_recv(&mut self) -> ep_core::Result<()> {
+        let g = self.group.as_mut().ok_or_else(no_group)?;
+        if g.hook_pending() {
+            g.recv_hook().map_err(core)?;
+        }
+        Ok(())
+    }
+
     /// Per local rank, `Some` unless masked in `op`.
     fn unmasked<X>(&self, op: &LlOpView<'_>, out: Vec<X>) -> Vec<Option<ep_core::Result<X>>> {
         out.into_iter()
@@ -286,10 +296,7 @@ impl LlExec {
     ) -> LlAttempt<LlGpuDispatch> {
         let op = job.op();
         let res = (|| {
-            let g = self.group.as_mut().ok_or_else(no_group)?;
-            if g.hook_pending() {
-                g.recv_hook().map_err(core)?;
-            }
+            self.launch_pending_recv()?;
             let sent = self.sent.take().ok_or_else(|| {
                 core(Error::Unsupported(
                     "a low-latency dispatch receive half without its send half".into(),
@@ -358,10 +365,7 @@ impl LlExec {
     ) -> LlAttempt<DevTensor> {
         let op = job.op();
         let res = (|| {
-            let g = self.group.as_mut().ok_or_else(no_group)?;
-            if g.hook_pending() {
-                g.recv_hook().map_err(core)?;
-            }
+            self.launch_pending_recv()?;
             let out = self.combined.take().ok_or_else(|| {
                 core(Error::Unsupported(
                     "a low-latency combine receive half without its send half".into(),

@@ -454,6 +454,18 @@ impl Gpu {
         })
     }
 
+    /// `f` on the low-latency state, or an attempt that failed before any launch.
+    fn with_ll<X>(&mut self, f: impl FnOnce(&mut LlExec) -> LlAttempt<X>) -> LlAttempt<X> {
+        match self.ll_mut() {
+            Ok(l) => f(l),
+            Err(e) => LlAttempt {
+                result: Err(e),
+                gave_up: Vec::new(),
+                out: Vec::new(),
+            },
+        }
+    }
+
     fn ll_mut(&mut self) -> ep_core::Result<&mut LlExec> {
         self.ll.as_mut().ok_or(ep_core::Error::ArenaMissing {
             what: "low-latency buffer",
@@ -589,13 +601,18 @@ impl Gpu {
     }
 }
 
-/// An attempt that failed before any launch.
-fn failed<X>(e: ep_core::Error) -> LlAttempt<X> {
-    LlAttempt {
-        result: Err(e),
-        gave_up: Vec::new(),
-        out: Vec::new(),
-    }
+/// The `Buffer`'s view of an arena the executor allocated: `first` bytes of zeroed words at 0,
+/// then `second` bytes of poisoned data.
+fn regions(first_name: &str, first: u64, second_name: &str, second: u64) -> (SymAlloc, SymAlloc) {
+    let alloc = |name: &str, addr: u64, len: u64, init| SymAlloc {
+        name: name.into(),
+        region: Region::new(SymAddr(addr), len),
+        init,
+    };
+    (
+        alloc(first_name, 0, first, Init::Zero),
+        alloc(second_name, first, second, Init::Poison),
+    )
 }
 
 impl Transport for Gpu {
@@ -687,16 +704,8 @@ impl Executor for Gpu {
             g.set_timeout(t);
         }
         self.normal = Some(g);
-        let alloc = |name: &str, addr: u64, len: u64, init| SymAlloc {
-            name: name.into(),
-            region: Region::new(SymAddr(addr), len),
-            init,
-        };
-        Ok(NormalArena::new(
-            r,
-            alloc("normal.ctrl", 0, ctrl, Init::Zero),
-            alloc("normal.data", ctrl, data, Init::Poison),
-        ))
+        let (ctrl, data) = regions("normal.ctrl", ctrl, "normal.data", data);
+        Ok(NormalArena::new(r, ctrl, data))
     }
 
     fn alloc_low_latency(&mut self, signals: u64, data: u64) -> ep_core::Result<LlArena> {
@@ -725,16 +734,8 @@ impl Executor for Gpu {
             self.ll_peers.clone(),
             self.timeout,
         ));
-        let alloc = |name: &str, addr: u64, len: u64, init| SymAlloc {
-            name: name.into(),
-            region: Region::new(SymAddr(addr), len),
-            init,
-        };
-        Ok(LlArena::new(
-            r,
-            alloc("ll.signals", 0, signals, Init::Zero),
-            alloc("ll.data", signals, data, Init::Poison),
-        ))
+        let (signals, data) = regions("ll.signals", signals, "ll.data", data);
+        Ok(LlArena::new(r, signals, data))
     }
 
     fn poll(&mut self) -> ep_core::Result<()> {
@@ -886,10 +887,7 @@ impl Executor for Gpu {
     }
 
     fn run_ll_dispatch_send(&mut self, job: &LlDispatchSendJob<'_, DevTensors>) -> LlAttempt<()> {
-        match self.ll_mut() {
-            Ok(l) => l.dispatch_send(job),
-            Err(e) => failed(e),
-        }
+        self.with_ll(|l| l.dispatch_send(job))
     }
 
     fn run_ll_dispatch_recv(
@@ -897,17 +895,11 @@ impl Executor for Gpu {
         job: &LlDispatchRecvJob<'_, DevTensors>,
         _spare: &mut [Option<()>],
     ) -> LlAttempt<LlGpuDispatch> {
-        match self.ll_mut() {
-            Ok(l) => l.dispatch_recv(job),
-            Err(e) => failed(e),
-        }
+        self.with_ll(|l| l.dispatch_recv(job))
     }
 
     fn run_ll_expert_output(&mut self, job: &LlExpertOutputJob<'_, DevTensors>) -> LlAttempt<()> {
-        match self.ll_mut() {
-            Ok(l) => l.expert_output(job),
-            Err(e) => failed(e),
-        }
+        self.with_ll(|l| l.expert_output(job))
     }
 
     fn check_ll_combine(&self, _job: &LlCombineCheck<'_, DevTensors>) -> ep_core::Result<()> {
@@ -917,20 +909,14 @@ impl Executor for Gpu {
     }
 
     fn run_ll_combine_send(&mut self, job: &LlCombineSendJob<'_, DevTensors>) -> LlAttempt<()> {
-        match self.ll_mut() {
-            Ok(l) => l.combine_send(job),
-            Err(e) => failed(e),
-        }
+        self.with_ll(|l| l.combine_send(job))
     }
 
     fn run_ll_combine_recv(
         &mut self,
         job: &LlCombineRecvJob<'_, DevTensors>,
     ) -> LlAttempt<DevTensor> {
-        match self.ll_mut() {
-            Ok(l) => l.combine_recv(job),
-            Err(e) => failed(e),
-        }
+        self.with_ll(|l| l.combine_recv(job))
     }
 
     fn take_masked_by_device(&mut self) -> Vec<usize> {
