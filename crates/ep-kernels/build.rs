@@ -527,6 +527,7 @@ uint64_t ep_shim_count_record_bytes(uint64_t r) { return ep_count_record_bytes(r
 uint64_t ep_shim_table_bytes(uint64_t r) { return ep_table_bytes(r); }
 uint64_t ep_shim_normal_count_record(uint64_t r, uint64_t p, uint64_t s) { return ep_normal_count_record(r, p, s); }
 uint64_t ep_shim_count_record_cpm(uint64_t r) { return ep_count_record_cpm(r); }
+uint64_t ep_shim_count_record_channel(uint64_t r, uint64_t c) { return ep_count_record_channel(r, c); }
 uint64_t ep_shim_count_record_experts(uint64_t r) { return ep_count_record_experts(r); }
 uint64_t ep_shim_table_recv_begin(uint64_t r) { return ep_table_recv_begin(r); }
 uint64_t ep_shim_row_scales_offset(uint64_t h, uint64_t e) { return ep_row_scales_offset(h, e); }

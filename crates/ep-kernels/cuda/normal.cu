@@ -745,7 +745,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         const uint32_t d = tid;
         const int32_t start = s_chan[d], end = s_chan[d] + s_before[d] + s_n[d];
         ((int32_t *)a.channel_prefix_matrix)[d * C + c] = end;
-        *(int2 *)data_at(a, d, ep_normal_count_record(R, p, me) + ep_count_record_cpm(R) + EP_WORD_STRIDE * c) =
+        *(int2 *)data_at(a, d, ep_normal_count_record(R, p, me) + ep_count_record_channel(R, c)) =
             make_int2(start, end);
         const int32_t given = ((const int32_t *)a.num_tokens_per_rank)[d];
         if (c + 1 == C && end != given)
@@ -756,7 +756,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         __syncthreads();
         if (tid == 0)
             for (uint32_t d = 0; d < R; ++d)
-                TRACE_STORE(d, ep_normal_count_record(R, p, me) + ep_count_record_cpm(R) + EP_WORD_STRIDE * c, 8);
+                TRACE_STORE(d, ep_normal_count_record(R, p, me) + ep_count_record_channel(R, c), 8);
     }
 
     // 3. done[me][c] on every d once both CTAs of the channel stored their rows.
@@ -808,7 +808,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         int32_t n_s = __ldcg(&rpm[s * R + me]) - block_begin;
         // Channel c's start and end within s's block: its prefix entry (cpm_s[me][c - 1],
         // cpm_s[me][c]), or the handle's matrix for a cached dispatch.
-        const uint64_t entry = ep_normal_count_record(R, p, s) + ep_count_record_cpm(R) + EP_WORD_STRIDE * c;
+        const uint64_t entry = ep_normal_count_record(R, p, s) + ep_count_record_channel(R, c);
         int32_t cb, ce;
         if (cached) {
             cb = __ldcg(&rcpm[s * C + c]);

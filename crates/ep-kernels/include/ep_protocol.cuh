@@ -77,6 +77,8 @@ EP_HD uint64_t ep_table_bytes(uint64_t r) { return ep_align16(4u * (2u * r + 1u)
  * channel c's entry by sender (s, c) before done[s][c] (docs/protocol.md §2.3). */
 EP_HD uint64_t ep_count_record_cpm(uint64_t r) { return ep_align16(4u * r); }  /* its own granule */
 EP_HD uint64_t ep_count_record_experts(uint64_t r) { return ep_align16(4u * r) + EP_WORD_STRIDE * EP_MAX_CHANNELS; }
+/* Channel c's prefix entry [start, end] i32 (8 bytes of its own granule). */
+EP_HD uint64_t ep_count_record_channel(uint64_t r, uint64_t c) { return ep_count_record_cpm(r) + EP_WORD_STRIDE * c; }
 /* Fields of a table: send_base[R] i32 at 0, recv_begin[R + 1] i32. */
 EP_HD uint64_t ep_table_recv_begin(uint64_t r) { return 4u * r; }
 EP_HD uint64_t ep_normal_count_record(uint64_t r, uint64_t p, uint64_t s) {

@@ -39,6 +39,7 @@ mod ffi {
         pub(super) fn ep_shim_table_bytes(r: u64) -> u64;
         pub(super) fn ep_shim_normal_count_record(r: u64, p: u64, s: u64) -> u64;
         pub(super) fn ep_shim_count_record_cpm(r: u64) -> u64;
+        pub(super) fn ep_shim_count_record_channel(r: u64, c: u64) -> u64;
         pub(super) fn ep_shim_count_record_experts(r: u64) -> u64;
         pub(super) fn ep_shim_table_recv_begin(r: u64) -> u64;
         pub(super) fn ep_shim_row_scales_offset(h: u64, e: u64) -> u64;
@@ -136,6 +137,8 @@ rule!(/// `ep_normal_count_record`.
     normal_count_record => ep_shim_normal_count_record(r: u64, p: u64, s: u64) -> u64);
 rule!(/// `ep_count_record_cpm`.
     count_record_cpm => ep_shim_count_record_cpm(r: u64) -> u64);
+rule!(/// `ep_count_record_channel`.
+    count_record_channel => ep_shim_count_record_channel(r: u64, c: u64) -> u64);
 rule!(/// `ep_count_record_experts`.
     count_record_experts => ep_shim_count_record_experts(r: u64) -> u64);
 rule!(/// `ep_table_recv_begin`.

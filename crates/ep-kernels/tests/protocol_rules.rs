@@ -54,6 +54,9 @@ proptest! {
         prop_assert_eq!(c::normal_table(ru, p), d.table(p));
         let (crec_n, crec_cpm, crec_e) = l::count_record_fields(r);
         prop_assert_eq!((0, c::count_record_cpm(ru), c::count_record_experts(ru)), (crec_n, crec_cpm, crec_e));
+        for ch in [0usize, 1, 7, 63] {
+            prop_assert_eq!(c::count_record_channel(ru, ch as u64), l::count_record_channel(r, ch));
+        }
         let (tab_send, tab_begin) = l::table_fields(r);
         prop_assert_eq!((0, c::table_recv_begin(ru)), (tab_send, tab_begin));
         prop_assert_eq!(c::normal_rows_base(ru), d.rows_base());

@@ -152,6 +152,13 @@ pub fn count_record_fields(num_ranks: usize) -> (u64, u64, u64) {
     (0, cpm, cpm + WORD_STRIDE * MAX_CHANNELS as u64)
 }
 
+/// Offset inside a count record of channel `c`'s prefix entry `[start, end]` (8 bytes of its own
+/// 16-byte granule; docs/protocol.md §2.1).
+#[must_use]
+pub fn count_record_channel(num_ranks: usize, c: usize) -> u64 {
+    count_record_fields(num_ranks).1 + WORD_STRIDE * c as u64
+}
+
 /// Byte offsets inside a table: `(send_base, recv_begin)`. `send_base[e]` (R i32),
 /// `recv_begin[s]` (R + 1 i32, the last one = rows received).
 #[must_use]

@@ -16,7 +16,7 @@ use super::bytes::{
     put_f32s, put_i32, put_i64,
 };
 use super::layout::{
-    NormalCtrl, NormalData, RowFormat, WORD_STRIDE, channel_range, count_record_fields,
+    NormalCtrl, NormalData, RowFormat, channel_range, count_record_channel, count_record_fields,
     normal_final_row, parity, table_fields,
 };
 use crate::error::{Error, Result};
@@ -475,7 +475,6 @@ fn load_recv_cpm(
 ) -> Result<Tensor2<i32>> {
     let me = ctx.me().rank;
     let r = arena.num_ranks;
-    let (_, fc, _) = count_record_fields(r);
     let mut out = Tensor2::filled(r, c_count, 0i32);
     if c_count < 2 {
         return Ok(out);
@@ -484,9 +483,9 @@ fn load_recv_cpm(
     // 8 bytes its sender stored).
     let mut buf = [0u8; 8];
     for s2 in 0..r {
-        let at = arena.data_layout().count_record(p, s2) + fc;
+        let at = arena.data_layout().count_record(p, s2);
         for c in 1..c_count {
-            ctx.load(me, arena.at(at + WORD_STRIDE * c as u64), &mut buf)?;
+            ctx.load(me, arena.at(at + count_record_channel(r, c)), &mut buf)?;
             out.set(s2, c, get_i32(&buf, 0));
         }
     }
@@ -775,8 +774,7 @@ fn send_rows(ctx: &mut dyn AgentCtx, arena: &NormalArena, job: &SendRows<'_>) ->
         // the `done[s][c]` below; `d`'s receiver reads it after acquiring that word. The slot's
         // call-`(k − 2)` part was read by `d` inside call `k − 2`, before its notify of call `k`,
         // which this sender waited for (§2.3, arena reuse).
-        let (_, fc, _) = count_record_fields(r);
-        let at = data.count_record(p, s) + fc + WORD_STRIDE * c as u64;
+        let at = data.count_record(p, s) + count_record_channel(r, c);
         for d in 0..r {
             let mut v = [0u8; 8];
             put_i32(&mut v, 0, chan_start[d] as i32);
