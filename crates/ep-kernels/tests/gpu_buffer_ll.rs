@@ -30,7 +30,6 @@ use ep_kernels::Error;
 use ep_kernels::gpu::{
     DType, DevTensor, Device, Gpu, GpuExpertOut, GpuInputs, LlGpuDispatch, LlPoison, LlVariant,
 };
-use ep_kernels::nvshmem::{Bootstrap, BringUp, TcpRendezvous};
 use ep_sim::{Sim, SimConfig};
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -470,12 +469,7 @@ fn a_buffer_per_process_over_nvshmem_equals_buffer_sim() {
         2,
         |rank| {
             let ordinal = common::procs::my_ordinal();
-            let rdv = TcpRendezvous::from_env()?;
-            let session = Arc::new(
-                BringUp::new(rank, 2, Bootstrap::UniqueId(&rdv))
-                    .device(ordinal)
-                    .init()?,
-            );
+            let session = common::ll::rank_session(rank, 2)?;
             let dev = Device::open(ordinal)?;
             let mut c = Case::new(2, 64, 2048, 8, 32);
             c.fp8 = Some((true, true));

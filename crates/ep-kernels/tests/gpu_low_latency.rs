@@ -40,7 +40,6 @@ use ep_kernels::gpu::{
     LlGpuDispatch, LlGroup, LlPoison, LlRankInputs, LlVariant,
 };
 use ep_kernels::nvshmem::device_link::{LinkedLl, link_ll_module};
-use ep_kernels::nvshmem::{Bootstrap, BringUp, TcpRendezvous};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -973,12 +972,7 @@ fn variant_b_and_a_one_rank_per_process_equal_the_plan() {
         2,
         |rank| {
             let ordinal = common::procs::my_ordinal();
-            let rdv = TcpRendezvous::from_env()?;
-            let session = Arc::new(
-                BringUp::new(rank, 2, Bootstrap::UniqueId(&rdv))
-                    .device(ordinal)
-                    .init()?,
-            );
+            let session = common::ll::rank_session(rank, 2)?;
             eprintln!("{}", session.report());
             let dev = Device::open(ordinal)?;
             let mut cases = Vec::new();

@@ -9,7 +9,7 @@ use ep_core::routing::{Activations, RankInputs};
 use ep_core::tensor::Tensor2;
 use ep_core::workload::{Routing, WorkloadSpec};
 use ep_kernels::gpu::{LlConfig, LlDispatchArgs, LlVariant};
-use ep_kernels::nvshmem::{Bootstrap, BringUp, NvshmemSession, SoloRendezvous};
+use ep_kernels::nvshmem::{Bootstrap, BringUp, NvshmemSession, SoloRendezvous, TcpRendezvous};
 use half::bf16;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -120,6 +120,16 @@ pub(crate) fn variant() -> LlVariant {
         Ok("pointers") | Err(_) => LlVariant::Pointers,
         Ok(other) => panic!("EP_LL_VARIANT={other}: use pointers or nvshmem"),
     }
+}
+
+/// A rank process's NVSHMEM session (`common::procs::spawn_or_run`): PE `rank` of `world`, the
+/// unique id over the launcher's loopback rendezvous, on this process's GPU.
+pub(crate) fn rank_session(rank: u32, world: u32) -> ep_kernels::Result<Arc<NvshmemSession>> {
+    let rdv = TcpRendezvous::from_env()?;
+    let s = BringUp::new(rank, world, Bootstrap::UniqueId(&rdv))
+        .device(super::procs::my_ordinal())
+        .init()?;
+    Ok(Arc::new(s))
 }
 
 /// This process's one-PE NVSHMEM session (NVSHMEM initialises once per process).
