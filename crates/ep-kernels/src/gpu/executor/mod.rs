@@ -314,16 +314,13 @@ impl Gpu {
     /// kernels can be resident at once (`num_ranks × num_sms ≤` the device's SMs).
     #[must_use]
     pub fn co_resident(dev: Arc<Device>, num_ranks: usize, num_sms: usize) -> Self {
-        Self {
+        Self::with_placement(
             dev,
-            fabric: FabricParams::single_node(num_ranks),
+            num_ranks,
             num_sms,
-            timeout: None,
-            placement: Placement::CoResident,
-            normal: None,
-            ll_peers: LlPeers::Pointers,
-            ll: None,
-        }
+            Placement::CoResident,
+            LlPeers::Pointers,
+        )
     }
 
     /// One rank per process, the deployment shape: this process is rank `exchange.rank()` of
@@ -332,19 +329,11 @@ impl Gpu {
     #[must_use]
     pub fn process(dev: Arc<Device>, num_sms: usize, exchange: Box<dyn Exchange>) -> Self {
         let (rank, world) = (exchange.rank() as usize, exchange.world() as usize);
-        Self {
-            dev,
-            fabric: FabricParams::single_node(world),
-            num_sms,
-            timeout: None,
-            placement: Placement::Process {
-                local: vec![rank],
-                exchange: Some(exchange),
-            },
-            normal: None,
-            ll_peers: LlPeers::Pointers,
-            ll: None,
-        }
+        let placement = Placement::Process {
+            local: vec![rank],
+            exchange: Some(exchange),
+        };
+        Self::with_placement(dev, world, num_sms, placement, LlPeers::Pointers)
     }
 
     /// One rank per process for low-latency mode only: this process is PE `session.my_pe()`
@@ -359,17 +348,34 @@ impl Gpu {
         variant: LlVariant,
     ) -> Self {
         let (rank, world) = (session.my_pe() as usize, session.n_pes() as usize);
+        let placement = Placement::Process {
+            local: vec![rank],
+            exchange: None,
+        };
+        Self::with_placement(
+            dev,
+            world,
+            num_sms,
+            placement,
+            LlPeers::Nvshmem(session, variant),
+        )
+    }
+
+    fn with_placement(
+        dev: Arc<Device>,
+        world: usize,
+        num_sms: usize,
+        placement: Placement,
+        ll_peers: LlPeers,
+    ) -> Self {
         Self {
             dev,
             fabric: FabricParams::single_node(world),
             num_sms,
             timeout: None,
-            placement: Placement::Process {
-                local: vec![rank],
-                exchange: None,
-            },
+            placement,
             normal: None,
-            ll_peers: LlPeers::Nvshmem(session, variant),
+            ll_peers,
             ll: None,
         }
     }
