@@ -10,7 +10,9 @@
 # simulator's for the same flags; mps = gpu_normal_procs and `ep bench --procs 2` (DeepEP's
 # one-GPU configuration: 2 rank processes, 24 SMs each) under MPS, started for that step only;
 # criterion = benches/gpu (the public API, host wall-clock); llbench = `ep bench --mode
-# low-latency` at DeepEP's shape on variants (a) and (b), graphs, digest beside the simulator's. Every step has its own time limit; the whole run stays within
+# low-latency` at DeepEP's shape on variants (a) and (b), graphs, digest beside the simulator's;
+# ab-normal / ab-ll = the same benches from bundle/ep-A (an earlier build) and bundle/ep, alternated
+# AB_ROUNDS times (default 1: A B), for a change's A/B on one machine. Every step has its own time limit; the whole run stays within
 # BUDGET seconds (default 540), and a step that would not fit is reported NOT RUN, never passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +74,18 @@ llbench() { # name, flags... (low-latency mode, DeepEP's shape, verified through
   if [ -n "$g" ] && [ "$g" = "$s" ]; then table+=("$name digest|equal to sim|$g"); else
     table+=("$name digest|DIFFERENT or missing|gpu=$g sim=$s"); fi
 }
+ab() { # name, ep bench flags... : bundle/ep-A (an earlier build) and bundle/ep alternated, AB_ROUNDS times
+  local name="$1"; shift
+  [ -x bundle/ep-A ] || { table+=("$name|NOT RUN (no bundle/ep-A)|"); return; }
+  for i in $(seq 1 "${AB_ROUNDS:-1}"); do
+    for b in ep-A ep; do
+      step "$name-$b-$i" 150 "bundle/$b" bench --backend gpu "$@"
+      echo "== $name $b (round $i)"
+      grep -E "\] (dispatch|combine) (BF16|FP8)|^(dispatch|combine|both|floor) |dispatch tail|^verified|MISMATCH" "$out/$name-$b-$i.log" \
+        | sed -E 's/\[block 0 stamps[^]]*\]//g' | cut -c1-220 | head -12
+    done
+  done
+}
 nvidia-smi -L 2>&1 | sed 's/^/gpu: /'
 for s in "${steps[@]}"; do
   case "$s" in
@@ -96,6 +110,9 @@ for s in "${steps[@]}"; do
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     buffer-ll-absent) tests gpu_buffer_ll 60 gpu_buffer_ll-absent an_absent_rank ;;
     llbench) llbench bench-ll-a --graph; llbench bench-ll-b --variant nvshmem --graph ;;
+    ab-normal) ab ab-r2 --ranks 2 --sms-sweep 24,8,64; ab ab-r2-fp8 --ranks 2 --sms-sweep 24,8,64 --fp8 ;;
+    ab-ll) ab ab-ll-a --mode low-latency --ranks 2 --tokens 128 --hidden 7168 --topk 8 --experts 288 --num-sms 64 --gpu-iters 1000 --graph
+           ab ab-ll-b --mode low-latency --ranks 2 --tokens 128 --hidden 7168 --topk 8 --experts 288 --num-sms 64 --gpu-iters 1000 --graph --variant nvshmem ;;
     criterion) step criterion 120 bundle/benches/gpu --bench --warm-up-time 1 --measurement-time 3 ;;
     *) table+=("$s|unknown step|") ;;
   esac
