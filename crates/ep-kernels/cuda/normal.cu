@@ -327,14 +327,17 @@ extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) 
     const int64_t *topk = (const int64_t *)a.topk_idx;
     int32_t *per_expert = (int32_t *)a.num_tokens_per_expert;
     uint8_t *in_rank = (uint8_t *)a.is_token_in_rank;
-    for (uint64_t t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; t < a.num_tokens;
-         t += (uint64_t)gridDim.x * blockDim.x) {
+    // Warp-uniform trip count (the rank counts below are one ballot per warp).
+    for (uint64_t base = (uint64_t)blockIdx.x * blockDim.x; base < a.num_tokens;
+         base += (uint64_t)gridDim.x * blockDim.x) {
+        const uint64_t t = base + threadIdx.x;
+        const bool valid = t < a.num_tokens;
         uint32_t mask = 0;
         // A token's ids loaded 8 at a time before any is used (one round trip, not K).
         for (uint32_t k0 = 0; k0 < K; k0 += 8) {
             int64_t ev[8];
 #pragma unroll
-            for (uint32_t q = 0; q < 8; ++q) ev[q] = k0 + q < K ? topk[t * K + k0 + q] : -1;
+            for (uint32_t q = 0; q < 8; ++q) ev[q] = valid && k0 + q < K ? topk[t * K + k0 + q] : -1;
 #pragma unroll
             for (uint32_t q = 0; q < 8; ++q) {
                 const int64_t e = ev[q];
@@ -349,9 +352,12 @@ extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) 
             }
         }
         for (uint32_t d = 0; d < R; ++d) {
-            uint32_t bit = (mask >> d) & 1u;
-            in_rank[t * R + d] = (uint8_t)bit;
-            if (bit) atomicAdd(&s_rank[d], 1);
+            const uint32_t bit = (mask >> d) & 1u;
+            if (valid) in_rank[t * R + d] = (uint8_t)bit;
+            // One shared atomic per warp and rank (every thread of a block adds to the same R
+            // words: per-thread atomics there serialize).
+            const uint32_t bal = __ballot_sync(0xffffffffu, bit);
+            if ((threadIdx.x & 31u) == 0 && bal != 0) atomicAdd(&s_rank[d], (int32_t)__popc(bal));
         }
     }
     __syncthreads();
