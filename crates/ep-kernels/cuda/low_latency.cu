@@ -488,55 +488,9 @@ __device__ __forceinline__ uint8_t *meta_block_out(const Args &a, const ep_ll_la
 #endif
 }
 
-// A warp's unit of rows (see dispatch_send): the BF16 chunks, or (FP8) the raw BF16 chunks of
-// its 2 x UNITS 128-channel blocks (lane: half warp lane / 16, chunk lane % 16 of each block).
-struct RowUnit {
-    int4 v[UNITS];
-};
-
-// Units of a row: BF16 UNITS x 32 chunks of 16 bytes, FP8 2 x UNITS blocks of 128 channels.
-__device__ __forceinline__ uint32_t units_per_row(const Args &a) {
-    const uint32_t H = a.hidden;
-    return (a.flags & EP_FLAG_FP8) ? (H / 128 + 2 * UNITS - 1) / (2 * UNITS)
-                                   : (H * 2 / 16 + 32 * UNITS - 1) / (32 * UNITS);
-}
-
-// Loads unit `u` of the rows of x (token u / per_row); every load is issued before any is used.
-// The loads depend on nothing the routing computes, so the warp's first unit is loaded at the
-// kernel's start and its latency overlaps the routing's round trips.
-__device__ __forceinline__ RowUnit load_unit(const Args &a, uint32_t u, uint32_t per_row) {
-    const uint32_t H = a.hidden, lane = threadIdx.x % 32;
-    const uint32_t t = u / per_row;
-    const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
-    RowUnit r;
-    if (!(a.flags & EP_FLAG_FP8)) {
-        const uint32_t C = H * 2 / 16, c0 = (u % per_row) * 32 * UNITS;
-#pragma unroll
-        for (uint32_t k = 0; k < UNITS; ++k) {
-            const uint32_t c = c0 + k * 32 + lane;
-            r.v[k] = c < C ? ep_ld_nc(src + c) : make_int4(0, 0, 0, 0);
-        }
-    } else {
-        const uint32_t S = H / 128, b0 = (u % per_row) * 2 * UNITS;
-#pragma unroll
-        for (uint32_t k = 0; k < UNITS; ++k) {
-            const uint32_t blk = b0 + 2 * k + lane / 16;
-            r.v[k] = blk < S ? ep_ld_nc(src + blk * 16 + lane % 16) : make_int4(0, 0, 0, 0);
-        }
-    }
-    return r;
-}
-
-// The warp's first unit (`first`, loaded by the caller before the routing), or unit u.
-__device__ __forceinline__ RowUnit unit_at(const Args &a, uint32_t u, uint32_t per_row, const RowUnit &first) {
-    const uint32_t gw = blockIdx.x * WARPS + threadIdx.x / 32;
-    return u == gw ? first : load_unit(a, u, per_row);
-}
-
 // The send part: every message of this rank into its destination's drecv[s], then (last block)
 // headers and signals. Returns whether this block was the last (variant (b) quiets there).
-// `first`: this warp's first unit of rows, loaded at the kernel's start.
-__device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem, const RowUnit &first) {
+__device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     __shared__ uint32_t ncnt[MAXR];
     SendSmem sm = send_smem(a, smem);
     const ep_ll_layout ly = layout_of(a);
@@ -560,15 +514,19 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem, con
     // Rows: units of UNITS x 32 chunks of one token spread over every warp of the grid, the
     // unit's loads issued before its stores (short dependency chains); each row loaded once,
     // cast once, stored to each destination.
-    const uint32_t per_row = units_per_row(a);
     if (!fp8) {
-        const uint32_t C = H * 2 / 16;
+        const uint32_t C = H * 2 / 16, per_row = (C + 32 * UNITS - 1) / (32 * UNITS);
         for (uint32_t u = gw; u < T * per_row; u += GW) {
             const uint32_t t = u / per_row, c0 = (u % per_row) * 32 * UNITS;
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
-            const RowUnit unit = unit_at(a, u, per_row, first);
-            const int4 (&v)[UNITS] = unit.v;
+            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
+            int4 v[UNITS];
+#pragma unroll
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t c = c0 + k * 32 + lane;
+                if (c < C) v[k] = ep_ld_nc(src + c);
+            }
 #ifdef EP_LL_NVSHMEM
             // Staged once in dsend_rows[t], then put to each destination.
             int4 *stage = (int4 *)(half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t));
@@ -597,15 +555,20 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem, con
         }
     } else {
         // A half warp per 128-channel block: a unit is 2 x UNITS blocks of one token.
-        const uint32_t S = H / 128;
+        const uint32_t S = H / 128, per_row = (S + 2 * UNITS - 1) / (2 * UNITS);
         const uint64_t soff = ep_ll_fp8_scales_offset(ly);
         const uint32_t half_id = lane / 16, sub = lane % 16;
         for (uint32_t u = gw; u < T * per_row; u += GW) {
             const uint32_t t = u / per_row, b0 = (u % per_row) * 2 * UNITS;
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
-            const RowUnit unit = unit_at(a, u, per_row, first);
-            const int4 (&raw)[UNITS] = unit.v;
+            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
+            int4 raw[UNITS];
+#pragma unroll
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t blk = b0 + 2 * k + half_id;
+                raw[k] = blk < S ? ep_ld_nc(src + blk * 16 + sub) : make_int4(0, 0, 0, 0);
+            }
 #pragma unroll
             for (uint32_t k = 0; k < UNITS; ++k) {
                 const uint32_t blk = b0 + 2 * k + half_id;
@@ -852,14 +815,10 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
 
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a) {
     extern __shared__ __align__(16) uint8_t smem[];
-    // This warp's first unit of rows, in flight during the epoch, mask and routing round trips.
-    RowUnit first;
-    const uint32_t gw = blockIdx.x * WARPS + threadIdx.x / 32, per_row = units_per_row(a);
-    if ((a.flags & EP_FLAG_LL_SEND) && gw < a.num_tokens * per_row) first = load_unit(a, gw, per_row);
     const uint64_t call_k = op_epoch(a);
     load_mask(a);
     if (masked(a, a.rank)) return;
-    const bool last = (a.flags & EP_FLAG_LL_SEND) && dispatch_send(a, call_k, smem, first);
+    const bool last = (a.flags & EP_FLAG_LL_SEND) && dispatch_send(a, call_k, smem);
     if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, call_k, smem);
     quiet_if_last(last);
 }

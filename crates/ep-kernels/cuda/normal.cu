@@ -97,14 +97,12 @@ __device__ __forceinline__ void block_tokens(const Args &a, uint32_t c, uint32_t
 }
 
 // Passes of a row copy: 16 bytes x UNROLL per lane (512 x UNROLL bytes per warp), loaded with
-// ld.global.nc (the source rows are read once) or, SHARED, from shared memory, stored to every
-// non-null dst[d], d < n.
-template <bool SHARED>
+// ld.global.nc (the source rows are read once), stored to every non-null dst[d], d < n.
 __device__ __forceinline__ void load_row_pass(int4 (&v)[UNROLL], const uint8_t *src, uint64_t base, uint64_t bytes) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const uint64_t off = base + (uint64_t)u * 32 * 16;
-        if (off < bytes) v[u] = SHARED ? *(const int4 *)(src + off) : ep_ld_nc((const int4 *)(src + off));
+        if (off < bytes) v[u] = ep_ld_nc((const int4 *)(src + off));
     }
 }
 __device__ __forceinline__ void store_row_pass(const int4 (&v)[UNROLL], uint8_t *const (&dst)[MAXR], uint32_t n,
@@ -124,52 +122,22 @@ __device__ __forceinline__ void store_row_pass(const int4 (&v)[UNROLL], uint8_t 
 // One warp copies `bytes` (a multiple of 16) from src to every non-null dst[d], d < n: each 16
 // bytes loaded once, stored n times. Two passes in flight: pass i + 1's loads are issued before
 // pass i is stored, so the stores overlap the next loads' latency instead of following it.
-template <bool SHARED = false>
 __device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *const (&dst)[MAXR],
                                                  uint32_t n, uint64_t bytes, uint32_t lane) {
     const uint64_t step = 32ull * 16 * UNROLL;
     int4 va[UNROLL], vb[UNROLL];
     uint64_t base = (uint64_t)lane * 16;
-    load_row_pass<SHARED>(va, src, base, bytes);
+    load_row_pass(va, src, base, bytes);
     while (base < bytes) {
-        load_row_pass<SHARED>(vb, src, base + step, bytes);
+        load_row_pass(vb, src, base + step, bytes);
         store_row_pass(va, dst, n, base, bytes);
         base += step;
         if (base >= bytes) break;
-        load_row_pass<SHARED>(va, src, base + step, bytes);
+        load_row_pass(va, src, base + step, bytes);
         store_row_pass(vb, dst, n, base, bytes);
         base += step;
     }
 }
-
-// ---- the first rows in shared memory (dispatch) -------------------------------------------------
-// A dispatch block knows where its rows go only after the count exchange (~5 us), but which rows
-// it sends from the start: each warp copies the first bytes of its first token's row of x into
-// its part of the dynamic shared memory (cp.async, no registers held) while the block waits, and
-// sends that part from there. The host gives the dispatch as much dynamic shared memory as the
-// device lets it opt in to; the kernel reads its size (%dynamic_smem_size), so a launch without
-// any prefetches nothing.
-
-// Bytes of its first row a warp prefetches: its share of the dynamic shared memory, in 16-byte
-// chunks, at most the row.
-__device__ __forceinline__ uint64_t prefetch_bytes(uint64_t row_bytes) {
-    uint32_t dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    const uint64_t share = (uint64_t)(dyn / WARPS) & ~15ull;
-    return row_bytes < share ? row_bytes : share;
-}
-
-// Warp `warp` issues the async copies of bytes [0, n) of `src` into `dst` (its shared part).
-__device__ __forceinline__ void prefetch_row(uint8_t *dst, const uint8_t *src, uint64_t n, uint32_t lane) {
-    for (uint64_t off = 16ull * lane; off < n; off += 32 * 16) {
-        const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst + off);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src + off) : "memory");
-    }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits for this thread's async copies (then a __syncwarp makes the warp's visible to it).
-__device__ __forceinline__ void prefetch_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // ---- gathers (combine and its ceiling) ----------------------------------------------------------
 
@@ -621,11 +589,6 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     uint32_t t0, t1, mid;
     block_tokens(a, c, h, &t0, &t1, &mid);
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
-    // The warp's first token (t0 + warp) row: its first `pf` bytes into shared memory now.
-    extern __shared__ __align__(16) uint8_t s_prefetch[];
-    const uint64_t pf = prefetch_bytes(a.x_bytes);
-    uint8_t *my_prefetch = s_prefetch + (uint64_t)warp * pf;
-    if (pf > 0 && t0 + warp < t1) prefetch_row(my_prefetch, (const uint8_t *)a.x + (uint64_t)(t0 + warp) * a.x_bytes, pf, lane);
     stamp(a, 0);
     if (tid == 0) s_ok = 1;
     if (tid < MAXR) s_before[tid] = s_chan[tid] = 0;
@@ -750,19 +713,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
             }
             if (lane < S) sc0 = ((const float *)a.x_scales)[tok * S + lane];
             if (lane + 32 < S) sc1 = ((const float *)a.x_scales)[tok * S + lane + 32];
-            const uint8_t *src = (const uint8_t *)a.x + tok * a.x_bytes;
-            if (tok == t0 + warp && pf > 0) {
-                // The prefetched part from shared memory, the rest from x.
-                prefetch_wait();
-                __syncwarp();
-                warp_copy_fanout<true>(my_prefetch, rec, R, pf, lane);
-                uint8_t *rest[MAXR];
-#pragma unroll
-                for (uint32_t d = 0; d < MAXR; ++d) rest[d] = rec[d] ? rec[d] + pf : nullptr;
-                warp_copy_fanout(src + pf, rest, R, a.x_bytes - pf, lane);
-            } else {
-                warp_copy_fanout(src, rec, R, a.x_bytes, lane);
-            }
+            warp_copy_fanout((const uint8_t *)a.x + tok * a.x_bytes, rec, R, a.x_bytes, lane);
 #pragma unroll
             for (uint32_t d = 0; d < MAXR; ++d) {
                 if (!rec[d]) continue;  // null for d >= R too
@@ -788,8 +739,6 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         }
         __syncthreads();
     }
-
-    prefetch_wait();  // none outstanding past here (an early return included)
 
     // The channel's prefix entry (§2.3): the second CTA knows its start and end after its rows
     // (the tokens before the channel, in its first half, in its own). The end goes to the

@@ -46,8 +46,6 @@ pub struct Device {
     pub(crate) ll_trace: LlKernels,
     num_sms: usize,
     max_dynamic_smem: usize,
-    /// Dynamic shared memory the normal dispatch may use (its first rows' prefetch).
-    normal_dispatch_smem: usize,
     pub(crate) err: HostMapped<ErrBlock>,
 }
 
@@ -113,8 +111,6 @@ impl Device {
                 &ll_trace.combine_logfmt,
             ],
         )?;
-        let normal_dispatch_smem =
-            opt_in_dynamic_smem(&ctx, &[&normal.dispatch, &normal_trace.dispatch])?;
         let num_sms = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
@@ -128,7 +124,6 @@ impl Device {
             ll_trace,
             num_sms,
             max_dynamic_smem,
-            normal_dispatch_smem,
             err,
         }))
     }
@@ -157,11 +152,6 @@ impl Device {
     /// Dynamic shared memory a block may opt in to.
     pub(crate) fn max_dynamic_smem(&self) -> usize {
         self.max_dynamic_smem
-    }
-
-    /// Dynamic shared memory the normal dispatch kernel may opt in to.
-    pub(crate) fn normal_dispatch_smem(&self) -> usize {
-        self.normal_dispatch_smem
     }
 
     /// The device ordinal.

@@ -360,11 +360,11 @@ enum Kernel {
     CeilingGather,
 }
 
-fn launch_cfg(blocks: u32, smem: u32) -> LaunchConfig {
+fn launch_cfg(blocks: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: smem,
+        shared_mem_bytes: 0,
     }
 }
 
@@ -874,15 +874,6 @@ impl NormalGroup {
         if protocol && let Some(t) = &self.tracing {
             t.apply(rank, &mut a);
         }
-        // The dispatch prefetches each warp's first row into dynamic shared memory (normal.cu):
-        // up to a row per warp, as much as the device lets it opt in to.
-        let smem = match kernel {
-            Kernel::Dispatch => {
-                let want = (THREADS as u64 / 32) * a.x_bytes;
-                u32::try_from(want.min(self.dev.normal_dispatch_smem() as u64)).unwrap_or(0)
-            }
-            _ => 0,
-        };
         let args = &a;
         let mut b = self.ranks[rank].stream.launch_builder(f);
         b.arg(args);
@@ -891,7 +882,7 @@ impl NormalGroup {
         // tensor the caller keeps alive until the stream passes the kernel (the group's calls
         // return owned tensors or views of its own arenas), and writes stay within the shapes
         // validated by the caller of `launch`.
-        unsafe { b.launch(launch_cfg(blocks, smem)) }
+        unsafe { b.launch(launch_cfg(blocks)) }
             .map(|_| ())
             .map_err(Error::cuda("cuLaunchKernel"))
     }
