@@ -2,10 +2,12 @@
 // exchange, rows stored once at their final row on the receiver), cached dispatch (ready
 // handshake), pull combine, and the copy kernel that measures the ceiling of the same bytes.
 //
-// Agents → CTAs (§1.3): the sender agent (s, c) of channel c is a cluster of two CTAs (blocks 2c
-// and 2c + 1, each half of the channel's tokens; the cluster barrier is the agent's block
-// barrier), so a kernel of 2C blocks uses the num_sms = 2C SMs of DeepEP's Config. Block 0 also
-// runs the notify agent before it sends; every cluster, after sending, runs the receive part of
+// Agents → CTAs (§1.3): the sender agent (s, c) of channel c is a pair of CTAs (blocks 2c and
+// 2c + 1, each half of the channel's tokens; their barrier, agent_sync, is the agent's block
+// barrier), so a kernel of 2C blocks uses the num_sms = 2C SMs of DeepEP's Config. The pair is
+// not a thread-block cluster: a cluster's CTAs share a GPC, and the block scheduler then fills
+// some GPCs with more row-copying SMs than others. Block 0 also
+// runs the notify agent before it sends; every pair, after sending, runs the receive part of
 // its channel (waits done[s][c] of every source s and copies those rows' meta out), so the
 // kernel ends on a rank only when all rows destined to it have landed. Offsets, slots and signal
 // values come from ep_protocol.cuh; waits are bounded (ep_device.cuh).
@@ -40,8 +42,8 @@ __device__ __forceinline__ int32_t ld_i32_cg(const void *p) { return __ldcg((con
 
 // ---- protocol traces (EP_TRACE builds only; docs/protocol.md §3.13, ep_trace.cuh) ------------
 // Offsets are relative to the rank's normal.ctrl (signal words) / normal.data base, as
-// ctrl_word / data_at take them. The two CTAs of a cluster are one agent (§1.3): each records
-// EP_TRACE_CLUSTER_BARRIER where it arrives at the cluster barrier, and the host merges the two
+// ctrl_word / data_at take them. The two CTAs of a pair are one agent (§1.3): each records
+// EP_TRACE_CLUSTER_BARRIER where it arrives at the agent barrier, and the host merges the two
 // blocks' records segment by segment (gpu/trace.rs). Only the arenas are traced (not the handle
 // tensors or the host-mapped mailbox).
 #ifdef EP_TRACE
@@ -68,6 +70,14 @@ __device__ __forceinline__ void stamp(const Args &a, uint32_t i) {
 // The call number k of this block's dispatch or combine: ep_block_epoch (ep_device.cuh); every
 // dispatch and combine kernel of a group has the same 2C blocks, so the words advance once per call.
 __device__ __forceinline__ uint64_t block_epoch(const Args &a) { return ep_block_epoch(a.call, a.epoch, true); }
+
+// The barrier of the channel's two CTAs (the agent's block barrier, §1.3): ep_pair_sync on this
+// rank's pair words, after its 2C epoch words. A second-order wait (the partner may itself be
+// waiting on a peer first): twice the bound.
+__device__ __forceinline__ bool agent_sync(const Args &a, uint64_t k, uint64_t kernel) {
+    return ep_pair_sync((uint64_t *)a.epoch + 2u * EP_MAX_CHANNELS, k, (ep_err_block *)a.err, 2 * a.timeout_ns,
+                        a.rank, kernel);
+}
 
 // Fences and signals towards peers: GPU scope when every rank is on this GPU
 // (EP_FLAG_SAME_GPU, co-resident ranks), system scope otherwise (NVLink peers, other processes).
@@ -554,8 +564,8 @@ __device__ bool notify(const Args &a, uint64_t k) {
     return true;
 }
 
-// Dispatch (§2.3) and cached dispatch (§2.4). Grid 2C blocks, clusters of 2.
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
+// Dispatch (§2.3) and cached dispatch (§2.4). Grid 2C blocks, pairs (2c, 2c + 1).
+extern "C" __global__ void __launch_bounds__(NT, 1)
     ep_normal_dispatch(const Args a) {
     const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     const uint32_t R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank, C = (uint32_t)a.num_channels;
@@ -744,7 +754,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     // (the tokens before the channel, in its first half, in its own). The end goes to the
     // handle's channel_prefix_matrix; [start, end] into this rank's count record on every d, the
     // channel's own granule, published by the channel's done[me][c] below (this CTA's fence, the
-    // cluster barrier, the first CTA's release). The last channel's end is the total to d: inputs
+    // agent barrier, the first CTA's release). The last channel's end is the total to d: inputs
     // that disagree with it are EP_ERR_LAYOUT (the record poisons the group; every row store
     // above stayed below the arena's rows).
     if (ok && !cached && h == 1 && tid < R) {
@@ -775,8 +785,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         if (!skip_fence) TRACE_FENCE(PEER_FENCE_SCOPE(a));
         TRACE_CLUSTER();
     }
-    ep_cluster_sync();
-    if (ok && h == 0 && tid < R) {
+    const bool paired = agent_sync(a, k, EP_KERNEL_DISPATCH);
+    if (ok && paired && h == 0 && tid < R) {
         ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_done(R, me, c)), k);
         TRACE_RELEASE(tid, ep_normal_done(R, me, c), k);
     }
@@ -892,8 +902,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
 // ---- combine -----------------------------------------------------------------------------------
 
 // Combine (§2.5, §2.6): pull each token's rows from every rank holding it, reduce in f32 after
-// the biases in ascending rank order, round once to BF16. Grid 2C blocks, clusters of 2.
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
+// the biases in ascending rank order, round once to BF16. Grid 2C blocks, pairs (2c, 2c + 1).
+extern "C" __global__ void __launch_bounds__(NT, 1)
     ep_normal_combine(const Args a) {
     const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     const uint32_t R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank, C = (uint32_t)a.num_channels;
@@ -983,8 +993,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
         TRACE_FENCE(PEER_FENCE_SCOPE(a));
         TRACE_CLUSTER();
     }
-    ep_cluster_sync();
-    if (ok && h == 0 && tid < R) {
+    const bool paired = agent_sync(a, k, EP_KERNEL_COMBINE);
+    if (ok && paired && h == 0 && tid < R) {
         ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_pulled(R, me, c)), k);
         TRACE_RELEASE(tid, ep_normal_pulled(R, me, c), k);
     }

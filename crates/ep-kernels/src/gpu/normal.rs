@@ -54,8 +54,10 @@ mod graph;
 mod trace;
 pub use graph::{CallStreams, NormalGraph};
 
-/// u64 epoch words per rank: one per block of the largest dispatch or combine grid.
-const EPOCH_WORDS: usize = 2 * ep_core::protocol::layout::MAX_CHANNELS;
+/// u64 epoch words per rank: one per block of the largest dispatch or combine grid, then as
+/// many pair words (each block's last call number at its channel's agent barrier, `agent_sync`
+/// in normal.cu).
+const EPOCH_WORDS: usize = 4 * ep_core::protocol::layout::MAX_CHANNELS;
 
 /// Ranks a normal-mode kernel can address.
 pub const MAX_RANKS: usize = abi::EP_GPU_MAX_RANKS as usize;
@@ -79,7 +81,8 @@ struct Rank {
     data: Arc<DevBuf>,
     mailbox: HostMapped<Mailbox>,
     /// `[2 * MAX_CHANNELS]` u64: each block's last call number (the device-resident epoch a
-    /// captured graph reads, docs/protocol.md §2.7); only this rank's kernels touch it.
+    /// captured graph reads, docs/protocol.md §2.7), then `[2 * MAX_CHANNELS]` pair words (the
+    /// agent barrier of a channel's two CTAs); only this rank's kernels touch it.
     epoch: DevBuf,
     /// `recv_src_idx` at capacity, reused per dispatch (the top-k ids and weights are views of
     /// the records, [`NormalGroup::dispatch`]).
@@ -1713,12 +1716,25 @@ fn decode_record(e: &ErrBlock, num_ranks: usize, timeout: Duration) -> Error {
     match e.status {
         abi::EP_ERR_TIMEOUT => {
             let ctrl = NormalCtrl { num_ranks };
+            // A pair word (the agent barrier) is the partner block's, on the same rank.
+            let pair = e.word_offset & abi::EP_PAIR_WORD != 0;
             Error::DeviceWaitTimeout {
                 rank: e.rank as usize,
                 kernel,
                 block: e.block as usize,
-                word: ctrl_word_name(ctrl, e.word_offset),
-                writer: ctrl.writer(e.word_offset, e.word_rank as usize),
+                word: if pair {
+                    format!(
+                        "the agent barrier word of block {} (the other CTA of its channel)",
+                        e.word_offset & !abi::EP_PAIR_WORD
+                    )
+                } else {
+                    ctrl_word_name(ctrl, e.word_offset)
+                },
+                writer: if pair {
+                    Some(e.rank as usize)
+                } else {
+                    ctrl.writer(e.word_offset, e.word_rank as usize)
+                },
                 expected: e.expected,
                 last_seen: e.last_seen,
                 timeout,

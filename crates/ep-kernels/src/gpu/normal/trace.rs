@@ -1,5 +1,5 @@
 //! Protocol traces of normal mode (docs/protocol.md §3.13; [`NormalGroup::set_trace`]): the
-//! traced build of `cuda/normal.cu` records each block's arena events, the two CTAs of a cluster
+//! traced build of `cuda/normal.cu` records each block's arena events, the two CTAs of a channel
 //! merged into the one agent they are (`gpu::trace::decode_clusters`), for ep-sim's
 //! memory-model checker.
 
@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::gpu::abi::NormalArgs;
 use crate::gpu::trace::{TraceBufs, decode_clusters, not_tracing};
 
-/// CTAs per agent (the kernels' `__cluster_dims__`).
+/// CTAs per agent (a channel's pair of blocks, `agent_sync` in normal.cu).
 const CLUSTER: usize = 2;
 
 /// Which operation the last traced launch was.
@@ -42,7 +42,7 @@ impl NormalGroup {
     /// Protocol traces (docs/protocol.md §3.13): with `Some(capacity)` every following dispatch,
     /// cached dispatch and combine runs the traced kernels (`EP_TRACE`), each block of each local
     /// rank recording up to `capacity` events (its arena stores and loads, fences, releases,
-    /// acquires, cluster barriers); [`NormalGroup::trace`] returns the last operation's, for
+    /// acquires, agent barriers); [`NormalGroup::trace`] returns the last operation's, for
     /// ep-sim's memory-model checker (`ep_sim::device_trace`). `None` turns it off. For debugging
     /// and tests: each traced operation waits for the previous one. Only the arenas are traced
     /// (not the handle tensors, the host-mapped mailbox or the layout kernel).
@@ -66,7 +66,7 @@ impl NormalGroup {
     }
 
     /// Test switch of the traced kernels (docs/protocol.md §6): the second CTA of every dispatch
-    /// cluster skips its fence before the cluster barrier — a planted missing fence the trace
+    /// channel skips its fence before the agent barrier — a planted missing fence the trace
     /// checker must report. [`Error::Unsupported`] unless tracing is on.
     #[doc(hidden)]
     pub fn plant_missing_fence_for_test(&mut self, on: bool) -> Result<()> {
@@ -84,7 +84,7 @@ impl NormalGroup {
         (self.ranks[0].ctrl.len() as u64, self.data_bytes)
     }
 
-    /// The protocol events the last traced operation recorded, one agent per cluster of every
+    /// The protocol events the last traced operation recorded, one agent per channel pair of every
     /// local rank (after waiting for it). A combine's trace starts, in each rank's first agent,
     /// with a store of the rank's whole `normal.data` and a system fence: what its stream wrote
     /// there before the launch (the expert outputs, the dispatch's records), which that agent's
