@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use common::device_at;
 use common::ll::{Case, inputs_of, session, variant, wide_tensor};
+use ep_core::buffer::LlCombineOptions;
 use ep_core::config::BufferConfig;
 use ep_core::digest;
 use ep_core::plan::low_latency::LlParams;
@@ -136,7 +137,7 @@ fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case
         .expect("sim dispatch");
     let ys = expert_outputs(case, &masked);
     let want_x = sbuf
-        .low_latency_combine(&want.routes, &ys, &inputs, case.zero_copy)
+        .low_latency_combine(&want.routes, &ys, &inputs, case.combine_options())
         .expect("sim combine");
     // The GPU, with or without hooks.
     let got: Vec<Option<LlGpuDispatch>> = if case.hook {
@@ -174,12 +175,12 @@ fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case
         .collect();
     let got_x = if case.hook {
         let hook = gbuf
-            .low_latency_combine_send(&handles, &gys, &dins, case.zero_copy)
+            .low_latency_combine_send(&handles, &gys, &dins, case.combine_options())
             .expect("gpu combine send");
         gbuf.low_latency_combine_recv(hook)
             .expect("gpu combine recv")
     } else {
-        gbuf.low_latency_combine(&handles, &gys, &dins, case.zero_copy)
+        gbuf.low_latency_combine(&handles, &gys, &dins, case.combine_options())
             .expect("gpu combine")
     };
     gbuf.sync().expect("sync");
@@ -360,7 +361,7 @@ fn bad_inputs_are_typed_errors_and_leave_the_buffer_usable() {
         })
         .collect();
     let err = g
-        .low_latency_combine(&handles, &bad_y, &dins, false)
+        .low_latency_combine(&handles, &bad_y, &dins, LlCombineOptions::default())
         .unwrap_err();
     assert!(g.poisoned().is_none(), "{err}");
     // A stale handle (a later dispatch on the same half reused its buffers) is refused.
@@ -381,7 +382,7 @@ fn bad_inputs_are_typed_errors_and_leave_the_buffer_usable() {
         })
         .collect();
     let err = g
-        .low_latency_combine(&handles, &gys, &dins, false)
+        .low_latency_combine(&handles, &gys, &dins, LlCombineOptions::default())
         .unwrap_err();
     assert!(matches!(err, CoreError::InputRefused { .. }), "{err}");
     assert!(g.poisoned().is_none());
