@@ -561,6 +561,37 @@ impl<E: Executor> Buffer<E> {
         Ok(())
     }
 
+    /// The low-latency memory (`None` before it is allocated), to inspect what the phases left
+    /// there (on the simulator: `Sim::host_read`). With the `test-support` feature.
+    #[cfg(feature = "test-support")]
+    pub fn debug_low_latency_arena(&self) -> Option<&LlArena> {
+        self.ll.as_ref()
+    }
+
+    /// Fills every unmasked rank's low-latency data (both halves; the signal words untouched)
+    /// with `byte`: a later low-latency phase that reads bytes its operation did not write then
+    /// reads garbage, as the GPU tests' `poison_for_test` does. Refused while a hook is pending
+    /// (its receive half reads what the send half wrote). With the `test-support` feature.
+    #[cfg(feature = "test-support")]
+    pub fn debug_poison_low_latency_data(&mut self, byte: u8) -> Result<()> {
+        self.ready()?;
+        if let Some(&p) = self.pending_hooks.first() {
+            return Err(Error::LowLatencyHookPending { pending_call: p });
+        }
+        let arena = self.ll_arena()?;
+        let call = self.next_call();
+        let masked = self.mask.clone();
+        let res =
+            self.transport
+                .run_poison_low_latency_data(&crate::executor::jobs::LlPoisonDataJob {
+                    arena: &arena,
+                    call,
+                    byte,
+                    masked: &masked,
+                });
+        self.ran(call, res)
+    }
+
     /// Models another kernel using the low-latency memory (DeepEP: normal internode kernels on
     /// the RDMA buffer, spec case 20): garbage in every signal word. With the `test-support`
     /// feature.

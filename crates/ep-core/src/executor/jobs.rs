@@ -460,3 +460,14 @@ pub struct LlForeignUseJob<'a> {
     pub(crate) call: u64,
     pub(crate) value: u64,
 }
+
+/// `byte` in every byte of the low-latency data (both halves; the signal words untouched) of
+/// every rank not `masked`, as call `call`: what a later phase reads there is garbage unless the
+/// protocol wrote it in this operation.
+#[cfg(feature = "test-support")]
+pub struct LlPoisonDataJob<'a> {
+    pub(crate) arena: &'a LlArena,
+    pub(crate) call: u64,
+    pub(crate) byte: u8,
+    pub(crate) masked: &'a [bool],
+}

@@ -51,6 +51,18 @@ impl LlArena {
             data,
         }
     }
+
+    /// The signal words (`ll_signal_bytes`).
+    #[must_use]
+    pub fn signals(&self) -> &SymAlloc {
+        &self.signals
+    }
+
+    /// The data: both halves (`LlLayout::half_base`).
+    #[must_use]
+    pub fn data(&self) -> &SymAlloc {
+        &self.data
+    }
 }
 
 /// Where combine finds each token's expert rows on an expert rank: what the dispatch hook
@@ -986,6 +998,26 @@ pub(crate) fn scribble_phase<'a>(arena: &'a LlArena, call: u64, value: u64) -> P
                 buf[16 * w..16 * w + 8].copy_from_slice(&value.to_le_bytes());
             }
             ctx.store(d, arena.signals.at(0), &buf)
+        });
+    }
+    phase
+}
+
+/// Fills the low-latency data of every rank not `masked` with `byte` (both halves; the signal
+/// words untouched), so that a later phase reading bytes its operation did not write reads
+/// garbage. Test support.
+#[cfg(feature = "test-support")]
+pub(crate) fn poison_data_phase<'a>(
+    arena: &'a LlArena,
+    call: u64,
+    byte: u8,
+    masked: &'a [bool],
+) -> Phase<'a> {
+    let mut phase = Phase::new(PhaseKind::Custom("poison-data".into()), call);
+    for d in (0..arena.num_ranks).filter(|&d| !masked.get(d).copied().unwrap_or(false)) {
+        phase = phase.agent(d, 0, "poison", move |ctx: &mut dyn AgentCtx| {
+            let bytes = vec![byte; arena.data.region.len as usize];
+            ctx.store(d, arena.data.at(0), &bytes)
         });
     }
     phase

@@ -171,3 +171,14 @@ pub(super) fn foreign_use(
     t.run_phase(ll::scribble_phase(job.arena, job.call, job.value))
         .map(drop)
 }
+
+#[cfg(feature = "test-support")]
+pub(super) fn poison_data(
+    t: &mut impl Transport,
+    job: &crate::executor::jobs::LlPoisonDataJob<'_>,
+) -> Result<()> {
+    t.run_phase(ll::poison_data_phase(
+        job.arena, job.call, job.byte, job.masked,
+    ))
+    .map(drop)
+}
