@@ -133,7 +133,7 @@
 //! | `Buffer.dispatch(x, handle=handle)` (cached) | [`core::Buffer::dispatch_cached`] |
 //! | `Buffer.combine(x, handle, topk_weights, bias)` | [`core::Buffer::combine`] with [`core::plan::combine::CombineArgs`] |
 //! | `Buffer.low_latency_dispatch(..., return_recv_hook)` | [`core::Buffer::low_latency_dispatch`], or `_send` + `_recv` (the hook) |
-//! | `Buffer.low_latency_combine(..., zero_copy, return_recv_hook)` | [`core::Buffer::low_latency_combine`], or `_send` + `_recv` |
+//! | `Buffer.low_latency_combine(..., use_logfmt, zero_copy, return_recv_hook)` | [`core::Buffer::low_latency_combine`] with [`core::buffer::LlCombineOptions`] `{ zero_copy, use_logfmt }`, or `_send` + `_recv` |
 //! | `Buffer.clean_low_latency_buffer(...)` | [`core::Buffer::clean_low_latency_buffer`] |
 //! | `low_latency_update_mask_buffer` / `query_mask_buffer` / `clean_mask_buffer` | [`core::Buffer::update_mask`] / [`core::Buffer::query_mask`] / [`core::Buffer::clean_mask`] |
 //! | `Config`, `get_dispatch_config(R)`, `get_combine_config(R)` | [`core::config::Config`], `Config::dispatch_for(R)`, `Config::combine_for(R)` |
@@ -162,7 +162,9 @@ pub use ep_sim as sim;
 /// What a user of ep-rs needs, from one place: the `Buffer` and its configuration, the inputs and
 /// outputs of every call, the simulator, and the GPU data path with its device tensors.
 pub mod prelude {
-    pub use ep_core::buffer::{LlCombineHook, LlDispatchHook, LlDispatched, NormalDispatchArgs};
+    pub use ep_core::buffer::{
+        LlCombineHook, LlCombineOptions, LlDispatchHook, LlDispatched, NormalDispatchArgs,
+    };
     pub use ep_core::config::{BufferConfig, Config};
     pub use ep_core::plan::combine::{CombineArgs, CombineOutput};
     pub use ep_core::plan::intranode::{IntranodeDispatch, IntranodeHandle};

@@ -6,7 +6,7 @@
 
 mod protocol_support;
 
-use ep_rs::core::buffer::NormalDispatchArgs;
+use ep_rs::core::buffer::{LlCombineOptions, NormalDispatchArgs};
 use ep_rs::core::config::{BufferConfig, Config};
 use ep_rs::core::plan::combine::CombineArgs;
 use ep_rs::core::plan::intranode::IntranodeHandle;
@@ -448,14 +448,14 @@ fn per_token_input_errors_take_no_call_and_leave_the_buffer_usable() {
     changed[0].topk_weights.set(0, 0, w + 1.0);
     let before = ll.last_call();
     let err = ll
-        .low_latency_combine(&got.routes, &y, &changed, false)
+        .low_latency_combine(&got.routes, &y, &changed, LlCombineOptions::default())
         .expect_err("routing changed since dispatch");
     let err = refused(&ll, err, before);
     assert!(
         matches!(err, Error::LowLatencyRoutingChanged { rank: 0 }),
         "{err:?}"
     );
-    ll.low_latency_combine(&got.routes, &y, &ll_inputs, false)
+    ll.low_latency_combine(&got.routes, &y, &ll_inputs, LlCombineOptions::default())
         .expect("the valid combine runs");
     assert_eq!(ll.last_call(), before + 1);
 }

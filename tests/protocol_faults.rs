@@ -10,7 +10,7 @@ mod protocol_support;
 
 use std::time::Duration;
 
-use ep_rs::core::buffer::NormalDispatchArgs;
+use ep_rs::core::buffer::{LlCombineOptions, NormalDispatchArgs};
 use ep_rs::core::config::{BufferConfig, Config};
 use ep_rs::core::plan::combine::CombineArgs;
 use ep_rs::core::plan::intranode::{intranode_combine, intranode_dispatch_all};
@@ -176,7 +176,12 @@ fn ll_combine<T: Executor<T = Host>>(
                 .then(|| rand_bf16_tensor3(rng, L, R * N, H))
         })
         .collect();
-    let out = buf.low_latency_combine(&d.got.routes, &y, &d.inputs, zero_copy)?;
+    let out = buf.low_latency_combine(
+        &d.got.routes,
+        &y,
+        &d.inputs,
+        LlCombineOptions::default().with_zero_copy(zero_copy),
+    )?;
     let handles: Vec<_> = d
         .got
         .outputs

@@ -1,11 +1,13 @@
 //! Low-latency protocol on the simulator (docs/protocol.md §3): `Buffer` dispatch (with and
 //! without hook) equals the plan bit for bit and the oracle canonically; combine (zero-copy and
-//! copying) equals the reduced-on-expert-rank plan bit for bit and DeepEP's combine within its
-//! tolerance; random ranks (1..=16), experts, top-k with masked entries and masked ranks, FP8,
-//! tiny chunks, QP depth 1..=4, several QPs per peer, seeds and all delivery policies.
+//! copying, BF16 or LogFMT-10 partials) equals the reduced-on-expert-rank plan bit for bit and
+//! DeepEP's combine within its tolerance; random ranks (1..=16), experts, top-k with masked
+//! entries and masked ranks, FP8, tiny chunks, QP depth 1..=4, several QPs per peer, seeds and
+//! all delivery policies.
 
 mod protocol_support;
 
+use ep_rs::core::buffer::LlCombineOptions;
 use ep_rs::core::plan::low_latency::{
     LlParams, PartialPrecision, canonicalize, combine, combine_reduced_on_expert_rank, dispatch,
 };
@@ -28,6 +30,7 @@ struct LCase {
     masked: Vec<bool>,
     hook: bool,
     zero_copy: bool,
+    logfmt: bool,
     distinct: bool,
 }
 
@@ -53,13 +56,14 @@ fn strategy() -> impl Strategy<Value = LCase> {
             any::<bool>(),
             any::<bool>(),
             0.0f64..0.4,
+            any::<bool>(),
         ),
     )
         .prop_map(
             |(
                 (r, t, l, k, big),
                 (seed, policy, qp_depth, qps, fp8),
-                (m, hook, zero_copy, distinct, mask),
+                (m, hook, zero_copy, distinct, mask, logfmt),
             )| {
                 let fp8 = (fp8.0, fp8.0 && fp8.1, fp8.0 && fp8.1 && fp8.2);
                 LCase {
@@ -88,6 +92,7 @@ fn strategy() -> impl Strategy<Value = LCase> {
                     masked: (0..r).map(|i| m[i] == 0).collect(),
                     hook,
                     zero_copy,
+                    logfmt,
                     distinct,
                 }
             },
@@ -183,17 +188,25 @@ fn run_case(c: &LCase) -> Result<(), TestCaseError> {
         .iter()
         .map(|o| o.as_ref().map(|o| o.handle.clone()))
         .collect();
+    let opts = LlCombineOptions {
+        zero_copy: c.zero_copy,
+        use_logfmt: c.logfmt,
+    };
     let out = if c.hook {
         let h = buf
-            .low_latency_combine_send(&got.routes, &y, &inputs, c.zero_copy)
+            .low_latency_combine_send(&got.routes, &y, &inputs, opts)
             .map_err(|e| TestCaseError::fail(format!("combine send: {e}")))?;
         buf.low_latency_combine_recv(h)
     } else {
-        buf.low_latency_combine(&got.routes, &y, &inputs, c.zero_copy)
+        buf.low_latency_combine(&got.routes, &y, &inputs, opts)
     }
     .map_err(|e| TestCaseError::fail(format!("combine: {e}")))?;
-    let want_c =
-        combine_reduced_on_expert_rank(&inputs, &handles, &y, &p, PartialPrecision::Bf16).unwrap();
+    let precision = if c.logfmt {
+        PartialPrecision::LogFmt10
+    } else {
+        PartialPrecision::Bf16
+    };
+    let want_c = combine_reduced_on_expert_rank(&inputs, &handles, &y, &p, precision).unwrap();
     prop_assert_eq!(&out, &want_c);
     Ok(())
 }
@@ -250,7 +263,12 @@ fn combine_within_deepep_tolerance() {
             .map(|o| o.as_ref().map(|o| o.handle.clone()))
             .collect();
         let ours = buf
-            .low_latency_combine(&got.routes, &y, &inputs, true)
+            .low_latency_combine(
+                &got.routes,
+                &y,
+                &inputs,
+                LlCombineOptions::default().with_zero_copy(true),
+            )
             .unwrap();
         let deepep = combine(&inputs, &handles, &y, &p).unwrap();
         for (s, inp) in inputs.iter().enumerate() {

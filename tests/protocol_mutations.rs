@@ -5,6 +5,7 @@
 
 mod protocol_support;
 
+use ep_rs::core::buffer::LlCombineOptions;
 use ep_rs::core::plan::combine::CombineArgs;
 use ep_rs::core::plan::intranode::{intranode_combine, intranode_dispatch_all};
 use ep_rs::core::plan::low_latency::{
@@ -124,7 +125,12 @@ fn ll_scenario(m: ProtocolMutation, seed: u64) -> Outcome {
         let want_c =
             combine_reduced_on_expert_rank(&inputs, &handles, &y, &p, PartialPrecision::Bf16)
                 .unwrap();
-        match buf.low_latency_combine(&got.routes, &y, &inputs, call == 1) {
+        match buf.low_latency_combine(
+            &got.routes,
+            &y,
+            &inputs,
+            LlCombineOptions::default().with_zero_copy(call == 1),
+        ) {
             Ok(c) if c == want_c => {}
             Ok(_) => return Outcome::Wrong(format!("combine of call {call} differs")),
             Err(e) => return Outcome::Failed(e.to_string()),

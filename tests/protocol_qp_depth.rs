@@ -8,7 +8,7 @@
 
 mod protocol_support;
 
-use ep_rs::core::buffer::NormalDispatchArgs;
+use ep_rs::core::buffer::{LlCombineOptions, NormalDispatchArgs};
 use ep_rs::core::config::{BufferConfig, Config};
 use ep_rs::core::plan::combine::CombineArgs;
 use ep_rs::core::plan::low_latency::LlParams;
@@ -86,7 +86,12 @@ fn ll_run(c: Case, depth: u32) -> Run {
             .map(|_| Some(rand_bf16_tensor3(&mut rng, c.l, c.r * c.n, h)))
             .collect();
         let comb = buf
-            .low_latency_combine(&got.routes, &y, &inputs, call.is_multiple_of(2))
+            .low_latency_combine(
+                &got.routes,
+                &y,
+                &inputs,
+                LlCombineOptions::default().with_zero_copy(call.is_multiple_of(2)),
+            )
             .unwrap();
         out.push_str(&format!("{:?}\n{comb:?}\n", got.outputs));
     }

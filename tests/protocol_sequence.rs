@@ -1,11 +1,11 @@
 //! Back-to-back calls on one `Buffer` (docs/protocol.md §1.1, §3.7): 120 steps with fresh
 //! routings, normal and low-latency modes interleaved, low-latency hooks run after unrelated
 //! normal-mode work but before the next low-latency operation, masks toggled, cleans in between,
-//! every result exact against the plan. Epoch-coded signals are never reset.
+//! combines with BF16 or LogFMT-10 partials, every result exact against the plan. Epoch-coded signals are never reset.
 
 mod protocol_support;
 
-use ep_rs::core::buffer::NormalDispatchArgs;
+use ep_rs::core::buffer::{LlCombineOptions, NormalDispatchArgs};
 use ep_rs::core::config::{BufferConfig, Config};
 use ep_rs::core::plan::combine::CombineArgs;
 use ep_rs::core::plan::intranode::{
@@ -167,15 +167,18 @@ fn one_hundred_twenty_calls_back_to_back() {
                         (!buf.masked_ranks()[d]).then(|| rand_bf16_tensor3(&mut rng, L, R * N, H))
                     })
                     .collect();
-                let zero_copy = rng.random_bool(0.5);
+                let opts = LlCombineOptions {
+                    zero_copy: rng.random_bool(0.5),
+                    use_logfmt: rng.random_bool(0.5),
+                };
                 let out = if hook {
                     let hk = buf
-                        .low_latency_combine_send(&got.routes, &y, &inputs, zero_copy)
+                        .low_latency_combine_send(&got.routes, &y, &inputs, opts)
                         .unwrap();
                     normal_step(&mut buf, &mut rng, step);
                     buf.low_latency_combine_recv(hk).unwrap()
                 } else {
-                    buf.low_latency_combine(&got.routes, &y, &inputs, zero_copy)
+                    buf.low_latency_combine(&got.routes, &y, &inputs, opts)
                         .unwrap()
                 };
                 assert_eq!(
@@ -185,7 +188,11 @@ fn one_hundred_twenty_calls_back_to_back() {
                         &handles,
                         &y,
                         &p,
-                        PartialPrecision::Bf16
+                        if opts.use_logfmt {
+                            PartialPrecision::LogFmt10
+                        } else {
+                            PartialPrecision::Bf16
+                        }
                     )
                     .unwrap(),
                     "step {step}"

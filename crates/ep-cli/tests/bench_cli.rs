@@ -92,6 +92,50 @@ fn sim_and_sim_checked_and_layout_agree_on_the_digest() {
     }
 }
 
+/// `--logfmt` (LogFMT-10 combine partials, `LlCombineOptions::use_logfmt`) on both simulator
+/// backends: verified against the plan's LogFMT reduction, the same digest on both, the combine's
+/// format and DeepEP's LogFMT byte count `s * (10H/8 + H/128*4)` against its BF16 `s * 2H`.
+#[test]
+fn logfmt_runs_on_both_simulators_with_one_digest() {
+    let dir = scratch("logfmt");
+    let args = cat(SMALL, &["--mode", "low-latency", "--hidden", "1024"]);
+    let lf = cat(&args, &["--logfmt"]);
+    let a = bench_ok(&cat(&lf, &["--iters", "1"]), &dir.join("sim.json"));
+    let b = bench_ok(
+        &cat(
+            &lf,
+            &["--backend", "sim-checked", "--iters", "1", "--warmup", "0"],
+        ),
+        &dir.join("checked.json"),
+    );
+    assert_eq!(digest(&a), digest(&b));
+    assert_eq!(a["digest"]["ranks"], b["digest"]["ranks"]);
+    assert_eq!(a["options"]["logfmt"], true);
+    let plain = bench_ok(&cat(&args, &["--iters", "1"]), &dir.join("bf16.json"));
+    assert_eq!(plain["options"]["logfmt"], false);
+    let (c, p) = (&a["calls"][1], &plain["calls"][1]);
+    assert_eq!(c["name"], "combine");
+    assert_eq!(c["format"], "LogFMT-10");
+    assert_eq!(p["format"], "BF16");
+    let per_rank = |c: &serde_json::Value| -> Vec<f64> {
+        c["deepep"]["bytes_per_rank"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect()
+    };
+    for (x, y) in per_rank(c).iter().zip(per_rank(p)) {
+        assert!(y > 0.0);
+        assert_eq!(*x * 2048.0, y * (1280.0 + 32.0), "{x} vs {y}");
+    }
+    // Dispatch is the same call either way.
+    assert_eq!(
+        a["calls"][0]["recorded_bytes"],
+        plain["calls"][0]["recorded_bytes"]
+    );
+}
+
 #[test]
 fn smaller_qp_depth_same_outputs_never_faster_prediction() {
     let dir = scratch("qp");
@@ -177,10 +221,10 @@ fn typed_errors_and_exit_codes() {
         let e = bench_fails(&cat(SMALL, extra), 2);
         assert!(e.contains("--variant"), "{extra:?}: {e}");
     }
-    // And LogFMT.
+    // LogFMT is a low-latency option (on every backend).
     for extra in [
         &["--logfmt"][..],
-        &["--mode", "low-latency", "--logfmt"][..],
+        &["--backend", "gpu", "--mode", "normal", "--logfmt"][..],
     ] {
         let e = bench_fails(&cat(SMALL, extra), 2);
         assert!(e.contains("--logfmt"), "{extra:?}: {e}");

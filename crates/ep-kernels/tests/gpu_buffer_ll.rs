@@ -1,8 +1,9 @@
 //! ep-core's `Buffer` in low-latency mode over the GPU executor (`Buffer<Gpu>`) against the
 //! same `Buffer` over the simulator (`Buffer<Sim>`), co-resident ranks on one GPU: dispatch
 //! (BF16, FP8, rounded scales, UE8M0) and combine (copying, zero-copy from the caller's tensor
-//! and from the region itself), with and without hooks, a masked rank — the canonical digest of
-//! every rank's outputs equal to the simulator's, combined rows bit for bit; back-to-back
+//! and from the region itself; BF16 or LogFMT-10 partials), with and without hooks, a masked
+//! rank — the canonical digest of every rank's outputs equal to the simulator's, combined rows
+//! bit for bit, LogFMT partials' bytes in the arenas equal; back-to-back
 //! rounds with fresh routings; bad inputs as typed errors that leave the buffer usable; an
 //! absent rank as a typed device timeout that poisons the buffer until `reset`. Outputs are
 //! poisoned before each round; activations span a wide range of binades.
@@ -20,6 +21,7 @@ use std::time::Duration;
 
 use common::device_at;
 use common::ll::{Case, inputs_of, session, variant, wide_tensor};
+use ep_core::buffer::LlCombineOptions;
 use ep_core::config::BufferConfig;
 use ep_core::digest;
 use ep_core::plan::low_latency::LlParams;
@@ -122,6 +124,18 @@ fn poison(buf: &mut Buffer<Gpu>) {
 /// digest per local rank (dispatch and combined rows) equal to the simulator's (which runs every
 /// rank), combined rows bit for bit.
 fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case: &Case) {
+    let ys = expert_outputs(case, sbuf.masked_ranks());
+    round_with(gbuf, sbuf, dev, case, &ys);
+}
+
+/// [`round`] with the expert outputs `ys` (`[L, R·N, H]` per rank, `None` for masked ones).
+fn round_with(
+    gbuf: &mut Buffer<Gpu>,
+    sbuf: &mut Buffer<Sim>,
+    dev: &Arc<Device>,
+    case: &Case,
+    ys: &[Option<Tensor3<bf16>>],
+) {
     let masked = sbuf.masked_ranks().to_vec();
     assert_eq!(gbuf.masked_ranks(), &masked[..]);
     let local = gbuf.transport().local_ranks();
@@ -134,9 +148,8 @@ fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case
     let want = sbuf
         .low_latency_dispatch(&inputs, &p)
         .expect("sim dispatch");
-    let ys = expert_outputs(case, &masked);
     let want_x = sbuf
-        .low_latency_combine(&want.routes, &ys, &inputs, case.zero_copy)
+        .low_latency_combine(&want.routes, ys, &inputs, case.combine_options())
         .expect("sim combine");
     // The GPU, with or without hooks.
     let got: Vec<Option<LlGpuDispatch>> = if case.hook {
@@ -174,12 +187,12 @@ fn round(gbuf: &mut Buffer<Gpu>, sbuf: &mut Buffer<Sim>, dev: &Arc<Device>, case
         .collect();
     let got_x = if case.hook {
         let hook = gbuf
-            .low_latency_combine_send(&handles, &gys, &dins, case.zero_copy)
+            .low_latency_combine_send(&handles, &gys, &dins, case.combine_options())
             .expect("gpu combine send");
         gbuf.low_latency_combine_recv(hook)
             .expect("gpu combine recv")
     } else {
-        gbuf.low_latency_combine(&handles, &gys, &dins, case.zero_copy)
+        gbuf.low_latency_combine(&handles, &gys, &dins, case.combine_options())
             .expect("gpu combine")
     };
     gbuf.sync().expect("sync");
@@ -255,6 +268,181 @@ fn buffer_gpu_low_latency_equals_buffer_sim() {
         eprintln!("case {c:?}");
         run(&dev, &c);
     }
+}
+
+/// Expert outputs whose LogFMT chunks are of both kinds: chunk `k` of rank `d` small (below
+/// `scale` in magnitude, DeepEP's `randn * 0.1`-like inputs: its partials' chunks are cast)
+/// unless `(k + d) % 3 == 2`, then of the wide range (raw); all small with `mixed` false.
+fn logfmt_expert_outputs(
+    case: &Case,
+    masked: &[bool],
+    scale: f32,
+    mixed: bool,
+) -> Vec<Option<Tensor3<bf16>>> {
+    let (l, rows, h) = (
+        case.experts / case.ranks,
+        case.ranks * case.max_tokens,
+        case.hidden,
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 0x1f);
+    (0..case.ranks)
+        .map(|d| {
+            let data = (0..l * rows * h)
+                .map(|i| {
+                    let k = i % h / 512;
+                    if mixed && (k + d) % 3 == 2 {
+                        common::wide_bf16_within(&mut rng, 30)
+                    } else {
+                        let (u, v): (f32, f32) =
+                            (rng.random_range(-1.0..1.0), rng.random_range(0.0..1.0));
+                        bf16::from_f32(u * v * scale)
+                    }
+                })
+                .collect();
+            (!masked[d]).then(|| Tensor3::new(l, rows, h, data).expect("shape"))
+        })
+        .collect()
+}
+
+/// After a LogFMT round on fresh Buffers (its combine: operation 1, half 1), every partial's
+/// bytes in the GPU's arena equal the simulator's (docs/protocol.md §3.12): on each token's
+/// rank `s`, for each expert rank `d` and slot `i`, the `4S` meta bytes at `crecv_meta[d][i]`
+/// and each chunk's bytes (`10/8 · channels` cast, `2 · channels` raw, from the metas) at its
+/// place `1024 k` of `crecv[d][i]`. Returns the cast and raw chunks compared.
+fn compare_logfmt_slots(
+    gbuf: &Buffer<Gpu>,
+    sbuf: &mut Buffer<Sim>,
+    case: &Case,
+    inputs: &[RankInputs],
+) -> (usize, usize) {
+    use ep_core::numerics::logfmt::Layout;
+    use ep_core::protocol::layout::LlLayout;
+    let l_count = case.experts / case.ranks;
+    let lay = LlLayout {
+        num_ranks: case.ranks,
+        num_local_experts: l_count,
+        hidden: case.hidden,
+        num_max_tokens: case.max_tokens,
+    };
+    let (half, base) = (1, lay.half_base(1));
+    let codec = Layout::new(case.hidden).expect("H % 128 == 0");
+    let masked = sbuf.masked_ranks().to_vec();
+    let data = sbuf
+        .debug_low_latency_arena()
+        .expect("the simulator's arena")
+        .data()
+        .clone();
+    let (mut cast, mut raw) = (0, 0);
+    for (i, &s) in gbuf.transport().local_ranks().iter().enumerate() {
+        if masked[s] {
+            continue;
+        }
+        // The GPU's data allocation of rank s: the zero-copy region's buffer; the region of the
+        // next operation (index 2, half 0) sits where the layout says.
+        let region = gbuf.transport().next_combine_buffer(i).expect("region").y;
+        let dbuf = region.buffer().clone();
+        assert_eq!(
+            region.ptr() - dbuf.ptr(),
+            lay.half_base(1 - half) + lay.cy(0, 0),
+            "the GPU's layout is the simulator's"
+        );
+        let gpu = |off: u64, len: usize| {
+            let mut b = vec![0u8; len];
+            dbuf.read(off as usize, &mut b)
+                .expect("read the GPU's arena");
+            b
+        };
+        let mut slot = vec![0usize; case.ranks];
+        for t in 0..inputs[s].num_tokens() {
+            let mut to = vec![false; case.ranks];
+            for &e in inputs[s].topk_idx.row(t) {
+                if let Ok(e) = usize::try_from(e) {
+                    to[e / l_count] = true;
+                }
+            }
+            for d in (0..case.ranks).filter(|&d| to[d] && !masked[d]) {
+                let j = slot[d];
+                slot[d] += 1;
+                let what = format!("rank {s}: partial {j} from rank {d} (token {t}, {case:?})");
+                let n_meta = 4 * codec.num_divisions();
+                let at = base + lay.crecv_meta(d, j);
+                let sim_meta = sbuf
+                    .transport_mut()
+                    .host_read(s, data.at(at), n_meta as u64);
+                let sim_meta = sim_meta.expect("read the simulator's arena");
+                assert_eq!(gpu(at, n_meta), sim_meta, "{what}: metas");
+                let meta: Vec<u32> = sim_meta
+                    .chunks_exact(4)
+                    .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+                    .collect();
+                for k in 0..codec.num_chunks() {
+                    let is_cast = codec.chunk_cast(&meta, k);
+                    let len = Layout::chunk_bytes(codec.chunk_channels(k).len(), is_cast);
+                    let at = base + lay.crecv(d, j) + 1024 * k as u64;
+                    let want = sbuf.transport_mut().host_read(s, data.at(at), len as u64);
+                    assert_eq!(
+                        gpu(at, len),
+                        want.expect("read the simulator's arena"),
+                        "{what}: chunk {k} ({})",
+                        if is_cast { "cast" } else { "raw" }
+                    );
+                    if is_cast {
+                        cast += 1;
+                    } else {
+                        raw += 1;
+                    }
+                }
+            }
+        }
+    }
+    (cast, raw)
+}
+
+/// LogFMT-10 combine (`LlCombineOptions::use_logfmt`) through both Buffers: combined rows bit
+/// for bit and the canonical digests equal ([`round`]), with and without hooks, zero-copy from
+/// the region itself and from the caller's tensor, a masked rank; expert outputs whose chunks
+/// are cast (small values) and raw (the wide range); and the partials' bytes in the GPU's arena
+/// equal the simulator's ([`compare_logfmt_slots`]). Then a BF16 round on the same Buffers.
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn logfmt_combine_equals_buffer_sim_and_its_slots_the_simulators() {
+    let dev = device();
+    let (mut cast, mut raw) = (0, 0);
+    for (i, (ranks, tokens, hidden, topk, experts, mixed, masked)) in [
+        (2, 128, 7168, 8, 32, false, None),
+        (4, 48, 4096, 6, 64, true, None),
+        (3, 40, 640, 9, 33, true, Some(1)),
+        (8, 32, 1024, 8, 64, true, None),
+        (2, 64, 2048, 1, 32, false, Some(0)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut c = Case::new(ranks, tokens, hidden, topk, experts);
+        c.sms = (132 / ranks).min(24);
+        c.logfmt = true;
+        c.hook = i % 2 == 1;
+        c.zero_copy = i >= 2;
+        c.seed = (ranks * 1000 + tokens + i) as u64;
+        eprintln!("case {c:?} (mixed {mixed}, masked {masked:?})");
+        let mut g = gpu_buffer(&dev, &c);
+        let mut s = sim_buffer(&c);
+        if let Some(r) = masked {
+            g.mask(r, true);
+            s.mask(r, true);
+        }
+        let ys = logfmt_expert_outputs(&c, s.masked_ranks(), 0.2, mixed);
+        round_with(&mut g, &mut s, &dev, &c, &ys);
+        let (a, b) = compare_logfmt_slots(&g, &mut s, &c, &inputs_of(&c));
+        cast += a;
+        raw += b;
+        c.logfmt = false;
+        round(&mut g, &mut s, &dev, &c);
+    }
+    assert!(
+        cast > 0 && raw > 0,
+        "{cast} cast and {raw} raw chunks compared"
+    );
 }
 
 #[test]
@@ -360,7 +548,7 @@ fn bad_inputs_are_typed_errors_and_leave_the_buffer_usable() {
         })
         .collect();
     let err = g
-        .low_latency_combine(&handles, &bad_y, &dins, false)
+        .low_latency_combine(&handles, &bad_y, &dins, LlCombineOptions::default())
         .unwrap_err();
     assert!(g.poisoned().is_none(), "{err}");
     // A stale handle (a later dispatch on the same half reused its buffers) is refused.
@@ -381,7 +569,7 @@ fn bad_inputs_are_typed_errors_and_leave_the_buffer_usable() {
         })
         .collect();
     let err = g
-        .low_latency_combine(&handles, &gys, &dins, false)
+        .low_latency_combine(&handles, &gys, &dins, LlCombineOptions::default())
         .unwrap_err();
     assert!(matches!(err, CoreError::InputRefused { .. }), "{err}");
     assert!(g.poisoned().is_none());

@@ -6,11 +6,12 @@
 //! report are printed before anything runs.
 //!
 //! Verification first, through ep-core's `Buffer` over the GPU executor (`Buffer<Gpu>`, the API
-//! a user calls; the group is its low-latency kernels, and LogFMT's combine, which the simulator
-//! and so the `Buffer` do not have, runs on the group): one dispatch and combine of the workload
-//! (outputs poisoned before) against the plan (`plan::low_latency`, itself checked against the oracle) — counts and layout ranges
-//! exact, every received row canonically, combine bit for bit with ep-rs's reduction order, and
-//! the canonical digest equal to the plan's — before anything is timed.
+//! a user calls; the group is its low-latency kernels; `--logfmt` is its combine option
+//! `LlCombineOptions::use_logfmt`): one dispatch and combine of the workload (outputs poisoned
+//! before) against the plan (`plan::low_latency`, itself checked against the oracle) — counts
+//! and layout ranges exact, every received row canonically, combine bit for bit with ep-rs's
+//! reduction order (LogFMT-10 partials with `--logfmt`), and the canonical digest equal to the
+//! plan's, so to `--backend sim`'s for the same flags — before anything is timed.
 //!
 //! Timing: CUDA events on every rank's stream with all ranks released together behind a gate
 //! (`LlGroup::timed`), the slowest rank's time per call, median over `max(--gpu-iters, 1000)`
@@ -43,6 +44,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use ep_core::Buffer;
+use ep_core::buffer::LlCombineOptions;
 use ep_core::config::{
     BufferConfig, IbgdaNicHandler, low_latency_rdma_size_hint, nvshmem_env_plan,
 };
@@ -344,28 +346,22 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         .poison_for_test(LlPoison::Combine, 0x5a)
         .map_err(gpu_err("poisoning the outputs"))?;
     let handles: Vec<_> = out.iter().map(|o| Some(o.handle.clone())).collect();
-    let combined: Vec<DevTensor> = if args.logfmt {
-        // LogFMT-10 is the group's option (the simulator, and so the Buffer, has none).
-        let hs: Vec<_> = handles.iter().flatten().collect();
-        group(&mut buf)?
-            .combine_with(&hs, &y_in, &cargs)
-            .map_err(gpu_err("combine"))?
-    } else {
-        let ys: Vec<Option<GpuExpertOut>> = y_dev
-            .iter()
-            .map(|y| {
-                Some(GpuExpertOut {
-                    y: y.clone(),
-                    num_local_experts: l,
-                })
+    let ys: Vec<Option<GpuExpertOut>> = y_dev
+        .iter()
+        .map(|y| {
+            Some(GpuExpertOut {
+                y: y.clone(),
+                num_local_experts: l,
             })
-            .collect();
-        buf.low_latency_combine(&handles, &ys, &gpu_inputs, false)
-            .map_err(core_err("combine"))?
-            .into_iter()
-            .flatten()
-            .collect()
-    };
+        })
+        .collect();
+    let opts = LlCombineOptions::default().with_logfmt(args.logfmt);
+    let combined: Vec<DevTensor> = buf
+        .low_latency_combine(&handles, &ys, &gpu_inputs, opts)
+        .map_err(core_err("combine"))?
+        .into_iter()
+        .flatten()
+        .collect();
     buf.sync().map_err(core_err("first call"))?;
     let g = group(&mut buf)?;
     let v = Verify {
@@ -382,20 +378,20 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         }
         return Ok(1);
     }
-    if local.len() == r && args.logfmt {
+    let partials = if args.logfmt {
+        " (LogFMT-10 partials, through Buffer<Gpu>'s use_logfmt)"
+    } else {
+        ""
+    };
+    if local.len() == r {
         println!(
-            "verified: counts and layout ranges exact, every received row canonically, combined_x (LogFMT-10 partials) bit for bit against the plan's LogFMT reduction; output digest {} (blake3, canonical format v2), equal to the plan's (the simulator has no LogFMT)",
-            gpu_digest.total
-        );
-    } else if local.len() == r {
-        println!(
-            "verified: counts and layout ranges exact, every received row canonically, combined_x bit for bit against the plan; output digest {} (blake3, canonical format v2), equal to the plan's and so to `--backend sim`'s for the same flags (the identity expert of the simulator bench)",
+            "verified: counts and layout ranges exact, every received row canonically, combined_x{partials} bit for bit against the plan; output digest {} (blake3, canonical format v2), equal to the plan's and so to `--backend sim`'s for the same flags (the identity expert of the simulator bench)",
             gpu_digest.total
         );
     } else {
         for &d in &local {
             println!(
-                "verified rank {d}: counts and layout ranges exact, every received row canonically, combined_x bit for bit against the plan; rank digest {} (blake3, canonical format v2), equal to the plan's (`--backend sim --json`'s digest.ranks[{d}] for the same flags)",
+                "verified rank {d}: counts and layout ranges exact, every received row canonically, combined_x{partials} bit for bit against the plan; rank digest {} (blake3, canonical format v2), equal to the plan's (`--backend sim --json`'s digest.ranks[{d}] for the same flags)",
                 gpu_digest.ranks[d]
             );
         }
@@ -771,8 +767,9 @@ struct Verify<'a> {
 
 /// Counts, layout ranges and `combined_x` bit for bit against the plan: the mismatches.
 /// The plan's outputs for `inputs`: dispatch, the simulator bench's expert outputs (the
-/// identity over the received rows), the combine reduced on the expert's rank (BF16 partials),
-/// and their canonical digest — the one `--backend sim` prints for the same flags.
+/// identity over the received rows), the combine reduced on the expert's rank (BF16 partials, or
+/// LogFMT-10 ones with `logfmt`), and their canonical digest — the one `--backend sim` prints
+/// for the same flags.
 struct Reference {
     plan: Vec<Option<LlDispatchOutput>>,
     expert_out: Vec<Option<Tensor3<bf16>>>,

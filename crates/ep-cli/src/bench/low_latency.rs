@@ -1,14 +1,16 @@
 //! Low-latency mode: `Buffer::low_latency_dispatch` then `Buffer::low_latency_combine` with the
 //! identity expert (received rows dequantised to BF16), as DeepEP's `test_low_latency.py`
-//! (spec §6.4): FP8 dispatch by default, BF16 combine.
+//! (spec §6.4): FP8 dispatch by default, BF16 combine, or LogFMT-10 partials with `--logfmt`
+//! (`LlCombineOptions::use_logfmt`).
 //!
 //! Verification, every iteration:
 //! - dispatch: each rank's outputs in canonical form equal the oracle's
 //!   (`oracle::low_latency::dispatch`; block offsets and the order inside a block are free);
 //! - combine: bit for bit equal to `plan::low_latency::combine_reduced_on_expert_rank` with BF16
-//!   partials (ep-rs's reduction order, docs/protocol.md §5), within `calc_diff < 1e-5` of
-//!   DeepEP's order (`plan::low_latency::combine`), and DeepEP's own check, `calc_diff(x * Σ
-//!   weights, combined)` below 9e-4 (FP8 dispatch) or 1e-5 (BF16).
+//!   partials (LogFMT-10 ones with `--logfmt`; ep-rs's reduction order, docs/protocol.md §5),
+//!   within `calc_diff < 1e-5` of DeepEP's order (`plan::low_latency::combine`; 9e-4 with
+//!   LogFMT, the bound DeepEP's test holds its lossy combines to), and DeepEP's own check,
+//!   `calc_diff(x * Σ weights, combined)` below 9e-4 (FP8 dispatch or LogFMT) or 1e-5 (BF16).
 //!
 //! The references are computed once for the inputs and once for their negation; iterations
 //! alternate between the two, so rows left over from the previous iteration never pass.
@@ -16,6 +18,7 @@
 use std::time::Instant;
 
 use ep_core::Buffer;
+use ep_core::buffer::LlCombineOptions;
 use ep_core::config::BufferConfig;
 use ep_core::numerics::calc_diff;
 use ep_core::oracle;
@@ -40,7 +43,7 @@ const TOL_FP8: f64 = 9e-4;
 struct Reference {
     /// The oracle's dispatch in canonical form.
     canonical: Vec<Option<LlCanonical>>,
-    /// ep-rs's order (BF16 partials on the expert rank).
+    /// ep-rs's order (BF16 or LogFMT-10 partials on the expert rank).
     reduced: Vec<Option<Tensor2<bf16>>>,
     /// DeepEP's order.
     deepep: Vec<Option<Tensor2<bf16>>>,
@@ -88,12 +91,29 @@ pub(crate) fn run<T: Recorded>(
     };
     let (pos_out, neg_out) = (pos_out?, neg_out?);
     let mut y = ExpertOutputs::default();
-    let pos = reference(&w.inputs, &params, &pos_out.out, pos_out.canonical, &mut y)?;
+    let partials = if p.logfmt {
+        PartialPrecision::LogFmt10
+    } else {
+        PartialPrecision::Bf16
+    };
+    let pos = reference(
+        &w.inputs,
+        &params,
+        &pos_out.out,
+        (pos_out.canonical, partials),
+        &mut y,
+    )?;
     // The second sign's oracle outputs are freed once its reference is computed (the caching
     // allocator may keep their blocks, but nothing of their size is allocated again: every
     // dispatch reuses its spare).
     let neg = match (&negated, neg_out) {
-        (Some(x), Some(o)) => Some(reference(x, &params, &o.out, o.canonical, &mut y)?),
+        (Some(x), Some(o)) => Some(reference(
+            x,
+            &params,
+            &o.out,
+            (o.canonical, partials),
+            &mut y,
+        )?),
         _ => None,
     };
     drop(negated);
@@ -114,7 +134,14 @@ pub(crate) fn run<T: Recorded>(
         Buffer::new(transport, cfg).map_err(|x| BenchError::setup("low-latency", p.backend, x))?;
     lap = tl.lap("buffer", lap);
 
-    let tol = if params.use_fp8 { TOL_FP8 } else { TOL_BF16 };
+    // LogFMT is lossy: DeepEP holds it to the FP8 bound, also against the other order.
+    let tol = if params.use_fp8 || p.logfmt {
+        TOL_FP8
+    } else {
+        TOL_BF16
+    };
+    let tol_order = if p.logfmt { TOL_FP8 } else { TOL_BF16 };
+    let opts = LlCombineOptions::default().with_logfmt(p.logfmt);
     let mut checks = Checks::default();
     let mut worst = (0.0f64, 0.0f64);
     let mut disp = Vec::new();
@@ -147,7 +174,7 @@ pub(crate) fn run<T: Recorded>(
         lap = tl.lap("expert outputs", lap);
         let t1 = Instant::now();
         let combined = buf
-            .low_latency_combine(&got.routes, &y.y, &w.inputs, false)
+            .low_latency_combine(&got.routes, &y.y, &w.inputs, opts)
             .map_err(|x| BenchError::call("low-latency combine", it, x))?;
         let ct = t1.elapsed();
         let rec2 = buf.transport().phase_records().len();
@@ -157,6 +184,8 @@ pub(crate) fn run<T: Recorded>(
             want,
             params: &params,
             tol,
+            tol_order,
+            partials,
             it,
         };
         cx.check(&combined, &mut checks, &mut worst);
@@ -188,9 +217,15 @@ pub(crate) fn run<T: Recorded>(
     }
     tl.lap("other", lap);
     checks.notes.push(format!(
-        "combine: worst calc_diff to DeepEP's order {:.2e} (< {TOL_BF16:e}), DeepEP's check \
+        "combine{}: worst calc_diff to DeepEP's order {:.2e} (< {tol_order:e}), DeepEP's check \
          calc_diff(x * sum(w), combined) {:.2e} (< {tol:e})",
-        worst.0, worst.1
+        if p.logfmt {
+            " (LogFMT-10 partials)"
+        } else {
+            ""
+        },
+        worst.0,
+        worst.1
     ));
 
     let phases = figures(
@@ -210,7 +245,9 @@ pub(crate) fn run<T: Recorded>(
 
 /// The figures of a run: DeepEP's byte counts (spec §6.4), per rank over its own tokens' valid
 /// selections `s`: dispatch s * (H + H/128*4 + 16) with FP8 (s * (2H + 16) with BF16), combine
-/// s * 2H. Payload: one row per (token, destination rank), local included, both ways.
+/// s * 2H (s * (10H/8 + H/128*4) with LogFMT). Payload: one row per (token, destination rank),
+/// local included, both ways (a LogFMT partial counted at its largest, every chunk raw; the
+/// recorded bytes are what moved).
 fn figures(
     inputs: &[RankInputs],
     params: &ll::LlParams,
@@ -254,6 +291,23 @@ fn figures(
         sel.push(count);
     }
     let label = if params.use_fp8 { "FP8" } else { "BF16" };
+    let (comb_label, comb_per_sel, comb_row, comb_what) = if p.logfmt {
+        let lf = ep_core::numerics::logfmt::Layout::new(h).ok();
+        (
+            "LogFMT-10",
+            lf.map_or(0, |l| l.deepep_counted_bytes()) as u64,
+            (2 * h + 4 * (h / 128)) as u64,
+            "one LogFMT-10 partial per (token, expert rank) at its largest (every chunk raw, \
+             with its metas), local included",
+        )
+    } else {
+        (
+            "BF16",
+            2 * h as u64,
+            2 * h as u64,
+            "one BF16 partial per (token, expert rank), local included",
+        )
+    };
     vec![
         PhaseResult {
             name: "dispatch",
@@ -272,12 +326,12 @@ fn figures(
         },
         PhaseResult {
             name: "combine",
-            format: "BF16",
+            format: comb_label,
             samples_us: comb,
-            deepep_bytes_per_rank: sel.iter().map(|&s| (s * 2 * h as u64) as f64).collect(),
+            deepep_bytes_per_rank: sel.iter().map(|&s| (s * comb_per_sel) as f64).collect(),
             deepep_unit: "logical",
-            payload_bytes: msgs * 2 * h as u64,
-            payload_what: "one BF16 partial per (token, expert rank), local included",
+            payload_bytes: msgs * comb_row,
+            payload_what: comb_what,
             recorded_bytes: recs[last.1..last.2].iter().map(|x| x.bytes()).sum(),
             predictions: predictions(&recs[last.1..last.2], p.fabric),
         },
@@ -316,6 +370,10 @@ struct CombineCheck<'a> {
     params: &'a ll::LlParams,
     /// Tolerance of DeepEP's check `calc_diff(x * sum(w), combined)`.
     tol: f64,
+    /// Tolerance of `calc_diff` to DeepEP's reduction order.
+    tol_order: f64,
+    /// The partials of the plan's reduction (`want.reduced`).
+    partials: PartialPrecision,
     it: usize,
 }
 
@@ -328,7 +386,7 @@ impl CombineCheck<'_> {
         worst: &mut (f64, f64),
     ) {
         let (r, e) = (self.inputs.len(), self.params.num_experts);
-        let tol = self.tol;
+        let (tol, tol_order) = (self.tol, self.tol_order);
         let results = crate::ranks::per_rank(r, |s| {
             let (g, a, b) = (&combined[s], &self.want.reduced[s], &self.want.deepep[s]);
             let (Some(g), Some(a), Some(b)) = (g, a, b) else {
@@ -346,16 +404,16 @@ impl CombineCheck<'_> {
                     .zip(a.data())
                     .all(|(x, y)| x.to_bits() == y.to_bits());
             if !exact {
-                fails.push(
-                    "combined_x differs from the plan (combine_reduced_on_expert_rank, BF16 \
-                     partials)"
-                        .to_string(),
-                );
+                fails.push(format!(
+                    "combined_x differs from the plan (combine_reduced_on_expert_rank, {:?} \
+                     partials)",
+                    self.partials
+                ));
             }
             let (d1, d2) = combine_diffs(&self.inputs[s], g, b, self.params, r, e);
-            if d1.is_nan() || d1 >= TOL_BF16 {
+            if d1.is_nan() || d1 >= tol_order {
                 fails.push(format!(
-                    "calc_diff to DeepEP's combine order {d1:.3e} >= {TOL_BF16:e}"
+                    "calc_diff to DeepEP's combine order {d1:.3e} >= {tol_order:e}"
                 ));
             }
             if d2.is_nan() || d2 >= tol {
@@ -395,12 +453,12 @@ fn oracle_dispatch(inputs: &[RankInputs], params: &LlParams) -> Result<OracleDis
 }
 
 /// Both combine orders for `inputs` over the identity expert of the oracle's dispatch `out`
-/// (written into `y`), the two computed side by side.
+/// (written into `y`), the two computed side by side; ep-rs's with `partials`.
 fn reference(
     inputs: &[RankInputs],
     params: &LlParams,
     out: &[Option<LlDispatchOutput>],
-    canonical: Vec<Option<LlCanonical>>,
+    (canonical, partials): (Vec<Option<LlCanonical>>, PartialPrecision),
     y: &mut ExpertOutputs,
 ) -> Result<Reference, BenchError> {
     let handles: Vec<Option<LlHandle>> = out
@@ -411,7 +469,7 @@ fn reference(
     let (handles, y) = (&handles, &y.y);
     let (reduced, deepep) = crate::ranks::join(
         || {
-            ll::combine_reduced_on_expert_rank(inputs, handles, y, params, PartialPrecision::Bf16)
+            ll::combine_reduced_on_expert_rank(inputs, handles, y, params, partials)
                 .map_err(|x| BenchError::reference("low-latency combine (ep-rs order)", x))
         },
         || {

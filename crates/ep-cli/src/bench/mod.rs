@@ -124,9 +124,9 @@ pub struct BenchArgs {
     /// the NVSHMEM environment plan applied before its init).
     #[arg(long, value_enum, default_value_t = LlVariantArg::Pointers)]
     pub variant: LlVariantArg,
-    /// GPU, low-latency mode: combine with LogFMT-10 partials (DeepEP's `use_logfmt`; verified
-    /// bit for bit against the plan's LogFMT reduction, so the digest is not the simulator's,
-    /// which has no LogFMT).
+    /// Low-latency mode: combine with LogFMT-10 partials (DeepEP's `use_logfmt`,
+    /// `LlCombineOptions::use_logfmt`; verified bit for bit against the plan's LogFMT reduction,
+    /// on every backend, so `--backend gpu` and `--backend sim` print the same digest).
     #[arg(long)]
     pub logfmt: bool,
 }
@@ -209,6 +209,8 @@ pub(crate) struct RunParams<'a> {
     pub(crate) num_sms: usize,
     /// Alternate the sign of the activations between iterations.
     pub(crate) alternate: bool,
+    /// Low-latency combine with LogFMT-10 partials (`--logfmt`).
+    pub(crate) logfmt: bool,
     pub(crate) dump: Option<&'a Path>,
     pub(crate) info: &'a RunInfo,
     pub(crate) progress: &'a Progress,
@@ -328,10 +330,11 @@ pub fn run_any(args: &BenchArgs) -> Result<i32, BenchError> {
     run(args).map(|o| o.exit_code())
 }
 
-/// `--graph`, `--variant` and `--logfmt` are GPU low-latency options: refused (usage error)
-/// anywhere else.
+/// `--graph` and `--variant` are GPU low-latency options, `--logfmt` a low-latency one: refused
+/// (usage error) anywhere else.
 fn check_graph_flag(args: &BenchArgs) -> Result<(), BenchError> {
-    let gpu_ll = args.backend == Backend::Gpu && args.workload.mode == Mode::LowLatency;
+    let ll = args.workload.mode == Mode::LowLatency;
+    let gpu_ll = args.backend == Backend::Gpu && ll;
     if args.graph && !gpu_ll {
         return Err(BenchError::Usage(
             "--graph captures low-latency calls in CUDA graphs: use it with --backend gpu --mode low-latency".into(),
@@ -342,9 +345,10 @@ fn check_graph_flag(args: &BenchArgs) -> Result<(), BenchError> {
             "--variant picks the GPU low-latency kernels: use it with --backend gpu --mode low-latency".into(),
         ));
     }
-    if args.logfmt && !gpu_ll {
+    if args.logfmt && !ll {
         return Err(BenchError::Usage(
-            "--logfmt is the GPU low-latency combine's LogFMT-10 (the simulator has none): use it with --backend gpu --mode low-latency".into(),
+            "--logfmt is the low-latency combine's LogFMT-10: use it with --mode low-latency"
+                .into(),
         ));
     }
     Ok(())
@@ -462,6 +466,7 @@ pub fn run(args: &BenchArgs) -> Result<Outcome, BenchError> {
         warmup: args.warmup,
         num_sms: args.workload.num_sms,
         alternate: all_finite(&w.inputs),
+        logfmt: args.logfmt,
         dump: args.workload.dump.as_deref(),
         info: &info,
         progress: &progress,
@@ -522,6 +527,7 @@ fn options_json(
         "fp8": w.fp8,
         "round_scale": w.round_scale,
         "use_ue8m0": w.use_ue8m0,
+        "logfmt": args.logfmt,
         "seed": w.info.seed,
         "routing": w.info.routing,
         "masked_per_rank": w.masked_per_rank,

@@ -72,7 +72,7 @@ pub struct PhasePrediction {
 pub struct CallReport {
     /// `dispatch` or `combine`.
     pub name: String,
-    /// `BF16` or `FP8`.
+    /// `BF16`, `FP8` or (a LogFMT combine) `LogFMT-10`.
     pub format: String,
     /// Host time of each timed iteration, microseconds.
     pub samples_us: Vec<f64>,
@@ -302,12 +302,13 @@ impl Report {
         let verified = checks.failures == 0;
         let against = match w.mode {
             crate::workload::Mode::Normal => {
-                "oracle::normal (layout, dispatch and combine), bit for bit"
+                "oracle::normal (layout, dispatch and combine), bit for bit".to_string()
             }
-            crate::workload::Mode::LowLatency => {
+            crate::workload::Mode::LowLatency => format!(
                 "oracle::low_latency dispatch (canonical form); combine bit for bit with \
-                 combine_reduced_on_expert_rank (BF16 partials) and within DeepEP's tolerances"
-            }
+                 combine_reduced_on_expert_rank ({} partials) and within DeepEP's tolerances",
+                if args.logfmt { "LogFMT-10" } else { "BF16" }
+            ),
         };
         Self {
             ep_rs_version: env!("CARGO_PKG_VERSION").into(),
@@ -349,7 +350,7 @@ impl Report {
                 mismatches: checks.failures,
                 first_mismatches: checks.mismatches,
                 notes: checks.notes,
-                against: against.into(),
+                against,
             },
             verified,
             steps_s: timeline

@@ -14,7 +14,7 @@ use crate::plan::low_latency::{LlDispatchOutput, LlParams, validate_local_dispat
 use crate::protocol::LlRoutes;
 use crate::protocol::ProtocolMutation;
 use crate::protocol::layout::{LlLayout, ll_half};
-use crate::protocol::low_latency::{LlArena, LlOp, LlRows};
+use crate::protocol::low_latency::{LlArena, LlOp, LlRows, partial_codec};
 use crate::transport::Team;
 
 type T<E> = <E as Executor>::T;
@@ -55,11 +55,49 @@ impl<X: Tensors> LlDispatchHook<X> {
     }
 }
 
+/// Options of a low-latency combine (DeepEP's `low_latency_combine(..., use_logfmt, zero_copy)`;
+/// its `return_recv_hook` is [`Buffer::low_latency_combine_send`] + [`Buffer::low_latency_combine_recv`]).
+/// The default is DeepEP's: BF16 partials from the caller's tensors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LlCombineOptions {
+    /// The expert outputs are first written into the operation's registered region (what the
+    /// caller's GEMM does on the GPU: `get_next_low_latency_combine_buffer`; a GPU tensor that
+    /// is the region itself is not copied) and combine reads them from there.
+    pub zero_copy: bool,
+    /// The partials travel LogFMT-10 encoded (spec §2.6, docs/protocol.md §3.12): lossy, fewer
+    /// bytes when chunks are cast. The result is
+    /// `plan::low_latency::combine_reduced_on_expert_rank` with `PartialPrecision::LogFmt10`,
+    /// bit for bit, on every backend; `H` must be a multiple of 128. Unlike DeepEP it combines
+    /// with `zero_copy` too (the encoded partials do not overwrite the zero-copy region).
+    pub use_logfmt: bool,
+}
+
+impl LlCombineOptions {
+    /// These options with `zero_copy` set to `on`.
+    #[must_use]
+    pub const fn with_zero_copy(self, on: bool) -> Self {
+        Self {
+            zero_copy: on,
+            ..self
+        }
+    }
+
+    /// These options with `use_logfmt` set to `on`.
+    #[must_use]
+    pub const fn with_logfmt(self, on: bool) -> Self {
+        Self {
+            use_logfmt: on,
+            ..self
+        }
+    }
+}
+
 /// A pending low-latency combine receive half (the hook).
 #[must_use = "a pending hook must be run before the next low-latency operation"]
 pub struct LlCombineHook<X: Tensors = Host> {
     op: LlOp,
     keep: Vec<X::LlKeep>,
+    use_logfmt: bool,
 }
 
 impl<X: Tensors> std::fmt::Debug for LlCombineHook<X> {
@@ -67,6 +105,7 @@ impl<X: Tensors> std::fmt::Debug for LlCombineHook<X> {
         f.debug_struct("LlCombineHook")
             .field("call", &self.op.call)
             .field("half", &self.op.half)
+            .field("use_logfmt", &self.use_logfmt)
             .finish_non_exhaustive()
     }
 }
@@ -330,18 +369,19 @@ impl<E: Executor> Buffer<E> {
     /// Low-latency combine send half (docs/protocol.md §3.5): each expert rank reduces a token's
     /// local experts and sends one partial per (token, expert rank). Per local rank `i`:
     /// `handles[i]` from its dispatch (`routes` on the simulator), `expert_out[i]` its
-    /// `[L, R·N, H]` outputs in the packed layout; with `zero_copy` they are first written into
-    /// the operation's registered region (what the caller's GEMM does on the GPU; a GPU tensor
-    /// that is the region itself is not copied) and read from there. `inputs` give each rank's
-    /// `topk_idx`/`topk_weights`, which must equal its dispatch's (`x` is not read).
+    /// `[L, R·N, H]` outputs in the packed layout; with `opts.zero_copy` they are first written
+    /// into the operation's registered region and read from there; with `opts.use_logfmt` the
+    /// partials travel LogFMT-10 encoded (docs/protocol.md §3.12; [`LlCombineOptions`]).
+    /// `inputs` give each rank's `topk_idx`/`topk_weights`, which must equal its dispatch's
+    /// (`x` is not read).
     pub fn low_latency_combine_send(
         &mut self,
         handles: &[Option<<T<E> as Tensors>::LlHandle>],
         expert_out: &[Option<<T<E> as Tensors>::LlExpertOut>],
         inputs: &[<T<E> as Tensors>::Inputs],
-        zero_copy: bool,
+        opts: LlCombineOptions,
     ) -> Result<LlCombineHook<T<E>>> {
-        self.ll_combine_send(handles, expert_out, inputs, zero_copy, false)
+        self.ll_combine_send(handles, expert_out, inputs, opts, false)
     }
 
     fn ll_combine_send(
@@ -349,7 +389,7 @@ impl<E: Executor> Buffer<E> {
         handles: &[Option<<T<E> as Tensors>::LlHandle>],
         expert_out: &[Option<<T<E> as Tensors>::LlExpertOut>],
         inputs: &[<T<E> as Tensors>::Inputs],
-        zero_copy: bool,
+        opts: LlCombineOptions,
         recv_follows: bool,
     ) -> Result<LlCombineHook<T<E>>> {
         self.ready()?;
@@ -393,6 +433,10 @@ impl<E: Executor> Buffer<E> {
             }
             layout = Some(lay);
         }
+        if let Some(lay) = layout {
+            // LogFMT keeps one meta word per 128 channels: refused before any phase.
+            partial_codec(lay, opts.use_logfmt)?;
+        }
         self.transport.check_ll_combine(&LlCombineCheck {
             handles,
             inputs,
@@ -409,7 +453,7 @@ impl<E: Executor> Buffer<E> {
         let mut op = self.ll_op(layout, layout.num_local_experts * r)?;
         let mut fresh = self.fresh_ranks();
         self.ll_used();
-        let y = if zero_copy {
+        let y = if opts.zero_copy {
             loop {
                 let job = LlExpertOutputJob {
                     arena: &arena,
@@ -433,6 +477,7 @@ impl<E: Executor> Buffer<E> {
                 expert_out: y,
                 fresh: &fresh,
                 recv_follows,
+                use_logfmt: opts.use_logfmt,
             };
             let att = self.transport.run_ll_combine_send(&job);
             fresh.fill(false);
@@ -444,6 +489,7 @@ impl<E: Executor> Buffer<E> {
         Ok(LlCombineHook {
             keep: inputs.iter().map(T::<E>::ll_keep).collect(),
             op,
+            use_logfmt: opts.use_logfmt,
         })
     }
 
@@ -456,13 +502,18 @@ impl<E: Executor> Buffer<E> {
         self.check_poison()?;
         self.take_hook(hook.op.call)?;
         let arena = self.ll_arena()?;
-        let LlCombineHook { mut op, keep } = hook;
+        let LlCombineHook {
+            mut op,
+            keep,
+            use_logfmt,
+        } = hook;
         self.apply_mask(&mut op);
         let out = loop {
             let job = LlCombineRecvJob {
                 arena: &arena,
                 op: &op,
                 keep: &keep,
+                use_logfmt,
             };
             let att = self.transport.run_ll_combine_recv(&job);
             if let Some(out) = self.ll_settled(&mut op, att)? {
@@ -472,15 +523,15 @@ impl<E: Executor> Buffer<E> {
         out.into_iter().map(Option::transpose).collect()
     }
 
-    /// Low-latency combine without hook: send then receive.
+    /// Low-latency combine without hook: send then receive ([`LlCombineOptions`]).
     pub fn low_latency_combine(
         &mut self,
         handles: &[Option<<T<E> as Tensors>::LlHandle>],
         expert_out: &[Option<<T<E> as Tensors>::LlExpertOut>],
         inputs: &[<T<E> as Tensors>::Inputs],
-        zero_copy: bool,
+        opts: LlCombineOptions,
     ) -> Result<Vec<Option<<T<E> as Tensors>::LlCombined>>> {
-        let hook = self.ll_combine_send(handles, expert_out, inputs, zero_copy, true)?;
+        let hook = self.ll_combine_send(handles, expert_out, inputs, opts, true)?;
         self.low_latency_combine_recv(hook)
     }
 
@@ -508,6 +559,37 @@ impl<E: Executor> Buffer<E> {
             self.ll_mem[d] = LlMem::Fresh;
         }
         Ok(())
+    }
+
+    /// The low-latency memory (`None` before it is allocated), to inspect what the phases left
+    /// there (on the simulator: `Sim::host_read`). With the `test-support` feature.
+    #[cfg(feature = "test-support")]
+    pub fn debug_low_latency_arena(&self) -> Option<&LlArena> {
+        self.ll.as_ref()
+    }
+
+    /// Fills every unmasked rank's low-latency data (both halves; the signal words untouched)
+    /// with `byte`: a later low-latency phase that reads bytes its operation did not write then
+    /// reads garbage, as the GPU tests' `poison_for_test` does. Refused while a hook is pending
+    /// (its receive half reads what the send half wrote). With the `test-support` feature.
+    #[cfg(feature = "test-support")]
+    pub fn debug_poison_low_latency_data(&mut self, byte: u8) -> Result<()> {
+        self.ready()?;
+        if let Some(&p) = self.pending_hooks.first() {
+            return Err(Error::LowLatencyHookPending { pending_call: p });
+        }
+        let arena = self.ll_arena()?;
+        let call = self.next_call();
+        let masked = self.mask.clone();
+        let res =
+            self.transport
+                .run_poison_low_latency_data(&crate::executor::jobs::LlPoisonDataJob {
+                    arena: &arena,
+                    call,
+                    byte,
+                    masked: &masked,
+                });
+        self.ran(call, res)
     }
 
     /// Models another kernel using the low-latency memory (DeepEP: normal internode kernels on

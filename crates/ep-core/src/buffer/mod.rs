@@ -20,7 +20,7 @@
 //! | `combine(x, handle, topk_weights, bias)` | [`Buffer::combine`] |
 //! | (GPU: `recv_x` is a view of the arena; combine of it reads it in place) | [`Buffer::dispatch_in_place`], [`Buffer::read_recv_x`], [`Buffer::write_expert_x`], [`Buffer::combine_in_place`] |
 //! | `low_latency_dispatch(..., return_recv_hook)` | [`Buffer::low_latency_dispatch`] / [`Buffer::low_latency_dispatch_send`] + [`Buffer::low_latency_dispatch_recv`] |
-//! | `low_latency_combine(..., zero_copy, return_recv_hook)` | [`Buffer::low_latency_combine`] / `_send` + `_recv` |
+//! | `low_latency_combine(..., use_logfmt, zero_copy, return_recv_hook)` | [`Buffer::low_latency_combine`] / `_send` + `_recv`, with [`LlCombineOptions`] `{ zero_copy, use_logfmt }` |
 //! | `clean_low_latency_buffer` | [`Buffer::clean_low_latency_buffer`] |
 //! | `low_latency_update_mask_buffer` / `query` / `clean` | [`Buffer::update_mask`] / [`Buffer::query_mask`] / [`Buffer::clean_mask`] |
 //! | `get_low_latency_rdma_size_hint` | [`Buffer::low_latency_size_hint`] |
@@ -62,7 +62,7 @@ use crate::protocol::normal::NormalArena;
 
 pub use crate::plan::intranode::InPlaceDispatch;
 pub use crate::protocol::normal::Expert;
-pub use low_latency::{LlCombineHook, LlDispatchHook, LlDispatched};
+pub use low_latency::{LlCombineHook, LlCombineOptions, LlDispatchHook, LlDispatched};
 
 /// Options of a normal dispatch (spec §1.8).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -348,6 +348,7 @@ pub struct LlCombineSendJob<'a, T: Tensors = Host> {
     pub(crate) expert_out: Option<&'a [Option<T::LlExpertOut>]>,
     pub(crate) fresh: &'a [bool],
     pub(crate) recv_follows: bool,
+    pub(crate) use_logfmt: bool,
 }
 
 impl<T: Tensors> LlCombineSendJob<'_, T> {
@@ -367,6 +368,11 @@ impl<T: Tensors> LlCombineSendJob<'_, T> {
     pub fn recv_follows(&self) -> bool {
         self.recv_follows
     }
+    /// The partials travel LogFMT-10 encoded (`LlCombineOptions::use_logfmt`, docs/protocol.md
+    /// §3.12).
+    pub fn use_logfmt(&self) -> bool {
+        self.use_logfmt
+    }
 }
 
 /// One attempt of the low-latency combine receive half, the hook (docs/protocol.md §3.6).
@@ -374,12 +380,18 @@ pub struct LlCombineRecvJob<'a, T: Tensors = Host> {
     pub(crate) arena: &'a LlArena,
     pub(crate) op: &'a LlOp,
     pub(crate) keep: &'a [T::LlKeep],
+    pub(crate) use_logfmt: bool,
 }
 
 impl<T: Tensors> LlCombineRecvJob<'_, T> {
     /// The operation.
     pub fn op(&self) -> LlOpView<'_> {
         LlOpView(self.op)
+    }
+    /// The partials arrive LogFMT-10 encoded (as the send half's
+    /// [`LlCombineSendJob::use_logfmt`]): the receive half decodes them.
+    pub fn use_logfmt(&self) -> bool {
+        self.use_logfmt
     }
 }
 
@@ -447,4 +459,15 @@ pub struct LlForeignUseJob<'a> {
     pub(crate) arena: &'a LlArena,
     pub(crate) call: u64,
     pub(crate) value: u64,
+}
+
+/// `byte` in every byte of the low-latency data (both halves; the signal words untouched) of
+/// every rank not `masked`, as call `call`: what a later phase reads there is garbage unless the
+/// protocol wrote it in this operation.
+#[cfg(feature = "test-support")]
+pub struct LlPoisonDataJob<'a> {
+    pub(crate) arena: &'a LlArena,
+    pub(crate) call: u64,
+    pub(crate) byte: u8,
+    pub(crate) masked: &'a [bool],
 }

@@ -175,4 +175,14 @@ pub trait Executor: Transport {
             "this executor cannot plant a foreign use of the low-latency memory".into(),
         ))
     }
+
+    /// Poisons the low-latency data of the job's ranks ([`jobs::LlPoisonDataJob`]). With the
+    /// `test-support` feature. (Defaults to a typed refusal, for executors that cannot.)
+    #[cfg(feature = "test-support")]
+    fn run_poison_low_latency_data(&mut self, job: &jobs::LlPoisonDataJob<'_>) -> Result<()> {
+        let _ = job;
+        Err(crate::error::Error::Unsupported(
+            "this executor cannot poison the low-latency data".into(),
+        ))
+    }
 }

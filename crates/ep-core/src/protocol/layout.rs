@@ -423,6 +423,7 @@ impl LlLayout {
     pub fn crecv_meta(self, d: usize, i: usize) -> u64 {
         self.csend_meta(self.num_ranks, 0) + (d as u64 * self.n() + i as u64) * self.logfmt_meta()
     }
+
     /// Bytes of one half.
     #[must_use]
     pub fn half_bytes(self) -> u64 {
@@ -444,6 +445,31 @@ impl LlLayout {
     pub fn total_bytes(self) -> u64 {
         ll_signal_bytes(self.num_ranks) + 2 * self.half_bytes()
     }
+}
+
+/// Channels of a LogFMT-10 chunk in a combine partial (`numerics::logfmt::CHUNK`; the kernels'
+/// `EP_LOGFMT_CHUNK`).
+pub const LL_LOGFMT_CHUNK: usize = crate::numerics::logfmt::CHUNK;
+
+/// Chunks of one unit of the LogFMT-10 combine (docs/protocol.md §3.12): a GPU warp's 1024
+/// channels, which decides and encodes its chunks alone; its chunks are put one by one, then its
+/// division metas in one put.
+pub const LL_LOGFMT_UNIT_CHUNKS: usize = 2;
+
+/// Offset of LogFMT-10 chunk `k` inside a combine partial's slot (`csend[s][i]`,
+/// `crecv[d][i]`): its raw place `2 · 512 · k` (docs/protocol.md §3.12; the kernels'
+/// `2 * EP_LOGFMT_CHUNK * chunk`). A raw chunk fills its place; a cast one its first
+/// `10/8 · channels` bytes, the rest of the place is not written.
+#[must_use]
+pub const fn ll_logfmt_chunk_place(k: usize) -> u64 {
+    2 * (LL_LOGFMT_CHUNK * k) as u64
+}
+
+/// Offset of division `v`'s meta word (u32) inside a partial's `csend_meta` / `crecv_meta`
+/// record: `4v`.
+#[must_use]
+pub const fn ll_logfmt_meta_word(v: usize) -> u64 {
+    4 * v as u64
 }
 
 /// Encodes one low-latency meta entry `(l, pos, w)` into 8 bytes.

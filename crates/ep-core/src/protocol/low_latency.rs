@@ -17,6 +17,7 @@ use super::layout::{
     LL_META_ENTRY_BYTES, LL_SIGNAL_QP, LlLayout, ll_combine_signal, ll_data_qp, ll_dispatch_signal,
     ll_meta_entry, ll_meta_entry_decode, ll_meta_head, ll_meta_head_decode,
 };
+use super::logfmt_slot::SlotCodec;
 use super::normal::put_slot;
 use super::signal::{ll_count, ll_encode, ll_epoch, ll_threshold};
 use crate::error::{Error, Result};
@@ -49,6 +50,18 @@ impl LlArena {
             signals,
             data,
         }
+    }
+
+    /// The signal words (`ll_signal_bytes`).
+    #[must_use]
+    pub fn signals(&self) -> &SymAlloc {
+        &self.signals
+    }
+
+    /// The data: both halves (`LlLayout::half_base`).
+    #[must_use]
+    pub fn data(&self) -> &SymAlloc {
+        &self.data
     }
 }
 
@@ -642,12 +655,21 @@ pub(crate) fn expert_output_phase<'a>(
     phase
 }
 
-/// Combine send half on the expert ranks (docs/protocol.md §3.5).
+/// The codec of a combine's partials: `Some` with `use_logfmt` (docs/protocol.md §3.12), `None`
+/// for BF16 partials. Errors unless `H` is a positive multiple of 128 with LogFMT.
+pub(crate) fn partial_codec(layout: LlLayout, use_logfmt: bool) -> Result<Option<SlotCodec>> {
+    use_logfmt
+        .then(|| SlotCodec::new(layout.hidden))
+        .transpose()
+}
+
+/// Combine send half on the expert ranks (docs/protocol.md §3.5; §3.12 with `use_logfmt`).
 pub(crate) fn combine_send_phase<'a>(
     arena: &'a LlArena,
     op: &'a LlOp,
     routes: &'a [Option<LlRoutes>],
     y: ExpertOut<'a>,
+    use_logfmt: bool,
 ) -> Phase<'a> {
     let mut phase = Phase::new(PhaseKind::LowLatencyCombineSend, op.call);
     for d in (0..arena.num_ranks).filter(|&d| op.live(d)) {
@@ -657,10 +679,61 @@ pub(crate) fn combine_send_phase<'a>(
                 expected: format!("routes for unmasked rank {d}"),
                 found: "None".into(),
             })?;
-            combine_send(ctx, arena, op, rt, y)
+            let codec = partial_codec(op.layout, use_logfmt)?;
+            combine_send(ctx, arena, op, rt, y, codec.as_ref())
         });
     }
     phase
+}
+
+/// Encodes partial `x` of message `i` to source `s` into `csend[s][i]` and its meta record
+/// (docs/protocol.md §3.12), then puts them to `s`'s `crecv[me][i]` as the kernels do, unit by
+/// unit: each chunk's bytes, then the unit's division metas. `run` numbers the puts to `s`
+/// (their QPs); the caller fences before the signal.
+#[allow(clippy::too_many_arguments, reason = "one partial's whole context")]
+fn put_logfmt_partial(
+    ctx: &mut dyn AgentCtx,
+    arena: &LlArena,
+    op: &LlOp,
+    codec: &SlotCodec,
+    (s, i): (usize, usize),
+    x: &[bf16],
+    (slot, metas): (&mut [u8], &mut [u8]),
+    run: &mut u32,
+) -> Result<()> {
+    let d = ctx.me().rank;
+    let lay = op.layout;
+    let meta = codec.encode(x, slot, metas)?;
+    let mut put = |ctx: &mut dyn AgentCtx, dst: u64, src: u64, bytes: &[u8]| -> Result<()> {
+        ctx.store(d, op.at(arena, src), bytes)?;
+        let qp = QpIndex(ll_data_qp(*run, op.num_qps));
+        *run += 1;
+        ctx.put(
+            s,
+            qp,
+            op.at(arena, dst),
+            op.at(arena, src),
+            bytes.len() as u64,
+        )
+    };
+    for unit in codec.units(&meta) {
+        for p in &unit.pieces {
+            put(
+                ctx,
+                lay.crecv(d, i) + p.at,
+                lay.csend(s, i) + p.at,
+                &slot[p.range()],
+            )?;
+        }
+        let m = unit.metas.start as usize..unit.metas.end as usize;
+        put(
+            ctx,
+            lay.crecv_meta(d, i) + unit.metas.start,
+            lay.csend_meta(s, i) + unit.metas.start,
+            &metas[m],
+        )?;
+    }
+    Ok(())
 }
 
 fn combine_send(
@@ -669,6 +742,7 @@ fn combine_send(
     op: &LlOp,
     rt: &LlRoutes,
     y: ExpertOut<'_>,
+    codec: Option<&SlotCodec>,
 ) -> Result<()> {
     let d = ctx.me().rank;
     let lay = op.layout;
@@ -679,11 +753,13 @@ fn combine_send(
     let mut ybytes = vec![0u8; 2 * h];
     let mut out = vec![bf16::ZERO; h];
     let mut buf = Vec::new();
+    let mut metas = vec![0u8; codec.map_or(0, SlotCodec::meta_bytes)];
     for s in op.dests(d, 0, 1) {
         let m0 = rt.msg_start[s] as usize;
         let n = rt.num_messages(s);
         buf.clear();
         buf.resize(n * row_bytes, 0);
+        let mut run = 0u32;
         for i in 0..n {
             let m = m0 + i;
             let ents = &rt.entries[rt.entry_start[m] as usize..rt.entry_start[m + 1] as usize];
@@ -712,17 +788,36 @@ fn combine_send(
             for (o, &a) in out.iter_mut().zip(&acc) {
                 *o = crate::numerics::bf16::round(a);
             }
-            put_bf16_row(&mut buf[i * row_bytes..], &out);
+            let slot = &mut buf[i * row_bytes..(i + 1) * row_bytes];
+            match codec {
+                None => put_bf16_row(slot, &out),
+                Some(c) => put_logfmt_partial(
+                    ctx,
+                    arena,
+                    op,
+                    c,
+                    (s, i),
+                    &out,
+                    (slot, &mut metas),
+                    &mut run,
+                )?,
+            }
         }
-        if n > 0 {
+        // BF16: the partials in one store and one put with the signal. LogFMT: the pieces are
+        // out on the data QPs; a fence orders them before the signal.
+        let data = if codec.is_none() { n * row_bytes } else { 0 };
+        if data > 0 {
             ctx.store(d, op.at(arena, lay.csend(s, 0)), &buf)?;
+        }
+        if codec.is_some() {
+            ctx.fence()?;
         }
         ctx.put_signal(
             s,
             QpIndex(LL_SIGNAL_QP),
             op.at(arena, lay.crecv(d, 0)),
             op.at(arena, lay.csend(s, 0)),
-            (n * row_bytes) as u64,
+            data as u64,
             op.csig(arena, d),
             SignalOp::Set,
             ll_encode(op.call, n as u32),
@@ -731,23 +826,55 @@ fn combine_send(
     ctx.quiet()
 }
 
-/// Combine receive half, the hook (docs/protocol.md §3.6).
+/// Combine receive half, the hook (docs/protocol.md §3.6; §3.12 with `use_logfmt`).
 pub(crate) fn combine_recv_phase<'a>(
     arena: &'a LlArena,
     op: &'a LlOp,
     topk: &'a [(Tensor2<ExpertIdx>, Tensor2<f32>)],
     out: &'a [Mutex<Option<Tensor2<bf16>>>],
     expired: &'a Expired,
+    use_logfmt: bool,
 ) -> Phase<'a> {
     let mut phase = Phase::new(PhaseKind::LowLatencyCombineRecv, op.call);
     for s in (0..arena.num_ranks).filter(|&s| op.live(s)) {
         phase = phase.agent(s, 0, "ll-reducer", move |ctx: &mut dyn AgentCtx| {
-            let res = combine_recv(ctx, arena, op, &topk[s].0, expired)?;
+            let codec = partial_codec(op.layout, use_logfmt)?;
+            let res = combine_recv(ctx, arena, op, &topk[s].0, expired, codec.as_ref())?;
             put_slot(&out[s], res);
             Ok(())
         });
     }
     phase
+}
+
+/// Loads and decodes the `n` LogFMT partials rank `d` sent to this rank (docs/protocol.md
+/// §3.12): each one's meta words, then only its pieces (the bytes past a cast chunk are not
+/// the message's). `H` f32 per partial, in slot order.
+fn load_logfmt_partials(
+    ctx: &mut dyn AgentCtx,
+    arena: &LlArena,
+    op: &LlOp,
+    codec: &SlotCodec,
+    d: usize,
+    n: usize,
+) -> Result<Vec<f32>> {
+    let s = ctx.me().rank;
+    let lay = op.layout;
+    let mut metas = vec![0u8; codec.meta_bytes()];
+    let mut slot = vec![0u8; lay.row() as usize];
+    let mut out = Vec::with_capacity(n * lay.hidden);
+    for i in 0..n {
+        ctx.load(s, op.at(arena, lay.crecv_meta(d, i)), &mut metas)?;
+        for p in codec.pieces(&super::logfmt_slot::words(&metas)) {
+            ctx.load(
+                s,
+                op.at(arena, lay.crecv(d, i) + p.at),
+                &mut slot[p.range()],
+            )?;
+        }
+        out.extend(codec.decode(&metas, &slot)?);
+    }
+    Ok(out)
 }
 
 fn combine_recv(
@@ -756,6 +883,7 @@ fn combine_recv(
     op: &LlOp,
     idx: &Tensor2<ExpertIdx>,
     expired: &Expired,
+    codec: Option<&SlotCodec>,
 ) -> Result<Tensor2<bf16>> {
     let s = ctx.me().rank;
     let lay = op.layout;
@@ -777,7 +905,9 @@ fn combine_recv(
             expected[d] += usize::from(has[t * r + d]);
         }
     }
+    // Per expert rank, its partials as they arrived: BF16 slots, or (LogFMT) decoded to f32.
     let mut parts: Vec<Vec<u8>> = vec![Vec::new(); r];
+    let mut decoded: Vec<Vec<f32>> = vec![Vec::new(); r];
     // Ranks whose partials count: unmasked, and not given up on (shrink).
     let mut live: Vec<bool> = (0..r).map(|d| op.live(d)).collect();
     for d in (0..r).filter(|&d| op.live(d)) {
@@ -800,9 +930,14 @@ fn combine_recv(
                 ),
             });
         }
-        parts[d].resize(n * row_bytes, 0);
-        if n > 0 {
-            ctx.load(s, op.at(arena, lay.crecv(d, 0)), &mut parts[d])?;
+        match codec {
+            None => {
+                parts[d].resize(n * row_bytes, 0);
+                if n > 0 {
+                    ctx.load(s, op.at(arena, lay.crecv(d, 0)), &mut parts[d])?;
+                }
+            }
+            Some(c) => decoded[d] = load_logfmt_partials(ctx, arena, op, c, d, n)?,
         }
     }
     let mut out = Tensor2::zeros(t_count, h);
@@ -818,6 +953,12 @@ fn combine_recv(
             let i = slot[d];
             slot[d] += 1;
             if !live[d] {
+                continue;
+            }
+            if codec.is_some() {
+                for (a, v) in acc.iter_mut().zip(&decoded[d][i * h..(i + 1) * h]) {
+                    *a += v;
+                }
                 continue;
             }
             get_bf16_row(&parts[d][i * row_bytes..], &mut p);
@@ -857,6 +998,26 @@ pub(crate) fn scribble_phase<'a>(arena: &'a LlArena, call: u64, value: u64) -> P
                 buf[16 * w..16 * w + 8].copy_from_slice(&value.to_le_bytes());
             }
             ctx.store(d, arena.signals.at(0), &buf)
+        });
+    }
+    phase
+}
+
+/// Fills the low-latency data of every rank not `masked` with `byte` (both halves; the signal
+/// words untouched), so that a later phase reading bytes its operation did not write reads
+/// garbage. Test support.
+#[cfg(feature = "test-support")]
+pub(crate) fn poison_data_phase<'a>(
+    arena: &'a LlArena,
+    call: u64,
+    byte: u8,
+    masked: &'a [bool],
+) -> Phase<'a> {
+    let mut phase = Phase::new(PhaseKind::Custom("poison-data".into()), call);
+    for d in (0..arena.num_ranks).filter(|&d| !masked.get(d).copied().unwrap_or(false)) {
+        phase = phase.agent(d, 0, "poison", move |ctx: &mut dyn AgentCtx| {
+            let bytes = vec![byte; arena.data.region.len as usize];
+            ctx.store(d, arena.data.at(0), &bytes)
         });
     }
     phase

@@ -6,12 +6,14 @@
 //! - `normal`: intranode count exchange, direct-placement dispatch, cached dispatch, pull combine;
 //! - `low_latency`: one message per (token, destination rank), local fan-out, partial sums
 //!   reduced on the expert's rank, two halves and the hook;
+//! - `logfmt_slot`: LogFMT-10 combine partials in their slots (`use_logfmt`, §3.12);
 //! - `reset`: zeroing every signal word after a failure (`Buffer::reset`).
 //!
 //! [`crate::buffer::Buffer`] drives these phases through a [`crate::transport::Transport`].
 
 pub(crate) mod bytes;
 pub mod layout;
+pub(crate) mod logfmt_slot;
 pub(crate) mod low_latency;
 pub(crate) mod normal;
 pub(crate) mod reset;

@@ -4,6 +4,7 @@
 
 use std::sync::{Arc, OnceLock};
 
+use ep_core::buffer::LlCombineOptions;
 use ep_core::plan::low_latency::LlParams;
 use ep_core::routing::{Activations, RankInputs};
 use ep_core::tensor::Tensor2;
@@ -33,6 +34,8 @@ pub(crate) struct Case {
     pub(crate) sms: usize,
     pub(crate) hook: bool,
     pub(crate) zero_copy: bool,
+    /// Combine with LogFMT-10 partials (`use_logfmt`).
+    pub(crate) logfmt: bool,
     pub(crate) seed: u64,
 }
 
@@ -57,6 +60,7 @@ impl Case {
             sms: 16,
             hook: false,
             zero_copy: false,
+            logfmt: false,
             seed: 1,
         }
     }
@@ -80,6 +84,14 @@ impl Case {
             round_scale: self.fp8.is_some_and(|f| f.0),
             use_ue8m0: self.fp8.is_some_and(|f| f.1),
             return_recv_hook: self.hook,
+        }
+    }
+
+    /// The `Buffer`'s combine options of this case.
+    pub(crate) fn combine_options(&self) -> LlCombineOptions {
+        LlCombineOptions {
+            zero_copy: self.zero_copy,
+            use_logfmt: self.logfmt,
         }
     }
 

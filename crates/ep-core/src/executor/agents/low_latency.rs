@@ -142,7 +142,7 @@ pub(super) fn combine_send(t: &mut impl Transport, job: &LlCombineSendJob<'_>) -
         Some(y) => ExpertOut::Host(y),
         None => ExpertOut::ZeroCopy,
     };
-    let phase = ll::combine_send_phase(job.arena, job.op, job.handles, y);
+    let phase = ll::combine_send_phase(job.arena, job.op, job.handles, y, job.use_logfmt);
     let phase = assume_zero(phase, job.arena, job.fresh);
     attempt(t, phase, job.op, &expired, &[], "ll-combiner")
 }
@@ -154,7 +154,7 @@ pub(super) fn combine_recv(
     let r = job.arena.num_ranks;
     let out: Vec<Mutex<Option<Tensor2<bf16>>>> = (0..r).map(|_| Mutex::new(None)).collect();
     let expired = Expired::new(r);
-    let phase = ll::combine_recv_phase(job.arena, job.op, job.keep, &out, &expired);
+    let phase = ll::combine_recv_phase(job.arena, job.op, job.keep, &out, &expired, job.use_logfmt);
     attempt(t, phase, job.op, &expired, &out, "ll-reducer")
 }
 
@@ -170,4 +170,15 @@ pub(super) fn foreign_use(
 ) -> Result<()> {
     t.run_phase(ll::scribble_phase(job.arena, job.call, job.value))
         .map(drop)
+}
+
+#[cfg(feature = "test-support")]
+pub(super) fn poison_data(
+    t: &mut impl Transport,
+    job: &crate::executor::jobs::LlPoisonDataJob<'_>,
+) -> Result<()> {
+    t.run_phase(ll::poison_data_phase(
+        job.arena, job.call, job.byte, job.masked,
+    ))
+    .map(drop)
 }

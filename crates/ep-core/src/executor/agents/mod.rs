@@ -170,4 +170,12 @@ impl<T: RunsAgents> Executor for T {
     ) -> Result<()> {
         low_latency::foreign_use(self, job)
     }
+
+    #[cfg(feature = "test-support")]
+    fn run_poison_low_latency_data(
+        &mut self,
+        job: &super::jobs::LlPoisonDataJob<'_>,
+    ) -> Result<()> {
+        low_latency::poison_data(self, job)
+    }
 }

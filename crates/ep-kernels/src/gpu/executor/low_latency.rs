@@ -349,7 +349,7 @@ impl LlExec {
                 .collect();
             let args = LlCombineArgs {
                 return_recv_hook: !job.recv_follows(),
-                use_logfmt: false,
+                use_logfmt: job.use_logfmt(),
             };
             let g = self.group_for(&op, false)?;
             let out = g.combine_ranks(&handles, &inputs, &args).map_err(core)?;

@@ -406,7 +406,8 @@ impl Gpu {
 
     /// `get_next_low_latency_combine_buffer` of local rank `i`: the zero-copy region of the
     /// next low-latency operation, `[L·R·N, H]` BF16. Write the expert outputs there and pass
-    /// it to `Buffer::low_latency_combine` with `zero_copy` (it is then not copied).
+    /// it to `Buffer::low_latency_combine` with `LlCombineOptions::zero_copy` (it is then not
+    /// copied).
     pub fn next_combine_buffer(&self, i: usize) -> ep_core::Result<GpuExpertOut> {
         let g = self.low_latency().ok_or_else(|| {
             ep_core::Error::Unsupported(
