@@ -587,6 +587,7 @@ void ep_shim_logfmt_encode16(const uint16_t *x, const float *p, uint32_t *w) { e
 void ep_shim_logfmt_decode16(const uint32_t *w, const float *p, float *out) { ep_logfmt_div d = lf_div(p); ep_logfmt_decode16(w, &d, out); }
 uint64_t ep_shim_logfmt_data_offset(uint64_t h) { return ep_logfmt_data_offset(h); }
 uint64_t ep_shim_logfmt_num_chunks(uint64_t h) { return ep_logfmt_num_chunks(h); }
+uint64_t ep_shim_logfmt_chunk_place(uint64_t k) { return ep_logfmt_chunk_place(k); }
 uint64_t ep_shim_logfmt_chunk_channels(uint64_t h, uint64_t k) { return ep_logfmt_chunk_channels(h, k); }
 uint64_t ep_shim_logfmt_chunk_bytes(uint64_t ch, int cast) { return ep_logfmt_chunk_bytes(ch, cast); }
 uint64_t ep_shim_logfmt_max_bytes(uint64_t h) { return ep_logfmt_max_bytes(h); }

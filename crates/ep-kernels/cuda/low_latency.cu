@@ -894,7 +894,7 @@ __device__ uint32_t logfmt_store_unit(const int4 *out, uint32_t c0, uint32_t C, 
                 uint32_t w[EP_LOGFMT_GROUP_WORDS];
                 ep_logfmt_pack16(codes, signs, w);
                 const uint32_t chunk = c / 64, group = (c % 64) / 2;
-                uint32_t *dst = (uint32_t *)(slot + 2ull * EP_LOGFMT_CHUNK * chunk + 4ull * EP_LOGFMT_GROUP_WORDS * group);
+                uint32_t *dst = (uint32_t *)(slot + ep_logfmt_chunk_place(chunk) + 4ull * EP_LOGFMT_GROUP_WORDS * group);
 #pragma unroll
                 for (uint32_t q = 0; q < EP_LOGFMT_GROUP_WORDS; ++q) dst[q] = w[q];
             }
@@ -923,7 +923,7 @@ __device__ __forceinline__ void logfmt_load8(const uint8_t *slot, const uint32_t
     ep_logfmt_div p;
     ep_logfmt_params(__ldcg(&metas[c / 16]), &p);
     const uint32_t group = (c % 64) / 2;
-    const uint32_t *src = (const uint32_t *)(slot + 2ull * EP_LOGFMT_CHUNK * chunk + 4ull * EP_LOGFMT_GROUP_WORDS * group);
+    const uint32_t *src = (const uint32_t *)(slot + ep_logfmt_chunk_place(chunk) + 4ull * EP_LOGFMT_GROUP_WORDS * group);
     uint32_t w[EP_LOGFMT_GROUP_WORDS];
 #pragma unroll
     for (uint32_t q = 0; q < EP_LOGFMT_GROUP_WORDS; ++q) w[q] = __ldcg(&src[q]);

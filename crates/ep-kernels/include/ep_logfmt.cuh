@@ -244,6 +244,9 @@ EP_HD void ep_logfmt_decode16(const uint32_t *w, const ep_logfmt_div *p, float *
 
 EP_HD uint64_t ep_logfmt_num_divisions(uint64_t h) { return h / EP_LOGFMT_DIVISION; }
 EP_HD uint64_t ep_logfmt_data_offset(uint64_t h) { return (4u * (h / EP_LOGFMT_DIVISION) + 15u) / 16u * 16u; }
+/* Offset of chunk `k` inside a combine partial's slot: its raw place, 2 bytes a channel
+ * (docs/protocol.md §3.12; ep_core::protocol::layout::ll_logfmt_chunk_place). */
+EP_HD uint64_t ep_logfmt_chunk_place(uint64_t k) { return 2u * EP_LOGFMT_CHUNK * k; }
 EP_HD uint64_t ep_logfmt_num_chunks(uint64_t h) { return (h + EP_LOGFMT_CHUNK - 1u) / EP_LOGFMT_CHUNK; }
 /* Channels of chunk k; it starts at channel 512 k. */
 EP_HD uint64_t ep_logfmt_chunk_channels(uint64_t h, uint64_t k) {

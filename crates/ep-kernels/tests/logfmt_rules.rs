@@ -27,6 +27,7 @@ mod ffi {
         pub(super) fn ep_shim_logfmt_decode16(w: *const u32, p: *const f32, out: *mut f32);
         pub(super) fn ep_shim_logfmt_data_offset(h: u64) -> u64;
         pub(super) fn ep_shim_logfmt_num_chunks(h: u64) -> u64;
+        pub(super) fn ep_shim_logfmt_chunk_place(k: u64) -> u64;
         pub(super) fn ep_shim_logfmt_chunk_channels(h: u64, k: u64) -> u64;
         pub(super) fn ep_shim_logfmt_chunk_bytes(ch: u64, cast: i32) -> u64;
         pub(super) fn ep_shim_logfmt_max_bytes(h: u64) -> u64;
@@ -274,6 +275,10 @@ proptest! {
             for k in 0..=layout.num_chunks() {
                 let ku = k as u64;
                 prop_assert_eq!(ffi::ep_shim_logfmt_chunk_offset(meta.as_ptr(), hu, ku), layout.chunk_offset(&meta, k) as u64);
+                prop_assert_eq!(
+                    ffi::ep_shim_logfmt_chunk_place(ku),
+                    ep_core::protocol::layout::ll_logfmt_chunk_place(k)
+                );
                 if k < layout.num_chunks() {
                     let ch = layout.chunk_channels(k);
                     prop_assert_eq!(ffi::ep_shim_logfmt_chunk_channels(hu, ku), ch.len() as u64);
