@@ -3,10 +3,12 @@
 // handshake), pull combine, and the copy kernel that measures the ceiling of the same bytes.
 //
 // Agents → CTAs (§1.3): the sender agent (s, c) of channel c is a pair of CTAs (blocks 2c and
-// 2c + 1, each half of the channel's tokens; their barrier, agent_sync, is the agent's block
-// barrier), so a kernel of 2C blocks uses the num_sms = 2C SMs of DeepEP's Config. The pair is
-// not a thread-block cluster: a cluster's CTAs share a GPC, and the block scheduler then fills
-// some GPCs with more row-copying SMs than others. Block 0 also
+// 2c + 1, each half of the channel's tokens; their barrier is the agent's block barrier), so a
+// kernel of 2C blocks uses the num_sms = 2C SMs of DeepEP's Config. In the dispatch the pair is
+// not a thread-block cluster (its barrier is agent_sync, through global memory): a cluster's
+// CTAs share a GPC, the scheduler then crowded some GPCs with row-copying SMs, and their blocks
+// were the stragglers (24 SMs: slowest rows 120 -> 111 us without clusters, BENCHMARKS.md). The
+// combine keeps its cluster of 2 (barrier.cluster), measured the faster there. Block 0 also
 // runs the notify agent before it sends; every pair, after sending, runs the receive part of
 // its channel (waits done[s][c] of every source s and copies those rows' meta out), so the
 // kernel ends on a rank only when all rows destined to it have landed. Offsets, slots and signal
@@ -902,8 +904,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
 // ---- combine -----------------------------------------------------------------------------------
 
 // Combine (§2.5, §2.6): pull each token's rows from every rank holding it, reduce in f32 after
-// the biases in ascending rank order, round once to BF16. Grid 2C blocks, pairs (2c, 2c + 1).
-extern "C" __global__ void __launch_bounds__(NT, 1)
+// the biases in ascending rank order, round once to BF16. Grid 2C blocks, clusters of 2 (unlike
+// the dispatch: without the cluster the combine measured 0.2–1.7 us slower at 8, 24 and 64 SMs).
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     ep_normal_combine(const Args a) {
     const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     const uint32_t R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank, C = (uint32_t)a.num_channels;
@@ -993,8 +996,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
         TRACE_FENCE(PEER_FENCE_SCOPE(a));
         TRACE_CLUSTER();
     }
-    const bool paired = agent_sync(a, k, EP_KERNEL_COMBINE);
-    if (ok && paired && h == 0 && tid < R) {
+    ep_cluster_sync();
+    if (ok && h == 0 && tid < R) {
         ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_pulled(R, me, c)), k);
         TRACE_RELEASE(tid, ep_normal_pulled(R, me, c), k);
     }
