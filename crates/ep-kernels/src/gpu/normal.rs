@@ -1978,4 +1978,34 @@ mod tests {
         );
         assert!(err.to_string().contains("poisoned until reset"), "{err}");
     }
+
+    /// A dispatch CTA that timed out at its channel's agent barrier names its partner block's
+    /// pair word (not a control word) and its own rank as the writer.
+    #[test]
+    fn an_agent_barrier_timeout_names_the_partner_block() {
+        let e = ErrBlock {
+            status: abi::EP_ERR_TIMEOUT,
+            rank: 2,
+            kernel: abi::EP_KERNEL_DISPATCH,
+            block: 4,
+            word_rank: 2,
+            word_offset: abi::EP_PAIR_WORD | 5,
+            expected: 9,
+            last_seen: 7,
+            ..ErrBlock::default()
+        };
+        let err = decode_record(&e, 4, Duration::from_secs(1));
+        match &err {
+            Error::DeviceWaitTimeout {
+                rank: 2,
+                block: 4,
+                word,
+                writer: Some(2),
+                expected: 9,
+                last_seen: 7,
+                ..
+            } => assert!(word.contains("block 5"), "{err}"),
+            other => panic!("not the partner's timeout: {other}"),
+        }
+    }
 }
