@@ -11,7 +11,7 @@
 # one-GPU configuration: 2 rank processes, 24 SMs each) under MPS, started for that step only;
 # criterion = benches/gpu (the public API, host wall-clock); llbench = `ep bench --mode
 # low-latency` at DeepEP's shape on variants (a) and (b), graphs, digest beside the simulator's;
-# ab-normal / ab-normal8 / ab-ll = the same benches from bundle/ep-A (an earlier build) and bundle/ep, alternated
+# ab-normal / ab-normal8 / ab-ll (ab-args: the flags in $AB_ARGS) = the same benches from bundle/ep-A (an earlier build) and bundle/ep, alternated
 # AB_ROUNDS times (default 1: A B), for a change's A/B on one machine. Every step has its own time limit; the whole run stays within
 # BUDGET seconds (default 540), and a step that would not fit is reported NOT RUN, never passed.
 set -uo pipefail
@@ -111,6 +111,8 @@ for s in "${steps[@]}"; do
     buffer-ll-absent) tests gpu_buffer_ll 60 gpu_buffer_ll-absent an_absent_rank ;;
     llbench) llbench bench-ll-a --graph; llbench bench-ll-b --variant nvshmem --graph ;;
     ab-normal) ab ab-r2 --ranks 2 --sms-sweep 24,8,64; ab ab-r2-fp8 --ranks 2 --sms-sweep 24,8,64 --fp8 ;;
+    ab-args) # shellcheck disable=SC2086
+             ab ab ${AB_ARGS:?AB_ARGS: the ep bench flags} ;;
     ab-normal8) ab ab-r8 --ranks 8 --sms-sweep 16,8 --gpu-iters 20 ;;
     ab-ll) ab ab-ll-a --mode low-latency --ranks 2 --tokens 128 --hidden 7168 --topk 8 --experts 288 --num-sms 64 --gpu-iters 1000 --graph
            ab ab-ll-b --mode low-latency --ranks 2 --tokens 128 --hidden 7168 --topk 8 --experts 288 --num-sms 64 --gpu-iters 1000 --graph --variant nvshmem ;;

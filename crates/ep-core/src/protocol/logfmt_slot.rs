@@ -10,6 +10,7 @@ use std::ops::Range;
 
 use half::bf16;
 
+use super::bytes::get_u32;
 use super::layout::{LL_LOGFMT_UNIT_CHUNKS, ll_logfmt_chunk_place, ll_logfmt_meta_word};
 use crate::error::Result;
 use crate::numerics::logfmt::{self, DIVISION, Layout};
@@ -64,6 +65,13 @@ impl SlotCodec {
         ll_logfmt_meta_word(self.num_metas()) as usize
     }
 
+    /// The meta words of a partial from the first [`SlotCodec::meta_bytes`] of `metas`.
+    pub(crate) fn meta_words(&self, metas: &[u8]) -> Vec<u32> {
+        (0..self.num_metas())
+            .map(|v| get_u32(metas, 4 * v))
+            .collect()
+    }
+
     /// The pieces of a partial whose metas are `meta`, chunk by chunk.
     pub(crate) fn pieces(&self, meta: &[u32]) -> Vec<Piece> {
         let mut msg = self.layout.data_offset();
@@ -108,7 +116,7 @@ impl SlotCodec {
         logfmt::encode_row_into(x, &mut msg)?;
         let n = self.meta_bytes();
         metas[..n].copy_from_slice(&msg[..n]);
-        let meta = words(&msg[..n]);
+        let meta = self.meta_words(&msg);
         for p in self.pieces(&meta) {
             slot[p.range()].copy_from_slice(&msg[p.msg..p.msg + p.len as usize]);
         }
@@ -120,7 +128,7 @@ impl SlotCodec {
     /// message (f32, not rounded).
     pub(crate) fn decode(&self, metas: &[u8], slot: &[u8]) -> Result<Vec<f32>> {
         let n = self.meta_bytes();
-        let meta = words(&metas[..n]);
+        let meta = self.meta_words(metas);
         let pieces = self.pieces(&meta);
         let size = pieces
             .last()
@@ -132,13 +140,6 @@ impl SlotCodec {
         }
         logfmt::decode_row(&msg, self.layout.hidden())
     }
-}
-
-/// Little-endian u32 words of `b`.
-pub(crate) fn words(b: &[u8]) -> Vec<u32> {
-    b.chunks_exact(4)
-        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-        .collect()
 }
 
 #[cfg(test)]

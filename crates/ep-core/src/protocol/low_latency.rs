@@ -865,7 +865,7 @@ fn load_logfmt_partials(
     let mut out = Vec::with_capacity(n * lay.hidden);
     for i in 0..n {
         ctx.load(s, op.at(arena, lay.crecv_meta(d, i)), &mut metas)?;
-        for p in codec.pieces(&super::logfmt_slot::words(&metas)) {
+        for p in codec.pieces(&codec.meta_words(&metas)) {
             ctx.load(
                 s,
                 op.at(arena, lay.crecv(d, i) + p.at),
