@@ -424,7 +424,7 @@ fn gpu_abi(out: &Path) {
         (
             "ep_mailbox",
             "Mailbox",
-            "What a rank's notify block tells the host.",
+            "What a rank's dispatch (its block 1) tells the host.",
             MAILBOX,
         ),
         (

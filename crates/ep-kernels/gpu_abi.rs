@@ -117,10 +117,10 @@ pub(crate) const ERR_BLOCK: Fields = &[
     ("abort", 0, "Set once any wait failed: every other wait gives up."),
 ];
 
-/// What a dispatch's notify block tells the host (host-mapped, one per rank).
+/// What a dispatch tells the host (block 1; host-mapped, one per rank).
 pub(crate) const MAILBOX: Fields = &[
-    ("num_recv", 0, "(call << 32) | rows received, written after the expert list."),
-    ("expert_counts", 1024, "Received (token, slot) pairs per local expert, aligned (i32 in the low half)."),
+    ("num_recv", 0, "(call << 32) | rows received."),
+    ("expert_counts", 1024, "(call << 32) | received (token, slot) pairs per local expert, aligned (the host takes the list when every word carries the call)."),
 ];
 
 /// `(name, value, doc)` constants shared by both sides.
@@ -151,7 +151,7 @@ pub(crate) const CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_KERNEL_LAYOUT", 3, "ep_normal_layout."),
     ("EP_KERNEL_DISPATCH", 1, "ep_normal_dispatch."),
     ("EP_KERNEL_COMBINE", 2, "ep_normal_combine."),
-    ("EP_PHASE_SLOTS", 16, "Stamps per block: start, offsets known, rows stored, done released, done acquired, end; the normal dispatch's notify block also: record heads fenced (6), every notify acquired (7), then its steps 8..14 (cuda/normal.cu), every block 15 (its own channel start counted)."),
+    ("EP_PHASE_SLOTS", 16, "Stamps per block: start, offsets known, rows stored, done released, done acquired, end; the normal dispatch's notify block also: record heads fenced (6), every notify acquired (7), its steps 8, 11 and 12..14 (the table, cuda/normal.cu), every block 15 (its own channel start counted)."),
 ];
 
 /// The device trace of debug builds (`ep_kernels::gpu::trace`, judged by

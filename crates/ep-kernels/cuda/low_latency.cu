@@ -377,6 +377,7 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt) {
         sm.dmask[t] = (uint8_t)m;
     }
     __syncthreads();
+    stamp(a, 7);
     // Slots: warp d ranks the tokens with an expert on d.
     if (warp < R) {
         const uint32_t d = warp;
@@ -614,7 +615,9 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     }
     // While the rows drain: positions, then the meta records (receivers read them only after
     // the signal). Warp gw writes those of tokens gw, gw + GW, ... (lane k = top-k slot k).
+    stamp(a, 9);
     send_positions(a, sm);
+    stamp(a, 10);
     for (uint32_t t = gw; t < T; t += GW) {
         const uint32_t dm = sm.dmask[t];
         const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;

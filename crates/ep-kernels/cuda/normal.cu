@@ -427,24 +427,22 @@ __device__ void count_tokens(const Args &a, uint64_t lo, uint64_t split, uint64_
     __syncthreads();
 }
 
-// The notify agent (§2.3) on block 0: the count records' heads to every rank from the inputs (no
-// scan) and notify[p][me]; then every rank's head: rpm, the table, the expert list and num_recv.
-// (The channel prefixes are each channel's own: its second CTA stores them after its rows.)
-// Returns false when a wait failed or the rows exceed the arena.
-__device__ bool notify(const Args &a, uint64_t k) {
+// The notify agent (§2.3) on block 0: the count records' heads to every rank, from the inputs
+// (no scan), then notify[p][me] on every d. Every block (block 0 too) then waits for every rank's
+// notify and loads the heads (the senders' step 1); from those loads block 0 publishes the rank
+// prefix matrix and the table (publish_table) and block 1 what the host waits for
+// (publish_recv), so that neither block's rows start more than a few stores later than the
+// others' (one block doing both, with a system fence, started its rows 5.3 us late at 24 SMs).
+__device__ void notify(const Args &a, uint64_t k) {
     const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
     const uint32_t L = (uint32_t)a.num_local_experts;
     const uint64_t p = ep_parity(k);
-    ep_err_block *err = (ep_err_block *)a.err;
-    int32_t *rpm = (int32_t *)a.rank_prefix_matrix;
     const int32_t *per_rank = (const int32_t *)a.num_tokens_per_rank;
     const int32_t *per_expert = (const int32_t *)a.num_tokens_per_expert;
-    __shared__ int s_ok;
 
-    if (tid == 0) s_ok = 1;
     stamp(a, 8);
-    // 1. The record's head to every d (itself included): n_s[0..R] and e_s[d*L..d*L+L], loads of
-    //    the inputs only, then notify[p][me] on d.
+    // The record's head to every d (itself included): n_s[0..R] and e_s[d*L..d*L+L], loads of
+    // the inputs only, then notify[p][me] on d.
     const uint64_t crec_me = ep_normal_count_record(R, p, me);
     for (uint32_t i = tid; i < R * R; i += NT) {
         const uint32_t d = i / R, e = i % R;
@@ -479,55 +477,49 @@ __device__ bool notify(const Args &a, uint64_t k) {
         ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_notify(R, p, me)), k);
         TRACE_RELEASE(tid, ep_normal_notify(R, p, me), k);
     }
-    // 2. Every rank's head.
-    if (tid < R) {
-        uint64_t off = ep_normal_notify(R, p, tid);
-        if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, me, off))
-            s_ok = 0;
-        else
-            TRACE_ACQUIRE(me, off, k);
-    }
-    __syncthreads();
-    stamp(a, 7);
-    if (!s_ok) return false;
-    // Heads from every s are visible (acquired by thread s, then the barrier).
-    // rpm: every n_s[e] loaded at once (thread s * R + e), the prefix over s from shared memory.
+}
+
+// Block 0, once every head is loaded (nrec[s * R + e] = n_s[e], acquired by the caller): the
+// rank prefix matrix (a handle output), the table (§2.1) of this rank, the capacity check's error
+// record, then table_ready (the receive parts wait for it). Returns false when the rows exceed
+// the arena (every block refuses the call alike from the same heads).
+__device__ bool publish_table(const Args &a, uint64_t k, const int32_t *nrec) {
+    const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
+    const uint64_t p = ep_parity(k);
+    ep_err_block *err = (ep_err_block *)a.err;
+    int32_t *rpm = (int32_t *)a.rank_prefix_matrix;
     __shared__ int32_t s_rpm[MAXR * MAXR];
-    if (tid < R * R) s_rpm[tid] = ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, tid / R) + 4u * (tid % R)));
-    __syncthreads();
+    __shared__ int s_fit;
+    if (tid == 0) s_fit = 1;
     stamp(a, 12);
-    if (TRACED && tid == 0)
-        for (uint32_t s = 0; s < R; ++s) TRACE_LOAD(me, ep_normal_count_record(R, p, s), 4ull * R);
     if (tid < R) {
         int32_t run = 0;
         for (uint32_t s = 0; s < R; ++s) {
-            run += s_rpm[s * R + tid];
+            run += nrec[s * R + tid];
             s_rpm[s * R + tid] = run;
             rpm[s * R + tid] = run;
         }
     }
     __syncthreads();
     stamp(a, 13);
-    // The table (§2.1) of this rank: send_base and recv_begin.
     const uint64_t tab = ep_normal_table(R, p);
     for (uint32_t e = tid; e < R; e += NT)
         *(int32_t *)data_at(a, me, tab + 4u * e) = me == 0 ? 0 : s_rpm[(me - 1) * R + e];
     for (uint32_t s = tid; s <= R; s += NT)
         *(int32_t *)data_at(a, me, tab + ep_table_recv_begin(R) + 4u * s) =
             s == 0 ? 0 : s_rpm[(s - 1) * R + me];
-    // Capacity: every rank sees the same rpm, so all refuse the call alike.
     if (tid < R) {
         uint64_t rows = (uint64_t)s_rpm[(R - 1) * R + tid];
         const uint64_t cap = recv_rows_cap(a);
         if (rows > cap) {
             ep_fail(err, EP_ERR_CAPACITY, me, EP_KERNEL_DISPATCH, tid, 0, cap, rows, rows);
-            s_ok = 0;
+            s_fit = 0;
         }
     }
     __threadfence();
     __syncthreads();
     stamp(a, 14);
-    if (!s_ok) return false;
+    if (!s_fit) return false;
     if (TRACED && tid == 0) {
         TRACE_STORE(me, tab, 4ull * R);
         TRACE_STORE(me, tab + ep_table_recv_begin(R), 4ull * (R + 1));
@@ -538,32 +530,38 @@ __device__ bool notify(const Args &a, uint64_t k) {
         ep_st_release_gpu(ctrl_word(a, me, ep_normal_table_ready(R, p)), k);
         TRACE_RELEASE(me, ep_normal_table_ready(R, p), k);
     }
-    // Off the senders' critical path: the expert list, then num_recv, to host-mapped memory.
-    ep_mailbox *mb = (ep_mailbox *)a.mailbox;
-    if (a.num_worst_tokens == 0) {
-        for (uint32_t l = tid; l < L; l += NT) {
-            int32_t v[MAXR];  // every source's count loaded before any is added
-#pragma unroll
-            for (uint32_t s = 0; s < MAXR; ++s)
-                v[s] = s < R ? ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) +
-                                                            ep_count_record_experts(R) + 4u * l))
-                             : 0;
-            int64_t sum = 0;
-#pragma unroll
-            for (uint32_t s = 0; s < MAXR; ++s) sum += v[s];
-            int64_t al = (int64_t)a.expert_alignment;
-            *(volatile uint64_t *)&mb->expert_counts[l] = (uint64_t)((sum + al - 1) / al * al);
-        }
-        __threadfence_system();
-        __syncthreads();
-        if (TRACED && tid == 0)
-            for (uint32_t s = 0; s < R; ++s) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_experts(R), 4ull * L);
-        if (tid == 0) {
-            uint64_t num_recv = (uint64_t)s_rpm[(R - 1) * R + me];
-            *(volatile uint64_t *)&mb->num_recv = (k << 32) | num_recv;
-        }
-    }
     return true;
+}
+
+// Block 1, once every head is loaded (as publish_table): the expert list and num_recv, to the
+// host-mapped mailbox, each word tagged with the call number (the host takes the list when
+// every word it reads carries this call's, so no system fence orders them). Nothing in a
+// worst-token dispatch (no host sync).
+__device__ void publish_recv(const Args &a, uint64_t k, const int32_t *nrec) {
+    const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
+    const uint32_t L = (uint32_t)a.num_local_experts;
+    const uint64_t p = ep_parity(k);
+    if (a.num_worst_tokens != 0) return;
+    ep_mailbox *mb = (ep_mailbox *)a.mailbox;
+    for (uint32_t l = tid; l < L; l += NT) {
+        int32_t v[MAXR];  // every source's count loaded before any is added
+#pragma unroll
+        for (uint32_t s = 0; s < MAXR; ++s)
+            v[s] = s < R ? ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) + ep_count_record_experts(R) + 4u * l))
+                         : 0;
+        int64_t sum = 0;
+#pragma unroll
+        for (uint32_t s = 0; s < MAXR; ++s) sum += v[s];
+        const int64_t al = (int64_t)a.expert_alignment;
+        *(volatile uint64_t *)&mb->expert_counts[l] = (k << 32) | (uint64_t)((sum + al - 1) / al * al);
+    }
+    if (TRACED && tid == 0)
+        for (uint32_t s = 0; s < R; ++s) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_experts(R), 4ull * L);
+    if (tid == 0) {
+        int64_t num_recv = 0;
+        for (uint32_t s = 0; s < R; ++s) num_recv += nrec[s * R + me];
+        *(volatile uint64_t *)&mb->num_recv = (k << 32) | (uint64_t)num_recv;
+    }
 }
 
 // Dispatch (§2.3) and cached dispatch (§2.4). Grid 2C blocks, pairs (2c, 2c + 1).
@@ -617,13 +615,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     stamp(a, 15);
     // 1. Offsets: the count exchange, or the handle plus the ready handshake.
     if (!cached) {
-        if (blockIdx.x == 0 && !notify(a, k) && tid == 0) s_ok = 0;
-        __syncthreads();
+        if (blockIdx.x == 0) notify(a, k);
         // Sender step 1 (§2.3): notify[p][s'] of every s' (which also lets this call's rows into
         // s'), then the first R counts of every record's head: this rank's block start on each
         // d, and the rows each d receives (every block refuses an overflow alike; block 0's
-        // notify writes the error record). The channel start this block counted itself.
-        if (tid < R && s_ok) {
+        // publish_table writes the error record). The channel start this block counted itself.
+        if (tid < R) {
             const uint64_t off = ep_normal_notify(R, p, tid);
             if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off))
                 s_ok = 0;
@@ -631,6 +628,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                 TRACE_ACQUIRE(me, off, k);
         }
         __syncthreads();
+        stamp(a, 7);
         if (s_ok) {
             if (tid < R * R)
                 s_nrec[tid] = ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, tid / R) + 4u * (tid % R)));
@@ -647,6 +645,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                 s_base[tid] = (int32_t)b;
                 if ((uint64_t)tot > recv_rows_cap(a)) s_ok = 0;
             }
+            if (blockIdx.x == 0 && !publish_table(a, k, s_nrec) && tid == 0) s_ok = 0;
+            if (blockIdx.x == 1) publish_recv(a, k, s_nrec);
         }
     } else {
         if (blockIdx.x == 0 && tid < R) {

@@ -514,7 +514,7 @@ pub(super) fn phase_split(stamps: &[Vec<Vec<u64>>], slots: &[usize]) -> Vec<f64>
 }
 
 /// Microseconds from the earliest block start (stamp 0) of any rank to a stamp.
-fn since_first_start(stamps: &[Vec<Vec<u64>>]) -> impl Fn(u64) -> f64 {
+pub(super) fn since_first_start(stamps: &[Vec<Vec<u64>>]) -> impl Fn(u64) -> f64 {
     let t0 = stamps
         .iter()
         .flatten()

@@ -136,6 +136,8 @@ struct LlReport {
     dispatch_phases_us: Vec<f64>,
     /// Combine: send rows, gap, wait, reduce; whole span.
     combine_phases_us: Vec<f64>,
+    /// Where one plain dispatch's time goes inside its steps ([`dispatch_detail`]).
+    dispatch_detail: String,
     /// The zero-token dispatch's phases, as `dispatch_phases_us`.
     zero_token_phases_us: Vec<f64>,
     bytes_per_token_ep_rs: f64,
@@ -539,8 +541,9 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let comb_slots = [2usize, 4, 5, 6];
     g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
     let o = g.dispatch(&inputs, &dargs).map_err(gpu_err("dispatch"))?;
-    let dphases =
-        super::gpu::phase_split(&g.phase_times().map_err(gpu_err("phase stamps"))?, &slots);
+    let dstamps = g.phase_times().map_err(gpu_err("phase stamps"))?;
+    let dphases = super::gpu::phase_split(&dstamps, &slots);
+    rep.dispatch_detail = dispatch_detail(&dstamps);
     g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
     let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
     let hs: Vec<_> = h.iter().collect();
@@ -725,6 +728,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         "zero-token dispatch phases (us, as above): {}",
         ph(&rep.zero_token_phases_us)
     );
+    println!("dispatch steps: {}", rep.dispatch_detail);
     if let Some(path) = &args.json {
         let doc = serde_json::json!({
             "backend": "gpu",
@@ -1204,4 +1208,45 @@ mod tests {
             );
         }
     }
+}
+
+/// One plain dispatch's steps, median over the blocks of all ranks: the routing split into the
+/// expert ids loaded (stamp 0 to 7) and the slots ranked (7 to 1), the send part into rows (1 to
+/// 9), positions (9 to 10) and meta records (10 to 2); then, in microseconds from the earliest
+/// block start, when the blocks' send parts end (median and last, stamp 2), when the last
+/// block's signals are out (3) and when the receive parts' waits end (median and last, 5): the
+/// wait a receiver sees is the send parts' spread plus the signal's trip.
+fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
+    let blocks: Vec<&Vec<u64>> = stamps.iter().flatten().filter(|b| b[0] != 0).collect();
+    let step = |a: usize, b: usize| -> f64 {
+        let d: Vec<f64> = blocks
+            .iter()
+            .filter(|x| x[a] != 0 && x[b] >= x[a])
+            .map(|x| (x[b] - x[a]) as f64 * 1e-3)
+            .collect();
+        super::report::median(&d)
+    };
+    let us = super::gpu::since_first_start(stamps);
+    let at = |s: usize| -> Vec<f64> {
+        blocks
+            .iter()
+            .filter(|x| x[s] != 0)
+            .map(|x| us(x[s]))
+            .collect()
+    };
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    let (ends, sig, waited) = (at(2), at(3), at(5));
+    format!(
+        "ids {:.2} + slots {:.2}; rows {:.2} + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start)",
+        step(0, 7),
+        step(7, 1),
+        step(1, 9),
+        step(9, 10),
+        step(10, 2),
+        super::report::median(&ends),
+        max(&ends),
+        max(&sig),
+        super::report::median(&waited),
+        max(&waited),
+    )
 }

@@ -20,8 +20,8 @@
 //! on the group; the received meta outputs (`recv_src_idx`, `recv_topk_*`) likewise live in
 //! per-rank buffers reused by the next dispatch. Handles own their tensors.
 //!
-//! Host synchronisation: a non-worst-token dispatch waits (bounded) for each rank's notify block
-//! to publish `num_recv` and the expert list in host-mapped memory — the only host sync of a
+//! Host synchronisation: a non-worst-token dispatch waits (bounded) for each rank's dispatch
+//! (its block 1) to publish `num_recv` and the expert list in host-mapped memory — the only host sync of a
 //! call; with `num_worst_tokens > 0` there is none. Errors from the device (a wait that timed
 //! out, rows that do not fit, a bad expert id, a `num_tokens_per_rank` that disagrees with its
 //! `is_token_in_rank`) surface at the next call or [`NormalGroup::sync`]; a timeout or a
@@ -1256,16 +1256,22 @@ impl NormalGroup {
             self.launch(s, Kernel::Dispatch, 2 * c as u32, &a)?;
         }
         self.last = Some(LastDispatch { fmt, num_topk: k });
-        // The only host sync: num_recv and the expert list from each notify block.
+        // The only host sync: num_recv and the expert list from each rank's block 1, every word
+        // tagged with the call number (no system fence orders them on the device).
         let mut recv = vec![(None, Vec::new()); n];
         if args.num_worst_tokens == 0 {
             let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+            let call = self.call;
+            let tagged = move |w: u64| w >> 32 == call;
             for (s, slot) in recv.iter_mut().enumerate() {
                 let mut polls = 0u32;
-                let v = loop {
+                let (v, mb) = loop {
                     let v = self.ranks[s].mailbox.word(0);
-                    if v >> 32 == self.call {
-                        break v;
+                    if tagged(v) {
+                        let mb = self.ranks[s].mailbox.read();
+                        if mb.expert_counts[..l].iter().all(|&x| tagged(x)) {
+                            break (v, mb);
+                        }
                     }
                     if self.dev.err.read().status != 0 {
                         self.check_device_error()?;
@@ -1280,22 +1286,27 @@ impl NormalGroup {
                     }
                     if Instant::now() > deadline {
                         self.poison = Some(format!(
-                            "rank {}'s notify of call {} never published num_recv",
+                            "rank {}'s dispatch of call {} never published num_recv",
                             self.who(s),
                             self.call
                         ));
                         return Err(Error::HostWaitTimeout {
                             rank: self.who(s),
-                            what: format!("num_recv of call {} from the notify block", self.call),
+                            what: format!(
+                                "num_recv of call {} from the dispatch's block 1",
+                                self.call
+                            ),
                             timeout: self.timeout,
                         });
                     }
                     std::hint::spin_loop();
                 };
-                let mb = self.ranks[s].mailbox.read();
                 *slot = (
                     Some((v & 0xffff_ffff) as usize),
-                    mb.expert_counts[..l].iter().map(|&x| x as i32).collect(),
+                    mb.expert_counts[..l]
+                        .iter()
+                        .map(|&x| (x & 0xffff_ffff) as i32)
+                        .collect(),
                 );
             }
         }
