@@ -42,7 +42,6 @@ pub(crate) const NORMAL_ARGS: Fields = &[
     ("channel_prefix_matrix", 0, "[R, C] i32 handle."),
     ("recv_channel_prefix_matrix", 0, "[R, C] i32 handle."),
     ("send_head", 0, "[T, R] i32 handle."),
-    ("recv_src_idx", 0, "[rows] i32 output."),
     ("combined_x", 0, "[T, H] BF16 combine output."),
     ("combined_weights", 0, "[T, K] f32 combine output (0: none)."),
     ("bias0", 0, "[T, H] BF16 combine bias (0: none)."),

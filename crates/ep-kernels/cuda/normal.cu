@@ -10,8 +10,8 @@
 // were the stragglers (24 SMs: slowest rows 120 -> 111 us without clusters, BENCHMARKS.md). The
 // combine keeps its cluster of 2 (barrier.cluster), measured the faster there. Block 0 also
 // runs the notify agent before it sends; every pair, after sending, runs the receive part of
-// its channel (waits done[s][c] of every source s and copies those rows' meta out), so the
-// kernel ends on a rank only when all rows destined to it have landed. Offsets, slots and signal
+// its channel (waits done[s][c] of every source s; the outputs are views of the records), so
+// the kernel ends on a rank only when all rows destined to it have landed. Offsets, slots and signal
 // values come from ep_protocol.cuh; waits are bounded (ep_device.cuh).
 
 #include <stdint.h>
@@ -25,7 +25,6 @@
 #define WARPS (EP_GPU_THREADS / 32)
 #define MAXR EP_GPU_MAX_RANKS
 #define UNROLL 4
-#define META_U 4  // rows per thread in flight in the dispatch's src_idx copy-out
 
 typedef ep_normal_args Args;
 
@@ -582,7 +581,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     ep_err_block *err = (ep_err_block *)a.err;
     const int32_t *rpm = (const int32_t *)a.rank_prefix_matrix;
     const int32_t *cpm = (const int32_t *)a.channel_prefix_matrix;
-    const int32_t *rcpm = (const int32_t *)a.recv_channel_prefix_matrix;
 
     __shared__ int s_ok;
     __shared__ int32_t s_n[MAXR];
@@ -795,9 +793,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     stamp(a, 3);
 
     // 4. Receive channel c: wait done[s][c] of every source (it publishes the rows and the
-    //    channel's prefix entry), then copy the rows' meta out. The rows' offsets come from rpm,
-    //    which block 0 wrote before table_ready, and from the prefix entries (a cached dispatch:
-    //    from the handle's matrices).
+    //    channel's prefix entry), so that the kernel ends on this rank only when every row
+    //    destined to it has landed; and table_ready (rpm, which the worst-token tail reads).
     if (tid == 0) s_ok = ok ? 1 : 0;
     if (ok && !cached && tid == 0) {
         uint64_t off = ep_normal_table_ready(R, p);
@@ -817,64 +814,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     __syncthreads();
     if (!s_ok) return;
     stamp(a, 4);
-    int32_t *out_src = (int32_t *)a.recv_src_idx;
-    // This CTA's rows of each source: thread s computes them (one round trip for all s).
-    __shared__ int32_t s_lo[MAXR], s_hi[MAXR];
-    if (tid < R) {
+    // The handle's recv_channel_prefix_matrix, rcpm[s][c] = cpm_s[me][c - 1]: each channel's
+    // first CTA writes its own column (thread s, from s's prefix entry, acquired above). The
+    // rows' src_idx stay in the records, where recv_src_idx views them like the top-k ids
+    // (NormalGroup::dispatch): nothing is copied out (a copy-out cost 2.3 us at 24 SMs).
+    if (!cached && h == 0 && tid < R) {
         const uint32_t s = tid;
-        int32_t block_begin = s == 0 ? 0 : __ldcg(&rpm[(s - 1) * R + me]);
-        int32_t n_s = __ldcg(&rpm[s * R + me]) - block_begin;
-        // Channel c's start and end within s's block: its prefix entry (cpm_s[me][c - 1],
-        // cpm_s[me][c]), or the handle's matrix for a cached dispatch.
         const uint64_t entry = ep_normal_count_record(R, p, s) + ep_count_record_channel(R, c);
-        int32_t cb, ce;
-        if (cached) {
-            cb = __ldcg(&rcpm[s * C + c]);
-            ce = c + 1 < C ? __ldcg(&rcpm[s * C + c + 1]) : n_s;
-        } else {
-            const int2 v = __ldcg((const int2 *)data_at(a, me, entry));
-            cb = v.x;
-            ce = v.y;
-            if (TRACED) TRACE_LOAD(me, entry, 8);
-        }
-        // The handle's recv_channel_prefix_matrix, rcpm[s][c] = cpm_s[me][c - 1]: each channel's
-        // first CTA writes its own column.
-        if (!cached && h == 0) ((int32_t *)a.recv_channel_prefix_matrix)[s * C + c] = cb;
-        // Kept inside s's block (inputs that disagree, EP_ERR_LAYOUT: the record says so).
-        cb = min(max(cb, 0), n_s);
-        ce = min(max(ce, cb), n_s);
-        int32_t b = block_begin + cb;
-        int32_t e = block_begin + ce;
-        int32_t m = b + (e - b + 1) / 2;
-        s_lo[s] = h == 0 ? b : m;
-        s_hi[s] = h == 0 ? m : e;
+        ((int32_t *)a.recv_channel_prefix_matrix)[s * C + c] = __ldcg((const int2 *)data_at(a, me, entry)).x;
+        if (TRACED) TRACE_LOAD(me, entry, 8);
     }
-    __syncthreads();
-    // src_idx of those rows copied out (one 4-byte load per row, all of a thread's rows in
-    // flight before any is stored); the top-k ids and weights stay in the records, where the
-    // host's outputs view them (NormalGroup::dispatch; copying them out cost 3.8 us at 24 SMs).
-    for (uint32_t s = 0; out_src && s < R; ++s) {
-        const int32_t lo = s_lo[s], hi = s_hi[s];
-        for (int32_t base = lo + (int32_t)tid; base < hi; base += (int32_t)(NT * META_U)) {
-            int32_t v[META_U];
-#pragma unroll
-            for (int u = 0; u < META_U; ++u) {
-                const int32_t j = base + u * (int32_t)NT;
-                if (j < hi) v[u] = ld_i32_cg(data_at(a, me, ep_normal_dispatch_row(R, (uint64_t)j, a.drec)) + meta_off);
-            }
-#pragma unroll
-            for (int u = 0; u < META_U; ++u) {
-                const int32_t j = base + u * (int32_t)NT;
-                if (j < hi) out_src[j] = v[u];
-            }
-        }
-    }
-    if (TRACED && out_src)
-        for (uint32_t s = 0; s < R; ++s)
-            for (int32_t j = s_lo[s] + (int32_t)tid; j < s_hi[s]; j += NT)
-                TRACE_LOAD(me, ep_normal_dispatch_row(R, (uint64_t)j, a.drec) + meta_off, 4);
     // 5. Worst-token tail rows (num_recv <= row < num_worst_tokens): zero x and scales,
-    //    src_idx -1, top-k -1 / 0.0, in the record (which the outputs view) and src_idx.
+    //    src_idx -1, top-k -1 / 0.0, in the record (which the outputs view).
     if (!cached && a.num_worst_tokens > 0) {
         const uint64_t num_recv = (uint64_t)__ldcg(&rpm[(R - 1) * R + me]);
         for (uint64_t j = num_recv + blockIdx.x * WARPS + warp; j < a.num_worst_tokens; j += (uint64_t)gridDim.x * WARPS) {
@@ -885,7 +836,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
             if (lane == 0) {
                 *(int32_t *)(rec + meta_off) = -1;
                 *(int32_t *)(rec + meta_off + 4) = 0;
-                if (out_src) out_src[j] = -1;
             }
             if (topk && lane < K) {
                 *(int64_t *)(rec + idx_off + 8u * lane) = -1;

@@ -17,8 +17,8 @@
 //! collective calls (`layout`, `dispatch`, `dispatch_cached`, `combine`, `ceiling*`, `reset`) in
 //! the same order: the kernels' signal values count the calls. Received rows are
 //! views into the rank's arena (row stride = the dispatch record), valid until the next dispatch
-//! on the group; the received meta outputs (`recv_src_idx`, `recv_topk_*`) likewise live in
-//! per-rank buffers reused by the next dispatch. Handles own their tensors.
+//! on the group; the received meta outputs (`recv_src_idx`, `recv_topk_*`) are views of the
+//! same records, valid as long. Handles own their tensors.
 //!
 //! Host synchronisation: a non-worst-token dispatch waits (bounded) for each rank's dispatch
 //! (its block 1) to publish `num_recv` and the expert list in host-mapped memory — the only host sync of a
@@ -84,9 +84,6 @@ struct Rank {
     /// captured graph reads, docs/protocol.md §2.7), then `[2 * MAX_CHANNELS]` pair words (the
     /// agent barrier of a channel's two CTAs); only this rank's kernels touch it.
     epoch: DevBuf,
-    /// `recv_src_idx` at capacity, reused per dispatch (the top-k ids and weights are views of
-    /// the records, [`NormalGroup::dispatch`]).
-    meta: Option<(usize, DevTensor)>,
 }
 
 /// What [`NormalGroup::layout`] gives one rank (spec §1.7), on the device.
@@ -221,7 +218,8 @@ pub struct GpuDispatch {
     pub recv_topk_idx: Option<DevTensor>,
     /// `[rows, K]` f32 (with top-k), a view like `recv_topk_idx`.
     pub recv_topk_weights: Option<DevTensor>,
-    /// `[1, rows]` i32 source token of each row.
+    /// `[rows, 1]` i32 source token of each row: a view into the arena's records (row stride =
+    /// the record), valid until the next dispatch, like `recv_x`.
     pub recv_src_idx: DevTensor,
     /// `[L]` aligned received counts per local expert (empty in worst-token mode).
     pub num_recv_tokens_per_expert_list: Vec<i32>,
@@ -506,7 +504,6 @@ impl NormalGroup {
                 data,
                 mailbox: HostMapped::new(&ctx)?,
                 epoch: DevBuf::zeroed(&ctx, 8 * EPOCH_WORDS)?,
-                meta: None,
             });
         }
         Ok(Self {
@@ -676,6 +673,19 @@ impl NormalGroup {
             })
             .transpose()?;
         Ok((x, scales))
+    }
+
+    /// `[rows, 1]` i32 `recv_src_idx` of local rank `rank`: the records' `src_idx` field as a
+    /// view (row stride = the record), like the top-k views; the kernels copy nothing out.
+    fn src_view(&self, rank: usize, fmt: RowFormat, rows: usize) -> Result<DevTensor> {
+        DevTensor::strided(
+            self.ranks[rank].data.clone(),
+            self.data_layout().rows_base() + fmt.meta_offset(),
+            DType::I32,
+            rows,
+            1,
+            fmt.dispatch_record(),
+        )
     }
 
     /// Rows of `rec` bytes the dispatch region holds.
@@ -1036,28 +1046,6 @@ impl NormalGroup {
         Ok((fmt, tokens))
     }
 
-    /// The `[1, cap]` i32 `recv_src_idx` buffer of local rank `rank`, reused while it is large
-    /// enough.
-    fn src_buffer(&mut self, rank: usize, cap: usize) -> Result<DevTensor> {
-        let r = &mut self.ranks[rank];
-        let fits = r.meta.as_ref().is_some_and(|(c, _)| *c >= cap);
-        if !fits {
-            // The previous buffer may still be read by earlier work: drop it only after the
-            // stream passed it (DevBuf::drop of cuMemAlloc memory waits for the device).
-            let old = r.meta.take();
-            if let (Some(cap), Some((_, a))) = (&mut self.capture, old) {
-                // No free while capturing (cuMemFree synchronises): the graph drops it.
-                cap.keep.push(a.buffer().clone());
-            }
-            r.meta = Some((
-                cap,
-                DevTensor::empty(self.dev.context(), DType::I32, 1, cap)?,
-            ));
-        }
-        let (_, a) = r.meta.as_ref().expect("set above");
-        Ok(a.clone())
-    }
-
     /// The top-k ids (`[rows, K]` i64, local ids, -1 elsewhere) and weights (`[rows, K]` f32) of
     /// local rank `rank`'s received rows: views of the dispatch records in the arena (row
     /// stride = the record), valid until the next dispatch, like `recv_x`.
@@ -1193,19 +1181,15 @@ impl NormalGroup {
         self.call += 1;
         let k = fmt.num_topk;
         let mut handles = Vec::with_capacity(n);
-        let mut metas = Vec::with_capacity(n);
         // Every allocation (and release) before the first launch: a synchronous one would
         // wait for kernels already launched, which wait for ranks not launched yet.
         for (s, &t) in tokens.iter().enumerate() {
-            let src = self.src_buffer(s, cap as usize)?;
             handles.push((
                 self.alloc(s, DType::I32, r, r)?,
                 self.alloc(s, DType::I32, r, c)?,
                 self.alloc(s, DType::I32, r, c)?,
                 self.alloc(s, DType::I32, t, r)?,
             ));
-            self.keep(Some(&src));
-            metas.push(src);
             let inp = inputs[s];
             for t in [Some(inp.x), inp.x_scales, inp.topk_idx, inp.topk_weights] {
                 self.keep(t);
@@ -1221,7 +1205,6 @@ impl NormalGroup {
         }
         for s in 0..n {
             let (rpm, cpm, rcpm, send_head) = &handles[s];
-            let meta = &metas[s];
             let inp = &inputs[s];
             let mut a = self.base_args(s);
             a.num_tokens = tokens[s] as u64;
@@ -1252,7 +1235,6 @@ impl NormalGroup {
             a.channel_prefix_matrix = cpm.ptr();
             a.recv_channel_prefix_matrix = rcpm.ptr();
             a.send_head = send_head.ptr();
-            a.recv_src_idx = meta.ptr();
             self.launch(s, Kernel::Dispatch, 2 * c as u32, &a)?;
         }
         self.last = Some(LastDispatch { fmt, num_topk: k });
@@ -1311,7 +1293,7 @@ impl NormalGroup {
             }
         }
         let mut out = Vec::with_capacity(n);
-        for (s, ((rpm, cpm, rcpm, send_head), src)) in handles.into_iter().zip(metas).enumerate() {
+        for (s, (rpm, cpm, rcpm, send_head)) in handles.into_iter().enumerate() {
             let (num_recv, experts) = recv[s].clone();
             let rows = num_recv.unwrap_or(args.num_worst_tokens);
             let (recv_x, recv_x_scales) = self.recv_views(s, fmt, rows)?;
@@ -1325,14 +1307,7 @@ impl NormalGroup {
                 recv_x_scales,
                 recv_topk_idx,
                 recv_topk_weights,
-                recv_src_idx: DevTensor::strided(
-                    src.buffer().clone(),
-                    0,
-                    DType::I32,
-                    1,
-                    rows,
-                    4 * rows as u64,
-                )?,
+                recv_src_idx: self.src_view(s, fmt, rows)?,
                 num_recv_tokens_per_expert_list: experts,
                 handle: GpuHandle {
                     rank_prefix_matrix: rpm,
@@ -1416,17 +1391,12 @@ impl NormalGroup {
         } = self.check_cached(inputs, handles)?;
         self.begin_traced(trace::TracedOp::Dispatch)?;
         self.call += 1;
-        let mut metas = Vec::with_capacity(n);
         for s in 0..n {
-            let src = self.src_buffer(s, cap as usize)?;
-            self.keep(Some(&src));
-            metas.push(src);
             self.keep(Some(inputs[s].x));
             self.keep(inputs[s].x_scales);
             self.keep_handle(handles[s]);
         }
         for s in 0..n {
-            let meta = &metas[s];
             let h = handles[s];
             let mut a = self.base_args(s);
             a.num_tokens = tokens[s] as u64;
@@ -1447,13 +1417,11 @@ impl NormalGroup {
             a.rank_prefix_matrix = h.rank_prefix_matrix.ptr();
             a.channel_prefix_matrix = h.channel_prefix_matrix.ptr();
             a.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix.ptr();
-            a.recv_src_idx = meta.ptr();
             self.launch(s, Kernel::Dispatch, 2 * c as u32, &a)?;
         }
         self.last = Some(LastDispatch { fmt, num_topk: 0 });
         let mut out = Vec::with_capacity(n);
-        for (s, src) in metas.into_iter().enumerate() {
-            let h = handles[s];
+        for (s, h) in handles.iter().enumerate() {
             let rows = h.num_rows;
             let (recv_x, recv_x_scales) = self.recv_views(s, fmt, rows)?;
             out.push(GpuDispatch {
@@ -1461,16 +1429,9 @@ impl NormalGroup {
                 recv_x_scales,
                 recv_topk_idx: None,
                 recv_topk_weights: None,
-                recv_src_idx: DevTensor::strided(
-                    src.buffer().clone(),
-                    0,
-                    DType::I32,
-                    1,
-                    rows,
-                    4 * rows as u64,
-                )?,
+                recv_src_idx: self.src_view(s, fmt, rows)?,
                 num_recv_tokens_per_expert_list: Vec::new(),
-                handle: h.clone(),
+                handle: (*h).clone(),
             });
         }
         Ok(out)
