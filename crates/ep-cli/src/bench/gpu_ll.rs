@@ -1135,6 +1135,71 @@ mod tests {
     use super::*;
     use clap::Parser;
 
+    /// The dispatch's steps: medians over the blocks of every rank for the step durations, and
+    /// times from the first block start for the send ends, the signals and the waits.
+    #[test]
+    fn the_dispatch_steps_split_the_send_part_and_time_its_ends() {
+        // Stamps in ns; slots 0 start, 7 ids, 1 slots, 9 rows, 10 positions, 2 metas, 3 the
+        // last block's signals, 4 receive start, 5 waits end.
+        let blk = |at: &[(usize, u64)]| {
+            let mut b = vec![0u64; 16];
+            for &(i, t) in at {
+                b[i] = 100_000 + t;
+            }
+            b
+        };
+        let stamps = vec![
+            vec![
+                blk(&[
+                    (0, 0),
+                    (7, 2_000),
+                    (1, 2_500),
+                    (9, 6_500),
+                    (10, 8_500),
+                    (2, 9_000),
+                    (4, 9_000),
+                    (5, 18_000),
+                ]),
+                blk(&[
+                    (0, 0),
+                    (7, 3_000),
+                    (1, 3_500),
+                    (9, 7_500),
+                    (10, 9_500),
+                    (2, 10_000),
+                    (4, 10_000),
+                    (5, 18_500),
+                ]),
+            ],
+            vec![
+                // Rank 1 starts 2 us later; its block 0 is the last block (signals at 17 us).
+                blk(&[
+                    (0, 2_000),
+                    (7, 4_000),
+                    (1, 4_500),
+                    (9, 9_500),
+                    (10, 11_500),
+                    (2, 14_000),
+                    (3, 17_000),
+                    (4, 17_000),
+                    (5, 19_000),
+                ]),
+            ],
+        ];
+        let line = dispatch_detail(&stamps);
+        assert!(line.contains("ids 2.00 + slots 0.50"), "{line}");
+        assert!(
+            line.contains("rows 4.00 + positions 2.00 + metas 0.50"),
+            "{line}"
+        );
+        assert!(
+            line.contains("send parts end median 10.00 last 14.00"),
+            "{line}"
+        );
+        assert!(line.contains("signals out 17.00"), "{line}");
+        assert!(line.contains("waits end median 18.50 last 19.00"), "{line}");
+    }
+
     /// When IBGDA does not come up, the bench prints the doctor's reasons: on a machine
     /// without an RDMA NIC (ep-setup's fixture of the GPU machine) both modes are unusable and
     /// the NIC check says why, with its fix.

@@ -1243,17 +1243,14 @@ impl NormalGroup {
         let mut recv = vec![(None, Vec::new()); n];
         if args.num_worst_tokens == 0 {
             let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
-            let call = self.call;
-            let tagged = move |w: u64| w >> 32 == call;
             for (s, slot) in recv.iter_mut().enumerate() {
                 let mut polls = 0u32;
-                let (v, mb) = loop {
-                    let v = self.ranks[s].mailbox.word(0);
-                    if tagged(v) {
-                        let mb = self.ranks[s].mailbox.read();
-                        if mb.expert_counts[..l].iter().all(|&x| tagged(x)) {
-                            break (v, mb);
-                        }
+                let got = loop {
+                    // The whole mailbox is read only once num_recv carries this call.
+                    if self.ranks[s].mailbox.word(0) >> 32 == self.call
+                        && let Some(got) = published(&self.ranks[s].mailbox.read(), self.call, l)
+                    {
+                        break got;
                     }
                     if self.dev.err.read().status != 0 {
                         self.check_device_error()?;
@@ -1283,13 +1280,7 @@ impl NormalGroup {
                     }
                     std::hint::spin_loop();
                 };
-                *slot = (
-                    Some((v & 0xffff_ffff) as usize),
-                    mb.expert_counts[..l]
-                        .iter()
-                        .map(|&x| (x & 0xffff_ffff) as i32)
-                        .collect(),
-                );
+                *slot = (Some(got.0), got.1);
             }
         }
         let mut out = Vec::with_capacity(n);
@@ -1889,6 +1880,22 @@ fn ctrl_word_name(ctrl: NormalCtrl, off: u64) -> String {
     format!("control word at offset {off}")
 }
 
+/// What a dispatch's block 1 published for call `call` (docs/protocol.md §3): num_recv and the
+/// first `l` expert counts, once every one of those words carries the call in its high half
+/// (the device orders them with no fence); `None` while any is from an earlier call.
+fn published(mb: &Mailbox, call: u64, l: usize) -> Option<(usize, Vec<i32>)> {
+    let of_call = |w: u64| w >> 32 == call;
+    let experts = mb.expert_counts.get(..l)?;
+    if !of_call(mb.num_recv) || !experts.iter().all(|&w| of_call(w)) {
+        return None;
+    }
+    let low = |w: u64| (w & 0xffff_ffff) as u32;
+    Some((
+        low(mb.num_recv) as usize,
+        experts.iter().map(|&w| low(w) as i32).collect(),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1949,6 +1956,40 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains("poisoned until reset"), "{err}");
+    }
+
+    /// The host takes a dispatch's num_recv and expert list only when every word it reads
+    /// carries the call (block 1 stores them with no fence between): a stale word from the
+    /// previous call, in num_recv or in any one expert, keeps it waiting.
+    #[test]
+    fn the_mailbox_is_taken_only_when_every_word_carries_the_call() {
+        let call = 7u64;
+        let mut mb = Mailbox::default();
+        let counts = [5u64, 0, 128, 3];
+        for (w, c) in mb.expert_counts.iter_mut().zip(counts) {
+            *w = (call << 32) | c;
+        }
+        mb.num_recv = ((call - 1) << 32) | 99;
+        assert_eq!(
+            published(&mb, call, 4),
+            None,
+            "num_recv of the previous call"
+        );
+        mb.num_recv = (call << 32) | 136;
+        assert_eq!(published(&mb, call, 4), Some((136, vec![5, 0, 128, 3])));
+        mb.expert_counts[2] = ((call - 1) << 32) | 128;
+        assert_eq!(
+            published(&mb, call, 4),
+            None,
+            "one expert of the previous call"
+        );
+        // Words past the rank's local experts are not looked at.
+        assert_eq!(published(&mb, call, 2), Some((136, vec![5, 0])));
+        assert_eq!(
+            published(&mb, call, 2000),
+            None,
+            "more experts than the mailbox holds"
+        );
     }
 
     /// A dispatch CTA that timed out at its channel's agent barrier names its partner block's
