@@ -1130,6 +1130,47 @@ fn check_counts(
     Ok(())
 }
 
+/// One plain dispatch's steps, median over the blocks of all ranks: the routing split into the
+/// expert ids loaded (stamp 0 to 7) and the slots ranked (7 to 1), the send part into rows (1 to
+/// 9), positions (9 to 10) and meta records (10 to 2); then, in microseconds from the earliest
+/// block start, when the blocks' send parts end (median and last, stamp 2), when the last
+/// block's signals are out (3) and when the receive parts' waits end (median and last, 5): the
+/// wait a receiver sees is the send parts' spread plus the signal's trip.
+fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
+    let blocks: Vec<&Vec<u64>> = stamps.iter().flatten().filter(|b| b[0] != 0).collect();
+    let step = |a: usize, b: usize| -> f64 {
+        let d: Vec<f64> = blocks
+            .iter()
+            .filter(|x| x[a] != 0 && x[b] >= x[a])
+            .map(|x| (x[b] - x[a]) as f64 * 1e-3)
+            .collect();
+        super::report::median(&d)
+    };
+    let us = super::gpu::since_first_start(stamps);
+    let at = |s: usize| -> Vec<f64> {
+        blocks
+            .iter()
+            .filter(|x| x[s] != 0)
+            .map(|x| us(x[s]))
+            .collect()
+    };
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    let (ends, sig, waited) = (at(2), at(3), at(5));
+    format!(
+        "ids {:.2} + slots {:.2}; rows {:.2} + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start)",
+        step(0, 7),
+        step(7, 1),
+        step(1, 9),
+        step(9, 10),
+        step(10, 2),
+        super::report::median(&ends),
+        max(&ends),
+        max(&sig),
+        super::report::median(&waited),
+        max(&waited),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1273,45 +1314,4 @@ mod tests {
             );
         }
     }
-}
-
-/// One plain dispatch's steps, median over the blocks of all ranks: the routing split into the
-/// expert ids loaded (stamp 0 to 7) and the slots ranked (7 to 1), the send part into rows (1 to
-/// 9), positions (9 to 10) and meta records (10 to 2); then, in microseconds from the earliest
-/// block start, when the blocks' send parts end (median and last, stamp 2), when the last
-/// block's signals are out (3) and when the receive parts' waits end (median and last, 5): the
-/// wait a receiver sees is the send parts' spread plus the signal's trip.
-fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
-    let blocks: Vec<&Vec<u64>> = stamps.iter().flatten().filter(|b| b[0] != 0).collect();
-    let step = |a: usize, b: usize| -> f64 {
-        let d: Vec<f64> = blocks
-            .iter()
-            .filter(|x| x[a] != 0 && x[b] >= x[a])
-            .map(|x| (x[b] - x[a]) as f64 * 1e-3)
-            .collect();
-        super::report::median(&d)
-    };
-    let us = super::gpu::since_first_start(stamps);
-    let at = |s: usize| -> Vec<f64> {
-        blocks
-            .iter()
-            .filter(|x| x[s] != 0)
-            .map(|x| us(x[s]))
-            .collect()
-    };
-    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    let (ends, sig, waited) = (at(2), at(3), at(5));
-    format!(
-        "ids {:.2} + slots {:.2}; rows {:.2} + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start)",
-        step(0, 7),
-        step(7, 1),
-        step(1, 9),
-        step(9, 10),
-        step(10, 2),
-        super::report::median(&ends),
-        max(&ends),
-        max(&sig),
-        super::report::median(&waited),
-        max(&waited),
-    )
 }
