@@ -21,8 +21,8 @@
 //! same records, valid as long. Handles own their tensors.
 //!
 //! Host synchronisation: a non-worst-token dispatch waits (bounded) for each rank's dispatch
-//! (its block 1) to publish `num_recv` and the expert list in host-mapped memory — the only host sync of a
-//! call; with `num_worst_tokens > 0` there is none. Errors from the device (a wait that timed
+//! (its block 1) to publish `num_recv` and the expert list in host-mapped memory — the only host
+//! sync of a call; with `num_worst_tokens > 0` there is none. Errors from the device (a wait that timed
 //! out, rows that do not fit, a bad expert id, a `num_tokens_per_rank` that disagrees with its
 //! `is_token_in_rank`) surface at the next call or [`NormalGroup::sync`]; a timeout or a
 //! disagreeing layout poisons the group until [`NormalGroup::reset`].
@@ -1880,7 +1880,7 @@ fn ctrl_word_name(ctrl: NormalCtrl, off: u64) -> String {
     format!("control word at offset {off}")
 }
 
-/// What a dispatch's block 1 published for call `call` (docs/protocol.md §3): num_recv and the
+/// What a dispatch's block 1 published for call `call` (docs/protocol.md §2.7): num_recv and the
 /// first `l` expert counts, once every one of those words carries the call in its high half
 /// (the device orders them with no fence); `None` while any is from an earlier call.
 fn published(mb: &Mailbox, call: u64, l: usize) -> Option<(usize, Vec<i32>)> {
