@@ -535,16 +535,22 @@ impl<E: Executor> Buffer<E> {
         self.low_latency_combine_recv(hook)
     }
 
-    /// `clean_low_latency_buffer` (docs/protocol.md §3.7): zeroes every low-latency signal word
-    /// of both halves on every unmasked rank, then a barrier. Refused while a hook is pending.
-    pub fn clean_low_latency_buffer(&mut self) -> Result<()> {
+    /// The start of an operation that rewrites the low-latency memory outside the protocol's
+    /// phases (clean, test poisoning): refused while a hook is pending (its receive half reads
+    /// what the send half wrote); the arena, the call number it takes and the mask.
+    fn ll_maintenance(&mut self) -> Result<(LlArena, u64, Vec<bool>)> {
         self.ready()?;
         if let Some(&p) = self.pending_hooks.first() {
             return Err(Error::LowLatencyHookPending { pending_call: p });
         }
         let arena = self.ll_arena()?;
-        let call = self.next_call();
-        let mask = self.mask.clone();
+        Ok((arena, self.next_call(), self.mask.clone()))
+    }
+
+    /// `clean_low_latency_buffer` (docs/protocol.md §3.7): zeroes every low-latency signal word
+    /// of both halves on every unmasked rank, then a barrier. Refused while a hook is pending.
+    pub fn clean_low_latency_buffer(&mut self) -> Result<()> {
+        let (arena, call, mask) = self.ll_maintenance()?;
         let res = self.transport.run_ll_clean(&LlCleanJob {
             arena: &arena,
             call,
@@ -574,13 +580,7 @@ impl<E: Executor> Buffer<E> {
     /// (its receive half reads what the send half wrote). With the `test-support` feature.
     #[cfg(feature = "test-support")]
     pub fn debug_poison_low_latency_data(&mut self, byte: u8) -> Result<()> {
-        self.ready()?;
-        if let Some(&p) = self.pending_hooks.first() {
-            return Err(Error::LowLatencyHookPending { pending_call: p });
-        }
-        let arena = self.ll_arena()?;
-        let call = self.next_call();
-        let masked = self.mask.clone();
+        let (arena, call, masked) = self.ll_maintenance()?;
         let res =
             self.transport
                 .run_poison_low_latency_data(&crate::executor::jobs::LlPoisonDataJob {
