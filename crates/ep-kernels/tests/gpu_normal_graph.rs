@@ -237,7 +237,8 @@ fn replay_rounds(base: &Case, rounds: u64) {
         .unwrap();
     assert_eq!(graph.calls(), 2, "a dispatch and a combine per replay");
     assert_eq!(g.last_call(), 0, "capturing runs nothing");
-    let eager_calls = if base.fp8 { 2 } else { 3 };
+    // run_case: a dispatch, a combine from the rows, in place (BF16), two back to back.
+    let eager_calls = if base.fp8 { 4 } else { 5 };
     let mut calls_made = 0;
     for round in 0..rounds {
         let mut c = base.clone();

@@ -317,7 +317,8 @@ pub(crate) fn run_case(g: &mut NormalGroup, case: &Case) -> Vec<digest::Digest> 
 }
 
 /// [`run_case`], calling `after(g, what)` once each operation's kernels finished (`what`:
-/// "dispatch", "combine from rows", "combine in place"), e.g. to read its protocol trace.
+/// "dispatch", "combine from rows", "combine in place", "combine back to back": the second of
+/// two), e.g. to read its protocol trace.
 pub(crate) fn run_case_with(
     g: &mut NormalGroup,
     case: &Case,
@@ -437,6 +438,30 @@ pub(crate) fn run_case_with(
                 &format!("combine in place, rank {s}, {case:?}"),
             );
         }
+    }
+
+    // Back to back, no host sync: a combine from the rows, the rows rewritten with fresh
+    // outputs, a second combine. A rank's combine ends only when every rank pulled from its rows
+    // (docs/protocol.md §2.5), so the rewrite, next on its stream, cannot overtake the first
+    // combine's pulls, nor the second combine's y_ready the first's waits.
+    let (ys2, _) = expert_outputs(&mut rng, case, &plan);
+    let want2 = plan_combine(&plan, &ys2, &biases);
+    let dys2: Vec<DevTensor> = local
+        .iter()
+        .map(|&d| DevTensor::upload(ctx, &ys2[d]).unwrap())
+        .collect();
+    let first = g.combine(CombineSource::Rows, &cargs).unwrap();
+    for i in 0..local.len() {
+        g.write_combine_rows(i, &dys2[i], out[i].recv_topk_weights.as_ref())
+            .unwrap();
+    }
+    let second = g.combine(CombineSource::Rows, &cargs).unwrap();
+    g.sync().unwrap();
+    after(g, "combine back to back");
+    for (i, &s) in local.iter().enumerate() {
+        let what = |n| format!("{n} of two back-to-back combines, rank {s}, {case:?}");
+        assert_bits_eq(&host_combined(&first)[i], &want_rows[s], &what("first"));
+        assert_bits_eq(&host_combined(&second)[i], &want2[s], &what("second"));
     }
 
     let mut digests = Vec::with_capacity(local.len());
