@@ -156,7 +156,8 @@ __device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *co
 // and stores op's combination of each pass to out. NS = 2 keeps two passes of U = 2 in flight
 // (as warp_copy_fanout: 8 loads per lane at n = 2); NS = MAXR one pass of n loads. Two variants
 // only, and no more than that: their registers add up in the kernel (with U = 2 at NS = MAXR, a
-// third variant NS = 4, or nine exact-n ones, the combine spilled). CHECKED compares every
+// third variant NS = 4, or nine exact-n ones, the combine spilled; the two unchecked NS = 2
+// loops of gather_n, n = 1 and n = 2, fit: 128 registers, no spill). CHECKED compares every
 // 16-byte access with `bytes` (any multiple of 16); without it `bytes` is a whole number of
 // passes (gather_n decides) and the loop carries no per-access test.
 template <int NS> struct Gather {
