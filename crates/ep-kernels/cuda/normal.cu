@@ -150,6 +150,108 @@ __device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *co
     }
 }
 
+// ---- the row record's tail -----------------------------------------------------------------------
+
+// After a row's x part its record holds (§2.2, ep_protocol.cuh) the scales, the meta pair
+// (src_idx, 0), the top-k ids and weights as the destination sees them, and zero padding: one
+// contiguous run of 16-byte chunks from scales_off to the record's end (21 chunks at H = 7168
+// FP8, top-8). A lane stores one chunk per destination — one store instruction where the scales,
+// meta, ids and weights took five (the FP8 dispatch is bound by a block's requests in flight,
+// not its bytes, at few SMs). Chunks [0, nsc) are scales (words past S zero), the rest meta words.
+struct TailSrc {
+    int4 sc;        // scale chunk `lane` (chunks 32 and up are loaded at store time)
+    int64_t e;      // lane j < K: the token's top-k id j (else -1)
+    float wt;       // ... and its weight
+};
+
+// Scale chunk q of token `tok`: words 4q..4q+3 of its S scales, zero past S; one 16-byte load
+// when the rows are 16-byte aligned (`vec`: x_scales aligned, S a multiple of 4).
+__device__ __forceinline__ int4 scale_chunk(const Args &a, uint64_t tok, uint32_t q, bool vec) {
+    const uint32_t S = (uint32_t)a.num_scales;
+    const float *row = (const float *)a.x_scales + tok * S;
+    if (vec) return 4u * q < S ? *(const int4 *)(row + 4u * q) : make_int4(0, 0, 0, 0);
+    int w[4];
+#pragma unroll
+    for (uint32_t i = 0; i < 4; ++i) w[i] = 4u * q + i < S ? __float_as_int(row[4u * q + i]) : 0;
+    return make_int4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ TailSrc tail_load(const Args &a, uint64_t tok, uint32_t lane, uint32_t nsc, bool vec,
+                                             bool topk) {
+    TailSrc t;
+    t.sc = lane < nsc ? scale_chunk(a, tok, lane, vec) : make_int4(0, 0, 0, 0);
+    t.e = -1;
+    t.wt = 0.0f;
+    if (topk && lane < (uint32_t)a.num_topk) {
+        t.e = ((const int64_t *)a.topk_idx)[tok * a.num_topk + lane];
+        t.wt = ((const float *)a.topk_weights)[tok * a.num_topk + lane];
+    }
+    return t;
+}
+
+// Which tail a kernel stores: the ceiling the scales only (the bytes DeepEP counts), a dispatch
+// without top-k the scales and the meta pair (its ids and weights are left as they are), a
+// dispatch with top-k all of it.
+enum TailParts { TAIL_SCALES, TAIL_META, TAIL_ALL };
+
+// Word m of the tail's meta part (the meta pair, then K ids as lo/hi words, then K weights) on
+// destination d, whose local experts are [lo, lo + L): (ee, ww) is the entry that word comes from.
+__device__ __forceinline__ int32_t meta_word(uint32_t m, uint32_t K, int32_t tok, int64_t ee, float ww, int64_t lo,
+                                             int64_t L) {
+    const bool local = ee >= lo && ee < lo + L;
+    if (m == 0) return tok;
+    if (m < 2) return 0;
+    if (m < 2 + 2 * K) {
+        const int64_t id = local ? ee - lo : -1;
+        return (int32_t)((m - 2) & 1u ? (uint64_t)id >> 32 : (uint64_t)id);
+    }
+    if (m < 2 + 3 * K) return local ? __float_as_int(ww) : 0;
+    return 0;
+}
+
+// Stores the tail of token `tok` (loaded by tail_load) to every non-null rec[d]: chunk
+// q = lane + 32i, nch chunks, each lane building its meta words from the lanes holding their
+// entries (shuffles, once per chunk pass, every lane taking part).
+template <TailParts P>
+__device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint8_t *const (&rec)[MAXR], uint64_t tok,
+                                           uint32_t lane, uint64_t scales_off, uint32_t nsc, uint32_t nch, bool vec) {
+    const uint32_t K = (uint32_t)a.num_topk;
+    const int64_t L = (int64_t)a.num_local_experts;
+    const uint32_t n = P == TAIL_SCALES ? nsc : nch;
+    for (uint32_t q0 = 0; q0 < n; q0 += 32) {
+        const uint32_t q = q0 + lane;
+        const int4 sv = q0 == 0 ? t.sc : q < nsc ? scale_chunk(a, tok, q, vec) : make_int4(0, 0, 0, 0);
+        int64_t ee[4];
+        float ww[4];
+#pragma unroll
+        for (uint32_t i = 0; i < 4; ++i) {
+            // The entry of meta word m: id j = (m - 2) / 2, or weight j = m - 2 - 2K.
+            const uint32_t m = q >= nsc ? 4u * (q - nsc) + i : 0u;
+            const uint32_t j = m < 2 ? 0u : m < 2 + 2 * K ? (m - 2) >> 1 : m - 2 - 2 * K;
+            ee[i] = __shfl_sync(0xffffffffu, t.e, j & 31u);
+            ww[i] = __shfl_sync(0xffffffffu, t.wt, j & 31u);
+        }
+#pragma unroll
+        for (uint32_t d = 0; d < MAXR; ++d) {
+            uint8_t *out = rec[d];
+            if (!out || q >= n) continue;  // null for d >= R too
+            int4 *dst = (int4 *)(out + scales_off + 16u * q);
+            if (q < nsc) {
+                *dst = sv;
+            } else if (P == TAIL_ALL) {
+                const int64_t lo = (int64_t)d * L;
+                const uint32_t m = 4u * (q - nsc);
+                *dst = make_int4(meta_word(m, K, (int32_t)tok, ee[0], ww[0], lo, L),
+                                 meta_word(m + 1, K, (int32_t)tok, ee[1], ww[1], lo, L),
+                                 meta_word(m + 2, K, (int32_t)tok, ee[2], ww[2], lo, L),
+                                 meta_word(m + 3, K, (int32_t)tok, ee[3], ww[3], lo, L));
+            } else if (q == nsc) {
+                *(int2 *)dst = make_int2((int32_t)tok, 0);
+            }
+        }
+    }
+}
+
 // ---- gathers (combine and its ceiling) ----------------------------------------------------------
 
 // A warp gathers the n <= NS source rows of a token, 16 bytes x U per lane and source a pass,
@@ -637,6 +739,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     const uint64_t meta_off = ep_row_meta_offset(H, elt, S);
     const uint64_t idx_off = ep_row_topk_idx_offset(H, elt, S);
     const uint64_t w_off = ep_row_topk_weights_offset(H, elt, S, K);
+    // The record's tail: nsc scale chunks of nch (the row record's end, not a.drec's stride).
+    const uint32_t nsc = (uint32_t)(ep_align16(4u * S) / 16u);
+    const uint32_t nch = (uint32_t)((ep_row_dispatch_record(H, elt, S, K) - scales_off) / 16u);
+    const bool scales_vec = S % 4u == 0 && ((uintptr_t)a.x_scales & 15u) == 0;
     ep_err_block *err = (ep_err_block *)a.err;
     const int32_t *rpm = (const int32_t *)a.rank_prefix_matrix;
     const int32_t *cpm = (const int32_t *)a.channel_prefix_matrix;
@@ -772,32 +878,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                 const int32_t row = d < R ? s_rows[i][d] : -1;
                 rec[d] = row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
             }
-            // The small parts' loads are issued before the row's, so their latency hides behind
-            // the copy (issued inside the destination loop they cost one round trip each).
-            int64_t e = -1;
-            float wt = 0.0f, sc0 = 0.0f, sc1 = 0.0f;
-            if (topk && lane < K) {
-                e = ((const int64_t *)a.topk_idx)[tok * K + lane];
-                wt = ((const float *)a.topk_weights)[tok * K + lane];
-            }
-            if (lane < S) sc0 = ((const float *)a.x_scales)[tok * S + lane];
-            if (lane + 32 < S) sc1 = ((const float *)a.x_scales)[tok * S + lane + 32];
+            // The tail's loads (scales, top-k) are issued before the row's, so their latency
+            // hides behind the copy; the tail is stored after it, one 16-byte chunk per lane.
+            const TailSrc ts = tail_load(a, tok, lane, nsc, scales_vec, topk);
             warp_copy_fanout((const uint8_t *)a.x + tok * a.x_bytes, rec, R, a.x_bytes, lane);
-#pragma unroll
-            for (uint32_t d = 0; d < MAXR; ++d) {
-                if (!rec[d]) continue;  // null for d >= R too
-                if (lane < S) *(float *)(rec[d] + scales_off + 4u * lane) = sc0;
-                if (lane + 32 < S) *(float *)(rec[d] + scales_off + 4u * (lane + 32)) = sc1;
-                for (uint32_t j = lane + 64; j < S; j += 32)
-                    *(float *)(rec[d] + scales_off + 4u * j) = ((const float *)a.x_scales)[tok * S + j];
-                if (lane == 0) *(int2 *)(rec[d] + meta_off) = make_int2((int32_t)tok, 0);
-                if (topk && lane < K) {
-                    int64_t lo = (int64_t)d * L;
-                    bool local = e >= lo && e < lo + (int64_t)L;
-                    *(int64_t *)(rec[d] + idx_off + 8u * lane) = local ? e - lo : -1;
-                    *(float *)(rec[d] + w_off + 4u * lane) = local ? wt : 0.0f;
-                }
-            }
+            if (topk)
+                tail_store<TAIL_ALL>(a, ts, rec, tok, lane, scales_off, nsc, nch, scales_vec);
+            else
+                tail_store<TAIL_META>(a, ts, rec, tok, lane, scales_off, nsc, nch, scales_vec);
             if (TRACED) {
                 __syncwarp();
                 if (lane == 0)
@@ -1021,10 +1109,14 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
 
 // ---- ceilings and timing ------------------------------------------------------------------------------------
 
-// The data movement of a dispatch alone: each of this rank's rows read once and stored to its
-// final row on every destination (dst_rows from the plan), no protocol. gridDim.x blocks.
+// The data movement of a dispatch alone: each of this rank's rows — x and, FP8, its scales
+// (a.num_scales; the bytes DeepEP counts) — read once and stored to its final row on every
+// destination (dst_rows from the plan), no protocol, no meta. gridDim.x blocks.
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling(const Args a) {
     const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, R = (uint32_t)a.num_ranks;
+    const uint32_t S = (uint32_t)a.num_scales, nsc = (uint32_t)(ep_align16(4u * S) / 16u);
+    const uint64_t scales_off = ep_align16(a.x_bytes);
+    const bool scales_vec = S % 4u == 0 && ((uintptr_t)a.x_scales & 15u) == 0;
     const int32_t *dst_rows = (const int32_t *)a.dst_rows;
     const uint64_t per = (a.num_tokens + gridDim.x - 1) / gridDim.x;
     const uint64_t t0 = per * blockIdx.x, t1 = min(a.num_tokens, t0 + per);
@@ -1039,7 +1131,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling(const Args a
             const int32_t row = __shfl_sync(0xffffffffu, mine, d);
             rec[d] = d >= R || row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
         }
+        const TailSrc ts = tail_load(a, t, lane, nsc, scales_vec, false);
         warp_copy_fanout((const uint8_t *)a.x + t * a.x_bytes, rec, R, a.x_bytes, lane);
+        if (nsc > 0) tail_store<TAIL_SCALES>(a, ts, rec, t, lane, scales_off, nsc, nsc, scales_vec);
     }
 }
 

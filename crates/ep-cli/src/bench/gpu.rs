@@ -17,7 +17,9 @@
 //!   expert once), with the weights;
 //! - `ceiling dispatch` / `ceiling combine`: copy kernels moving the same bytes to and from the
 //!   same final rows with the same blocks per rank and no protocol (the one-GPU yardstick of
-//!   BASELINES.md); the ratio printed is ceiling time / call time.
+//!   BASELINES.md): the bytes DeepEP counts, so an FP8 row's scales too (before 2026-12-06 the
+//!   dispatch ceiling moved x alone, ~3% fewer bytes at FP8); the ratio printed is ceiling time /
+//!   call time.
 //!
 //! Bytes are DeepEP's (spec §6.2): dispatch `recv_x.numel() * 2` per rank (FP8:
 //! `numel * (1 + 4/128)`), combine `numel * 2`, averaged over ranks.
@@ -931,8 +933,11 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         let s = samples(total, warm, |it| {
             let i = it % n_sets;
             let xs: Vec<&DevTensor> = sets[i].x.iter().collect();
+            let sc: Vec<Option<&DevTensor>> = sets[i].scales.iter().map(Option::as_ref).collect();
             let dr: Vec<&DevTensor> = dst_rows[i].iter().collect();
-            timed(g, "dispatch ceiling", |g| g.ceiling(&xs, &dr, drec, blocks))
+            timed(g, "dispatch ceiling", |g| {
+                g.ceiling(&xs, &sc, &dr, drec, blocks)
+            })
         })?;
         row.ceiling_dispatch = figure(&s, dispatch_bytes);
         if !fp8 {

@@ -1628,12 +1628,14 @@ impl NormalGroup {
     }
 
     /// The ceiling of a dispatch's data movement (BASELINES.md): on every local rank `i`,
-    /// `blocks` blocks load each row of `x[i]` once and store it to each of its final rows
+    /// `blocks` blocks load each row of `x[i]` — and of `scales[i]` (FP8: `[T, S]` f32, the
+    /// bytes DeepEP counts with the row) — once and store it to each of its final rows
     /// `dst_rows[i]` (`[T, R]` i32, `-1` = not sent) on the destinations' arenas, records of
-    /// `drec` bytes. No protocol, no signals.
+    /// `drec` bytes, the scales where a dispatch puts them. No protocol, no signals, no meta.
     pub fn ceiling(
         &mut self,
         x: &[&DevTensor],
+        scales: &[Option<&DevTensor>],
         dst_rows: &[&DevTensor],
         drec: u64,
         blocks: u32,
@@ -1641,9 +1643,31 @@ impl NormalGroup {
         self.check_ready()?;
         let r = self.num_ranks();
         check_rank_count(self.num_local_ranks(), x.len())?;
+        check_rank_count(self.num_local_ranks(), scales.len())?;
         check_rank_count(self.num_local_ranks(), dst_rows.len())?;
         for s in 0..x.len() {
             let row_bytes = (x[s].cols() * x[s].dtype().size()) as u64;
+            let num_scales = match scales[s] {
+                Some(t) => {
+                    t.expect(
+                        &format!("scales of rank {}", self.who(s)),
+                        DType::F32,
+                        Some(x[s].rows()),
+                        None,
+                    )?;
+                    let tail =
+                        row_bytes.div_ceil(16) * 16 + (4 * t.cols() as u64).div_ceil(16) * 16;
+                    if !t.is_contiguous() || tail > drec {
+                        return Err(Error::Unsupported(format!(
+                            "ceiling scales of rank {}: {} columns",
+                            self.who(s),
+                            t.cols()
+                        )));
+                    }
+                    t.cols() as u64
+                }
+                None => 0,
+            };
             dst_rows[s].expect(
                 &format!("dst_rows of rank {}", self.who(s)),
                 DType::I32,
@@ -1661,6 +1685,8 @@ impl NormalGroup {
             a.x_bytes = row_bytes;
             a.drec = drec;
             a.x = x[s].ptr();
+            a.num_scales = num_scales;
+            a.x_scales = scales[s].map_or(0, DevTensor::ptr);
             a.dst_rows = dst_rows[s].ptr();
             self.launch(s, Kernel::Ceiling, blocks, &a)?;
         }
