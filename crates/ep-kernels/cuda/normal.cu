@@ -16,13 +16,10 @@
 
 #include <stdint.h>
 #include <cuda_bf16.h>
-#include <cooperative_groups.h>
 
 #include "ep_protocol.cuh"
 #include "ep_device.cuh"
 #include "ep_trace.cuh"
-
-namespace cg = cooperative_groups;
 
 #define NT EP_GPU_THREADS
 #define WARPS (EP_GPU_THREADS / 32)
@@ -197,37 +194,18 @@ __device__ __forceinline__ TailSrc tail_load(const Args &a, uint64_t tok, uint32
 // dispatch with top-k all of it.
 enum TailParts { TAIL_SCALES, TAIL_META, TAIL_ALL };
 
-// Where the meta part's words lie (§2.2, ep_protocol.cuh), in 4-byte words from the meta offset:
-// the meta pair (src_idx, 0) at 0, the K top-k ids (lo, hi words) from `ids`, the K weights from
-// `wts`, zero padding after them.
-struct MetaWords {
-    uint32_t ids, wts, K;
-};
-
-__device__ __forceinline__ MetaWords meta_words(const Args &a) {
-    const uint64_t elt = (a.flags & EP_FLAG_FP8) ? 1 : 2, H = a.hidden, S = a.num_scales, K = a.num_topk;
-    const uint64_t meta = ep_row_meta_offset(H, elt, S);
-    return {(uint32_t)((ep_row_topk_idx_offset(H, elt, S) - meta) / 4u),
-            (uint32_t)((ep_row_topk_weights_offset(H, elt, S, K) - meta) / 4u), (uint32_t)K};
-}
-
-// The top-k entry (the lane holding it) that meta word m comes from.
-__device__ __forceinline__ uint32_t meta_entry(uint32_t m, const MetaWords &w) {
-    return m < w.ids ? 0u : m < w.wts ? (m - w.ids) >> 1 : m - w.wts;
-}
-
-// Meta word m on destination d, whose local experts are [lo, lo + L): (ee, ww) is the entry
-// that word comes from.
-__device__ __forceinline__ int32_t meta_word(uint32_t m, const MetaWords &w, int32_t tok, int64_t ee, float ww,
-                                             int64_t lo, int64_t L) {
+// Word m of the tail's meta part (the meta pair, then K ids as lo/hi words, then K weights) on
+// destination d, whose local experts are [lo, lo + L): (ee, ww) is the entry that word comes from.
+__device__ __forceinline__ int32_t meta_word(uint32_t m, uint32_t K, int32_t tok, int64_t ee, float ww, int64_t lo,
+                                             int64_t L) {
     const bool local = ee >= lo && ee < lo + L;
     if (m == 0) return tok;
-    if (m < w.ids) return 0;
-    if (m < w.wts) {
+    if (m < 2) return 0;
+    if (m < 2 + 2 * K) {
         const int64_t id = local ? ee - lo : -1;
-        return (int32_t)((m - w.ids) & 1u ? (uint64_t)id >> 32 : (uint64_t)id);
+        return (int32_t)((m - 2) & 1u ? (uint64_t)id >> 32 : (uint64_t)id);
     }
-    if (m < w.wts + w.K) return local ? __float_as_int(ww) : 0;
+    if (m < 2 + 3 * K) return local ? __float_as_int(ww) : 0;
     return 0;
 }
 
@@ -237,7 +215,7 @@ __device__ __forceinline__ int32_t meta_word(uint32_t m, const MetaWords &w, int
 template <TailParts P>
 __device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint8_t *const (&rec)[MAXR], uint64_t tok,
                                            uint32_t lane, uint64_t scales_off, uint32_t nsc, uint32_t nch, bool vec) {
-    const MetaWords mw = meta_words(a);
+    const uint32_t K = (uint32_t)a.num_topk;
     const int64_t L = (int64_t)a.num_local_experts;
     const uint32_t n = P == TAIL_SCALES ? nsc : nch;
     for (uint32_t q0 = 0; q0 < n; q0 += 32) {
@@ -247,7 +225,9 @@ __device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint
         float ww[4];
 #pragma unroll
         for (uint32_t i = 0; i < 4; ++i) {
-            const uint32_t j = meta_entry(q >= nsc ? 4u * (q - nsc) + i : 0u, mw);
+            // The entry of meta word m: id j = (m - 2) / 2, or weight j = m - 2 - 2K.
+            const uint32_t m = q >= nsc ? 4u * (q - nsc) + i : 0u;
+            const uint32_t j = m < 2 ? 0u : m < 2 + 2 * K ? (m - 2) >> 1 : m - 2 - 2 * K;
             ee[i] = __shfl_sync(0xffffffffu, t.e, j & 31u);
             ww[i] = __shfl_sync(0xffffffffu, t.wt, j & 31u);
         }
@@ -261,10 +241,10 @@ __device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint
             } else if (P == TAIL_ALL) {
                 const int64_t lo = (int64_t)d * L;
                 const uint32_t m = 4u * (q - nsc);
-                *dst = make_int4(meta_word(m, mw, (int32_t)tok, ee[0], ww[0], lo, L),
-                                 meta_word(m + 1, mw, (int32_t)tok, ee[1], ww[1], lo, L),
-                                 meta_word(m + 2, mw, (int32_t)tok, ee[2], ww[2], lo, L),
-                                 meta_word(m + 3, mw, (int32_t)tok, ee[3], ww[3], lo, L));
+                *dst = make_int4(meta_word(m, K, (int32_t)tok, ee[0], ww[0], lo, L),
+                                 meta_word(m + 1, K, (int32_t)tok, ee[1], ww[1], lo, L),
+                                 meta_word(m + 2, K, (int32_t)tok, ee[2], ww[2], lo, L),
+                                 meta_word(m + 3, K, (int32_t)tok, ee[3], ww[3], lo, L));
             } else if (q == nsc) {
                 *(int2 *)dst = make_int2((int32_t)tok, 0);
             }
@@ -470,84 +450,61 @@ __device__ __forceinline__ uint32_t holders(int32_t my_row, uint32_t R, const ui
 
 // ---- layout ------------------------------------------------------------------------------------
 
-// get_dispatch_layout (spec §1.7) of one rank: one thread-block cluster of EP_LAYOUT_BLOCKS
-// blocks. Each block counts its tokens into its own shared histogram (ranks, then experts); after
-// the cluster barrier each block sums a slice of every block's histogram through distributed
-// shared memory and stores the totals, so the outputs need no zeroing and take no global atomic
-// (the host's memset and a self-zeroing tail each cost the call a serial step). An expert id
-// outside [-1, E) is an error record, never a write.
-#define LAYOUT_TPT 2  // tokens per thread and pass, every id of them loaded before any is used
+// get_dispatch_layout (spec §1.7) of one rank. The host zeroes num_tokens_per_rank and
+// num_tokens_per_expert first. An expert id outside [-1, E) is an error record, never a write.
+#define LAYOUT_SMEM_EXPERTS 4096
 
-extern "C" __global__ void __cluster_dims__(EP_LAYOUT_BLOCKS, 1, 1) __launch_bounds__(NT)
-    ep_normal_layout(const Args a) {
-    __shared__ int32_t s_cnt[MAXR + MAXR * EP_MAX_LOCAL_EXPERTS];  // [R] ranks, then [E] experts
+extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) {
+    __shared__ int32_t s_rank[MAXR];
+    __shared__ int32_t s_expert[LAYOUT_SMEM_EXPERTS];  // per-block histogram (E <= 4096)
     const uint32_t R = (uint32_t)a.num_ranks, K = (uint32_t)a.num_topk, L = (uint32_t)a.num_local_experts;
-    const uint32_t E = (uint32_t)a.num_experts, n = R + E, tid = threadIdx.x;
-    for (uint32_t i = tid; i < n; i += NT) s_cnt[i] = 0;
+    const uint32_t E = (uint32_t)a.num_experts;
+    const bool local_hist = E <= LAYOUT_SMEM_EXPERTS;
+    if (threadIdx.x < MAXR) s_rank[threadIdx.x] = 0;
+    if (local_hist)
+        for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) s_expert[e] = 0;
     __syncthreads();
-    int32_t *s_rank = s_cnt, *s_expert = s_cnt + R;
     const int64_t *topk = (const int64_t *)a.topk_idx;
+    int32_t *per_expert = (int32_t *)a.num_tokens_per_expert;
     uint8_t *in_rank = (uint8_t *)a.is_token_in_rank;
     // Warp-uniform trip count (the rank counts below are one ballot per warp).
-    for (uint64_t base = (uint64_t)blockIdx.x * NT * LAYOUT_TPT; base < a.num_tokens;
-         base += (uint64_t)EP_LAYOUT_BLOCKS * NT * LAYOUT_TPT) {
-        uint32_t mask[LAYOUT_TPT];
-#pragma unroll
-        for (uint32_t j = 0; j < LAYOUT_TPT; ++j) mask[j] = 0;
+    for (uint64_t base = (uint64_t)blockIdx.x * blockDim.x; base < a.num_tokens;
+         base += (uint64_t)gridDim.x * blockDim.x) {
+        const uint64_t t = base + threadIdx.x;
+        const bool valid = t < a.num_tokens;
+        uint32_t mask = 0;
+        // A token's ids loaded 8 at a time before any is used (one round trip, not K).
         for (uint32_t k0 = 0; k0 < K; k0 += 8) {
-            int64_t ev[LAYOUT_TPT][8];
+            int64_t ev[8];
 #pragma unroll
-            for (uint32_t j = 0; j < LAYOUT_TPT; ++j) {
-                const uint64_t t = base + j * NT + tid;
+            for (uint32_t q = 0; q < 8; ++q) ev[q] = valid && k0 + q < K ? topk[t * K + k0 + q] : -1;
 #pragma unroll
-                for (uint32_t q = 0; q < 8; ++q) ev[j][q] = t < a.num_tokens && k0 + q < K ? topk[t * K + k0 + q] : -1;
-            }
-#pragma unroll
-            for (uint32_t j = 0; j < LAYOUT_TPT; ++j) {
-#pragma unroll
-                for (uint32_t q = 0; q < 8; ++q) {
-                    const int64_t e = ev[j][q];
-                    if (e == -1) continue;
-                    if (e < -1 || e >= (int64_t)E) {
-                        const uint64_t t = base + j * NT + tid;
-                        ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LAYOUT, a.rank, 0, 0,
-                                (uint64_t)e, t * K + k0 + q);
-                        continue;
-                    }
-                    atomicAdd(&s_expert[e], 1);
-                    mask[j] |= 1u << (uint32_t)(e / L);
+            for (uint32_t q = 0; q < 8; ++q) {
+                const int64_t e = ev[q];
+                if (e == -1) continue;
+                if (e < -1 || e >= (int64_t)E) {
+                    ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LAYOUT, a.rank, 0, 0,
+                            (uint64_t)e, t * K + k0 + q);
+                    continue;
                 }
+                atomicAdd(local_hist ? &s_expert[e] : &per_expert[e], 1);
+                mask |= 1u << (uint32_t)(e / L);
             }
         }
-#pragma unroll
-        for (uint32_t j = 0; j < LAYOUT_TPT; ++j) {
-            const uint64_t t = base + j * NT + tid;
-            for (uint32_t d = 0; d < R; ++d) {
-                const uint32_t bit = (mask[j] >> d) & 1u;
-                if (t < a.num_tokens) in_rank[t * R + d] = (uint8_t)bit;
-                // One shared atomic per warp and rank (every thread of a block adds to the same
-                // R words: per-thread atomics there serialize).
-                const uint32_t bal = __ballot_sync(0xffffffffu, bit);
-                if ((tid & 31u) == 0 && bal != 0) atomicAdd(&s_rank[d], (int32_t)__popc(bal));
-            }
+        for (uint32_t d = 0; d < R; ++d) {
+            const uint32_t bit = (mask >> d) & 1u;
+            if (valid) in_rank[t * R + d] = (uint8_t)bit;
+            // One shared atomic per warp and rank (every thread of a block adds to the same R
+            // words: per-thread atomics there serialize).
+            const uint32_t bal = __ballot_sync(0xffffffffu, bit);
+            if ((threadIdx.x & 31u) == 0 && bal != 0) atomicAdd(&s_rank[d], (int32_t)__popc(bal));
         }
     }
-    ep_cluster_sync();  // every block's histogram is complete and visible to the cluster
-    cg::cluster_group cluster = cg::this_cluster();
-    int32_t *per_rank = (int32_t *)a.num_tokens_per_rank, *per_expert = (int32_t *)a.num_tokens_per_expert;
-    for (uint32_t i = blockIdx.x * NT + tid; i < n; i += EP_LAYOUT_BLOCKS * NT) {
-        int32_t v[EP_LAYOUT_BLOCKS];  // every block's count loaded before any is added
-#pragma unroll
-        for (uint32_t b = 0; b < EP_LAYOUT_BLOCKS; ++b) v[b] = *cluster.map_shared_rank(&s_cnt[i], b);
-        int32_t sum = 0;
-#pragma unroll
-        for (uint32_t b = 0; b < EP_LAYOUT_BLOCKS; ++b) sum += v[b];
-        if (i < R)
-            per_rank[i] = sum;
-        else
-            per_expert[i - R] = sum;
-    }
-    ep_cluster_sync();  // no block's shared memory goes while another block still reads it
+    __syncthreads();
+    if (threadIdx.x < R) atomicAdd(&((int32_t *)a.num_tokens_per_rank)[threadIdx.x], s_rank[threadIdx.x]);
+    if (local_hist)
+        for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
+            if (s_expert[e]) atomicAdd(&per_expert[e], s_expert[e]);
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------

@@ -923,8 +923,12 @@ impl NormalGroup {
                 )));
             }
             self.keep(Some(t));
-            // Both counts in one allocation; the kernel stores every word (no zeroing first).
+            // Both counts in one allocation, zeroed by one memset (each stream operation before
+            // the kernel costs the call a launch gap).
             let counts = self.alloc(s, DType::I32, 1, r + num_experts)?;
+            counts
+                .buffer()
+                .memset_async(&self.ranks[s].stream, 0, 0, 4 * (r + num_experts))?;
             let buf = counts.buffer().clone();
             let per_rank = DevTensor::strided(buf.clone(), 0, DType::I32, 1, r, 4 * r as u64)?;
             let per_expert = DevTensor::strided(
@@ -945,8 +949,8 @@ impl NormalGroup {
             a.num_tokens_per_rank = per_rank.ptr();
             a.num_tokens_per_expert = per_expert.ptr();
             a.is_token_in_rank = in_rank.ptr();
-            // One cluster, whatever the token count (its blocks loop over the tokens).
-            self.launch(s, Kernel::Layout, abi::EP_LAYOUT_BLOCKS as u32, &a)?;
+            let blocks = (t.rows() as u32).div_ceil(THREADS).clamp(1, 132);
+            self.launch(s, Kernel::Layout, blocks, &a)?;
             out.push(GpuLayout {
                 num_tokens_per_rank: per_rank,
                 num_tokens_per_expert: per_expert,
