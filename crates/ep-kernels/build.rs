@@ -479,7 +479,8 @@ fn protocol_rules(out: &Path, manifest: &Path) {
          #ifndef EP_PROTOCOL_CONSTANTS_H\n#define EP_PROTOCOL_CONSTANTS_H\n\
          #define EP_WORD_STRIDE {}u\n#define EP_MAX_CHANNELS {}u\n#define EP_MAX_LOCAL_EXPERTS {}u\n\
          #define EP_LL_MAX_TOPK {}u\n#define EP_LL_META_ENTRY_BYTES {}u\n#define EP_REGION_ALIGN {}u\n\
-         #define EP_LL_SIGNAL_QP {}u\n#endif\n",
+         #define EP_LL_SIGNAL_QP {}u\n#define EP_ROW_META_PAIR_BYTES {}u\n\
+         #define EP_ROW_TOPK_ID_BYTES {}u\n#define EP_ROW_TOPK_WEIGHT_BYTES {}u\n#endif\n",
         l::WORD_STRIDE,
         l::MAX_CHANNELS,
         l::MAX_LOCAL_EXPERTS,
@@ -487,6 +488,9 @@ fn protocol_rules(out: &Path, manifest: &Path) {
         l::LL_META_ENTRY_BYTES,
         l::REGION_ALIGN,
         l::LL_SIGNAL_QP,
+        l::ROW_META_PAIR_BYTES,
+        l::ROW_TOPK_ID_BYTES,
+        l::ROW_TOPK_WEIGHT_BYTES,
     );
     std::fs::write(out.join("ep_protocol_constants.h"), constants).expect("write constants header");
     let shim = out.join("ep_protocol_shim.cc");

@@ -194,19 +194,35 @@ __device__ __forceinline__ TailSrc tail_load(const Args &a, uint64_t tok, uint32
 // dispatch with top-k all of it.
 enum TailParts { TAIL_SCALES, TAIL_META, TAIL_ALL };
 
-// Word m of the tail's meta part (the meta pair, then K ids as lo/hi words, then K weights) on
-// destination d, whose local experts are [lo, lo + L): (ee, ww) is the entry that word comes from.
+// The tail's meta part in 4-byte words, from ep_protocol.cuh's field sizes (folded at compile
+// time: the per-row, per-destination loop below cannot afford run-time offsets, BENCHMARKS.md
+// 2026-12-06): the meta pair, then K ids of ID_WORDS words (lo, hi), then K weights of one word.
+constexpr uint32_t META_PAIR_WORDS = EP_ROW_META_PAIR_BYTES / 4u;
+constexpr uint32_t META_ID_WORDS = EP_ROW_TOPK_ID_BYTES / 4u;
+static_assert(META_PAIR_WORDS * 4u == EP_ROW_META_PAIR_BYTES && META_ID_WORDS == 2u &&
+                  EP_ROW_TOPK_WEIGHT_BYTES == 4u,
+              "tail_store packs i64 ids as two words and f32 weights as one");
+
+// Word m of the tail's meta part on destination d, whose local experts are [lo, lo + L): (ee,
+// ww) is the entry that word comes from (meta_entry).
 __device__ __forceinline__ int32_t meta_word(uint32_t m, uint32_t K, int32_t tok, int64_t ee, float ww, int64_t lo,
                                              int64_t L) {
     const bool local = ee >= lo && ee < lo + L;
-    if (m == 0) return tok;
-    if (m < 2) return 0;
-    if (m < 2 + 2 * K) {
+    if (m == 0) return tok;  // src_idx, the pair's first word; its second is zero
+    if (m < META_PAIR_WORDS) return 0;
+    if (m < META_PAIR_WORDS + META_ID_WORDS * K) {
         const int64_t id = local ? ee - lo : -1;
-        return (int32_t)((m - 2) & 1u ? (uint64_t)id >> 32 : (uint64_t)id);
+        return (int32_t)((m - META_PAIR_WORDS) & 1u ? (uint64_t)id >> 32 : (uint64_t)id);
     }
-    if (m < 2 + 3 * K) return local ? __float_as_int(ww) : 0;
+    if (m < META_PAIR_WORDS + (META_ID_WORDS + 1u) * K) return local ? __float_as_int(ww) : 0;
     return 0;
+}
+
+// The top-k entry whose id or weight meta word m holds (0 for the pair and the padding).
+__device__ __forceinline__ uint32_t meta_entry(uint32_t m, uint32_t K) {
+    return m < META_PAIR_WORDS                    ? 0u
+           : m < META_PAIR_WORDS + META_ID_WORDS * K ? (m - META_PAIR_WORDS) >> 1
+                                                   : m - META_PAIR_WORDS - META_ID_WORDS * K;
 }
 
 // Stores the tail of token `tok` (loaded by tail_load) to every non-null rec[d]: chunk
@@ -225,9 +241,8 @@ __device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint
         float ww[4];
 #pragma unroll
         for (uint32_t i = 0; i < 4; ++i) {
-            // The entry of meta word m: id j = (m - 2) / 2, or weight j = m - 2 - 2K.
             const uint32_t m = q >= nsc ? 4u * (q - nsc) + i : 0u;
-            const uint32_t j = m < 2 ? 0u : m < 2 + 2 * K ? (m - 2) >> 1 : m - 2 - 2 * K;
+            const uint32_t j = meta_entry(m, K);
             ee[i] = __shfl_sync(0xffffffffu, t.e, j & 31u);
             ww[i] = __shfl_sync(0xffffffffu, t.wt, j & 31u);
         }

@@ -107,13 +107,14 @@ EP_HD uint64_t ep_row_meta_offset(uint64_t hidden, uint64_t elem_bytes, uint64_t
     return ep_row_scales_offset(hidden, elem_bytes) + ep_align16(4u * num_scales);
 }
 EP_HD uint64_t ep_row_topk_idx_offset(uint64_t hidden, uint64_t elem_bytes, uint64_t num_scales) {
-    return ep_row_meta_offset(hidden, elem_bytes, num_scales) + 8u;
+    return ep_row_meta_offset(hidden, elem_bytes, num_scales) + EP_ROW_META_PAIR_BYTES;
 }
 EP_HD uint64_t ep_row_topk_weights_offset(uint64_t hidden, uint64_t elem_bytes, uint64_t num_scales, uint64_t k) {
-    return ep_row_topk_idx_offset(hidden, elem_bytes, num_scales) + 8u * k;
+    return ep_row_topk_idx_offset(hidden, elem_bytes, num_scales) + EP_ROW_TOPK_ID_BYTES * k;
 }
 EP_HD uint64_t ep_row_dispatch_record(uint64_t hidden, uint64_t elem_bytes, uint64_t num_scales, uint64_t k) {
-    return ep_row_meta_offset(hidden, elem_bytes, num_scales) + ep_align16(8u + 12u * k);
+    return ep_row_meta_offset(hidden, elem_bytes, num_scales) +
+           ep_align16(EP_ROW_META_PAIR_BYTES + (EP_ROW_TOPK_ID_BYTES + EP_ROW_TOPK_WEIGHT_BYTES) * k);
 }
 EP_HD uint64_t ep_row_combine_record(uint64_t hidden, uint64_t k) { return ep_align16(2u * hidden) + ep_align16(4u * k); }
 

@@ -18,6 +18,13 @@ pub const LL_MAX_TOPK: usize = 11;
 pub const LL_META_ENTRY_BYTES: u64 = 8;
 /// Alignment of allocations and regions.
 pub const REGION_ALIGN: u64 = 128;
+/// Bytes of a normal dispatch record's meta pair (`src_idx` i32, pad i32), the first field of
+/// its meta part.
+pub const ROW_META_PAIR_BYTES: u64 = 8;
+/// Bytes of one `topk_idx` entry (i64) in a normal dispatch record.
+pub const ROW_TOPK_ID_BYTES: u64 = 8;
+/// Bytes of one `topk_weights` entry (f32) in a normal dispatch record.
+pub const ROW_TOPK_WEIGHT_BYTES: u64 = 4;
 
 /// `x` rounded up to a multiple of 16.
 #[must_use]
@@ -247,21 +254,26 @@ impl RowFormat {
     pub fn meta_offset(self) -> u64 {
         self.scales_offset() + align16(4 * self.num_scales as u64)
     }
-    /// Offset of the `topk_idx` field (`i64 ×K`) in a dispatch record: `meta_offset + 8`.
+    /// Offset of the `topk_idx` field (`i64 ×K`) in a dispatch record: `meta_offset + 8`
+    /// ([`ROW_META_PAIR_BYTES`]).
     #[must_use]
     pub fn topk_idx_offset(self) -> u64 {
-        self.meta_offset() + 8
+        self.meta_offset() + ROW_META_PAIR_BYTES
     }
     /// Offset of the `topk_weights` field (`f32 ×K`) in a dispatch record:
     /// `meta_offset + 8 + 8K`.
     #[must_use]
     pub fn topk_weights_offset(self) -> u64 {
-        self.topk_idx_offset() + 8 * self.num_topk as u64
+        self.topk_idx_offset() + ROW_TOPK_ID_BYTES * self.num_topk as u64
     }
     /// Dispatch record bytes `drec = a16(H·elt) + a16(4S) + a16(8 + 12K)`.
     #[must_use]
     pub fn dispatch_record(self) -> u64 {
-        self.meta_offset() + align16(8 + 12 * self.num_topk as u64)
+        self.meta_offset()
+            + align16(
+                ROW_META_PAIR_BYTES
+                    + (ROW_TOPK_ID_BYTES + ROW_TOPK_WEIGHT_BYTES) * self.num_topk as u64,
+            )
     }
     /// Combine record bytes `yrec = a16(2H) + a16(4K)`.
     #[must_use]
