@@ -20,7 +20,7 @@ use common::{
 };
 use ep_core::workload::Routing;
 use ep_kernels::Error;
-use ep_kernels::gpu::{DevTensor, Device, GpuDispatchArgs, NormalGroup};
+use ep_kernels::gpu::{DType, DevTensor, Device, GpuDispatchArgs, NormalGroup};
 
 fn device() -> Arc<Device> {
     device_at(0)
@@ -76,6 +76,64 @@ fn co_resident_ranks_equal_the_plan() {
         let mut g = group(&dev, c);
         let d = run_case(&mut g, c);
         eprintln!("ok: {c:?} digest of rank 0 {}", d[0]);
+    }
+}
+
+/// The layout kernel's other paths: more experts than its shared histogram holds (global
+/// atomics), odd top-k (no 16-byte loads), 32 columns (16 lanes a token), and ids at an address
+/// that is 8- but not 16-byte aligned; each compared with the host's layout.
+#[test]
+#[ignore = "needs a GPU: run by scripts/gpu-run.sh"]
+fn layouts_equal_the_plan_on_wide_experts_odd_top_k_and_misaligned_ids() {
+    use ep_core::plan::layout::get_dispatch_layout_for_rank;
+    let dev = device();
+    for (i, &(r, tokens, k, experts, misaligned)) in [
+        (8, 777, 5, 8 * 640, false),
+        (2, 1000, 8, 256, true),
+        (2, 513, 32, 64, false),
+        (4, 300, 7, 4 * 1024, true),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut c = Case::new(r, tokens, 256, k, experts);
+        c.seed = 900 + i as u64;
+        c.routing = if i % 2 == 0 {
+            Routing::Zipf { exponent: 1.1 }
+        } else {
+            Routing::Uniform
+        };
+        let mut g = group(&dev, &c);
+        let inputs = inputs_of(&c);
+        let ids: Vec<DevTensor> = inputs
+            .iter()
+            .map(|inp| {
+                let t = &inp.topk_idx;
+                let off = if misaligned { 8 } else { 0 };
+                let d = DevTensor::empty(dev.context(), DType::U8, 1, off + 8 * t.rows() * t.cols())
+                    .unwrap();
+                // The padding before the ids poisoned (an id read from it would be out of range).
+                let mut bytes = vec![0xa5u8; off];
+                bytes.extend(t.data().iter().flat_map(|e| e.to_le_bytes()));
+                d.buffer().write(0, &bytes).unwrap();
+                DevTensor::strided(
+                    d.buffer().clone(),
+                    off as u64,
+                    DType::I64,
+                    t.rows(),
+                    t.cols(),
+                    8 * t.cols() as u64,
+                )
+                .unwrap()
+            })
+            .collect();
+        let idx: Vec<&DevTensor> = ids.iter().collect();
+        let glay = g.layout(&idx, experts).unwrap();
+        g.sync().unwrap();
+        for (s, l) in glay.iter().enumerate() {
+            let want = get_dispatch_layout_for_rank(s, &inputs[s].topk_idx, experts, r).unwrap();
+            assert_eq!(common::host_layout(l), want, "layout of rank {s}, case {i}: {c:?}");
+        }
     }
 }
 

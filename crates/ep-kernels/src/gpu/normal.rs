@@ -949,7 +949,10 @@ impl NormalGroup {
             a.num_tokens_per_rank = per_rank.ptr();
             a.num_tokens_per_expert = per_expert.ptr();
             a.is_token_in_rank = in_rank.ptr();
-            let blocks = (t.rows() as u32).div_ceil(THREADS).clamp(1, 132);
+            // The kernel reads a token's ids with P lanes (its layout_lanes: the least power of
+            // two with 2P >= K) and covers any grid; this one gives each lane one pass.
+            let lanes = t.cols().div_ceil(2).next_power_of_two() as u64;
+            let blocks = (t.rows() as u64 * lanes).div_ceil(u64::from(THREADS)).clamp(1, 132) as u32;
             self.launch(s, Kernel::Layout, blocks, &a)?;
             out.push(GpuLayout {
                 num_tokens_per_rank: per_rank,
