@@ -819,9 +819,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     block_tokens(a, c, h, &t0, &t1, &mid);
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
     stamp(a, 0);
-    // The block's first rows into L2 while the offsets are exchanged: its first copies then
-    // load from L2, not HBM (the wait itself is not shortened; what follows it is).
-    prefetch_l2((const uint8_t *)a.x + (uint64_t)t0 * a.x_bytes, (uint64_t)(t1 - t0) * a.x_bytes);
     if (tid == 0) s_ok = 1;
     if (tid < MAXR) s_before[tid] = s_chan[tid] = 0;
     __syncthreads();
@@ -836,8 +833,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     }
     stamp(a, 15);
     // 1. Offsets: the count exchange, or the handle plus the ready handshake.
+    // The block's first rows into L2 while the offsets are exchanged: its first copies then load
+    // from L2, not HBM (the wait is not shortened; what follows it is). After the block's own
+    // loads (its count, block 0's notify), whose requests would otherwise queue behind these.
+    const uint8_t *x_block = (const uint8_t *)a.x + (uint64_t)t0 * a.x_bytes;
+    const uint64_t x_block_bytes = (uint64_t)(t1 - t0) * a.x_bytes;
     if (!cached) {
         if (blockIdx.x == 0) notify(a, k);
+        prefetch_l2(x_block, x_block_bytes);
         // Sender step 1 (§2.3): notify[p][s'] of every s' (which also lets this call's rows into
         // s'), then the first R counts of every record's head: this rank's block start on each
         // d, and the rows each d receives (every block refuses an overflow alike; block 0's
@@ -875,6 +878,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
             ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_ready(R, me)), k);
             TRACE_RELEASE(tid, ep_normal_ready(R, me), k);
         }
+        prefetch_l2(x_block, x_block_bytes);
         if (tid < R) {
             uint64_t off = ep_normal_ready(R, tid);
             if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off))
@@ -1249,8 +1253,13 @@ extern "C" __global__ void ep_flag_pingpong(const Args a) {
 
 // Spins for `timeout_ns` of %globaltimer: a gate that holds every rank's stream until the host
 // has enqueued all of a timed call, so the ranks start together.
+// The timing gate (gpu/gate.rs): holds its stream until the host-mapped word at `mailbox`
+// reaches `call` (the host opens it once every rank's work is enqueued) or `timeout_ns` passed
+// (a bound); with mailbox 0, for timeout_ns.
 extern "C" __global__ void ep_spin(const Args a) {
     const uint64_t t0 = ep_now_ns();
+    const uint64_t *word = (const uint64_t *)a.mailbox;
     while (ep_now_ns() - t0 < a.timeout_ns) {
+        if (word != nullptr && ep_ld_volatile(word) >= a.call) break;
     }
 }

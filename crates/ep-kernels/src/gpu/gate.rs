@@ -1,6 +1,7 @@
-//! Timing several ranks' streams from one moment: a gate stream runs a short spin, every rank's
-//! stream waits for it and records its start event behind it, so the host can enqueue every
-//! rank's work before any of it starts; end events and elapsed times per rank.
+//! Timing several ranks' streams from one moment: a gate stream runs a spin, every rank's stream
+//! waits for it and records its start event behind it, and the host opens the gate (a
+//! host-mapped word the spin polls) once it has enqueued every rank's work, so that no rank
+//! starts before the host is done with the others; end events and elapsed times per rank.
 
 use std::sync::Arc;
 
@@ -9,16 +10,22 @@ use cudarc::driver::{CudaEvent, CudaStream, LaunchConfig, PushKernelArg};
 
 use super::abi::NormalArgs;
 use super::device::Device;
+use super::mem::HostMapped;
 use crate::error::{Error, Result};
 
-/// How long the gate holds the ranks back (ns): long enough for the host to enqueue a call on
-/// every rank.
-const HOLD_NS: u64 = 300_000;
+/// The longest the gate holds the ranks back (ns) when the host does not open it: a bound (a
+/// spin never waits unbounded), far above what enqueueing a call on every rank takes. A fixed
+/// 300 us hold let R = 8 ranks start up to ~500 us apart (the host had not enqueued the last
+/// rank's work when it ran out: BENCHMARKS.md, 2026-12-06).
+const MAX_HOLD_NS: u64 = 50_000_000;
 
 /// The gate stream of a group.
 #[derive(Debug)]
 pub(crate) struct Gate {
     stream: Arc<CudaStream>,
+    /// Host-mapped word the spin polls: the gate is open once it reaches the hold's ticket.
+    word: HostMapped<u64>,
+    ticket: u64,
 }
 
 impl Gate {
@@ -27,17 +34,31 @@ impl Gate {
             .context()
             .new_stream()
             .map_err(Error::cuda("cuStreamCreate"))?;
-        Ok(Self { stream })
+        Ok(Self {
+            stream,
+            word: HostMapped::new(dev.context())?,
+            ticket: 0,
+        })
     }
 
-    /// Holds every stream of `streams` behind the gate's spin; returns each one's start event.
+    /// Opens the gate of the last [`Gate::hold`]: every rank's work behind it starts. Call it
+    /// once the host has enqueued that work, and before the host waits on any of it.
+    pub(crate) fn open(&self) {
+        self.word.write(self.ticket);
+    }
+
+    /// Holds every stream of `streams` behind the gate's spin until [`Gate::open`] (or
+    /// `MAX_HOLD_NS`); returns each one's start event.
     pub(crate) fn hold<'a>(
-        &self,
+        &mut self,
         dev: &Device,
         streams: impl IntoIterator<Item = &'a Arc<CudaStream>>,
     ) -> Result<Vec<CudaEvent>> {
+        self.ticket += 1;
         let spin = NormalArgs {
-            timeout_ns: HOLD_NS,
+            timeout_ns: MAX_HOLD_NS,
+            mailbox: self.word.dev_ptr(),
+            call: self.ticket,
             ..NormalArgs::default()
         };
         let mut b = self.stream.launch_builder(&dev.normal.spin);
@@ -47,7 +68,8 @@ impl Gate {
             block_dim: (1, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: ep_spin reads only its argument and the clock.
+        // SAFETY: ep_spin reads only its argument, the clock and `word` (host-mapped, alive as
+        // long as self; the stream is synchronised before the gate is dropped with its group).
         unsafe { b.launch(cfg) }.map_err(Error::cuda("cuLaunchKernel(ep_spin)"))?;
         let open = self
             .stream
@@ -61,6 +83,14 @@ impl Gate {
                     .map_err(Error::cuda("cuEventRecord"))
             })
             .collect()
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        // The spin must not outlive the word it polls.
+        self.open();
+        let _ = self.stream.synchronize();
     }
 }
 

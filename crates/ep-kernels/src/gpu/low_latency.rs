@@ -814,6 +814,8 @@ impl LlGroup {
     }
 
     fn sync_streams(&self) -> Result<()> {
+        // Work behind a closed timing gate would only start when the gate ran out.
+        self.open_gate();
         for r in &self.ranks {
             r.stream
                 .synchronize()
@@ -1676,6 +1678,14 @@ impl LlGroup {
         Ok(out)
     }
 
+    /// Opens the timing gate, if one holds the streams: [`Self::timed`] after its closure, and
+    /// any call that is about to wait on the device (its work must not stay behind the gate).
+    pub(crate) fn open_gate(&self) {
+        if let Some(g) = &self.gate {
+            g.open();
+        }
+    }
+
     /// Runs `f`, which enqueues work on every rank's stream, with every rank released at once
     /// behind a gate, and returns each rank's device time (seconds, CUDA events). With one rank
     /// per process it is collective: the processes meet at a barrier first.
@@ -1686,12 +1696,14 @@ impl LlGroup {
         if self.gate.is_none() {
             self.gate = Some(Gate::new(&self.dev)?);
         }
-        let starts = match &self.gate {
+        let starts = match &mut self.gate {
             Some(g) => g.hold(&self.dev, self.ranks.iter().map(|r| &r.stream))?,
             None => Vec::new(),
         };
-        let out = f(self)?;
-        let ends = record_ends(self.ranks.iter().map(|r| &r.stream))?;
+        let out = f(self);
+        let ends = record_ends(self.ranks.iter().map(|r| &r.stream));
+        self.open_gate();
+        let (out, ends) = (out?, ends?);
         self.sync()?;
         Ok((out, elapsed(&starts, &ends)?))
     }

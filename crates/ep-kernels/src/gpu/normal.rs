@@ -570,6 +570,8 @@ impl NormalGroup {
     }
 
     pub(crate) fn sync_streams(&self) -> Result<()> {
+        // Work behind a closed timing gate would only start when the gate ran out.
+        self.open_gate();
         for r in &self.ranks {
             r.stream
                 .synchronize()
@@ -1245,6 +1247,8 @@ impl NormalGroup {
         // tagged with the call number (no system fence orders them on the device).
         let mut recv = vec![(None, Vec::new()); n];
         if args.num_worst_tokens == 0 {
+            // Inside `timed`, the kernels are still behind the gate.
+            self.open_gate();
             let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
             for (s, slot) in recv.iter_mut().enumerate() {
                 let mut polls = 0u32;
@@ -1800,6 +1804,14 @@ impl NormalGroup {
         Ok(())
     }
 
+    /// Opens the timing gate, if one holds the streams: [`Self::timed`] after its closure, and
+    /// any call that is about to wait on the device (its work must not stay behind the gate).
+    pub(crate) fn open_gate(&self) {
+        if let Some(g) = &self.gate {
+            g.open();
+        }
+    }
+
     /// Runs `f`, which enqueues work on every local rank's stream, with every local rank
     /// released at the same moment (their streams wait behind a short spin on a gate stream while the host
     /// enqueues), and returns each rank's device time from that release to the end of its work,
@@ -1809,12 +1821,14 @@ impl NormalGroup {
         if self.gate.is_none() {
             self.gate = Some(Gate::new(&self.dev)?);
         }
-        let starts = match &self.gate {
+        let starts = match &mut self.gate {
             Some(g) => g.hold(&self.dev, self.ranks.iter().map(|r| &r.stream))?,
             None => Vec::new(),
         };
-        let out = f(self)?;
-        let ends = record_ends(self.ranks.iter().map(|r| &r.stream))?;
+        let out = f(self);
+        let ends = record_ends(self.ranks.iter().map(|r| &r.stream));
+        self.open_gate();
+        let (out, ends) = (out?, ends?);
         self.sync()?;
         Ok((out, elapsed(&starts, &ends)?))
     }
