@@ -7,7 +7,7 @@
 # kernel variants; buffer-normal: gpu_buffer alone); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
 # gpu_normal_procs); ll = the low-latency suite (both kernel variants); bench = `ep bench
 # --backend gpu` R = 2 BF16 and FP8 and R = 8, each with the canonical digest beside the
-# simulator's for the same flags; mps = gpu_normal_procs and `ep bench --procs 2` (DeepEP's
+# simulator's for the same flags; mps = gpu_normal_procs and `ep bench --procs 2`, BF16 and FP8 (DeepEP's
 # one-GPU configuration: 2 rank processes, 24 SMs each) under MPS, started for that step only;
 # criterion = benches/gpu (the public API, host wall-clock); llbench = `ep bench --mode
 # low-latency` at DeepEP's shape on variants (a) and (b), graphs, digest beside the simulator's;
@@ -105,6 +105,7 @@ for s in "${steps[@]}"; do
          if nvidia-cuda-mps-control -d; then
            tests gpu_normal_procs 120 gpu_normal_procs-mps
            step bench-procs2-mps 150 bundle/ep bench --backend gpu --procs 2 --ranks 2 --num-sms 24 --gpu-iters 20
+           step bench-procs2-mps-fp8 150 bundle/ep bench --backend gpu --procs 2 --ranks 2 --num-sms 24 --gpu-iters 20 --fp8
            echo quit | nvidia-cuda-mps-control
          else table+=("mps|MPS did not start|"); fi
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;

@@ -110,8 +110,9 @@ fn layouts_equal_the_plan_on_wide_experts_odd_top_k_and_misaligned_ids() {
             .map(|inp| {
                 let t = &inp.topk_idx;
                 let off = if misaligned { 8 } else { 0 };
-                let d = DevTensor::empty(dev.context(), DType::U8, 1, off + 8 * t.rows() * t.cols())
-                    .unwrap();
+                let d =
+                    DevTensor::empty(dev.context(), DType::U8, 1, off + 8 * t.rows() * t.cols())
+                        .unwrap();
                 // The padding before the ids poisoned (an id read from it would be out of range).
                 let mut bytes = vec![0xa5u8; off];
                 bytes.extend(t.data().iter().flat_map(|e| e.to_le_bytes()));
@@ -132,7 +133,11 @@ fn layouts_equal_the_plan_on_wide_experts_odd_top_k_and_misaligned_ids() {
         g.sync().unwrap();
         for (s, l) in glay.iter().enumerate() {
             let want = get_dispatch_layout_for_rank(s, &inputs[s].topk_idx, experts, r).unwrap();
-            assert_eq!(common::host_layout(l), want, "layout of rank {s}, case {i}: {c:?}");
+            assert_eq!(
+                common::host_layout(l),
+                want,
+                "layout of rank {s}, case {i}: {c:?}"
+            );
         }
     }
 }

@@ -488,6 +488,9 @@ struct SmRow {
     dispatch_phases_us: Vec<f64>,
     /// Combine likewise: y_ready acquired, rows reduced, pulled exchanged; whole kernel.
     combine_phases_us: Vec<f64>,
+    /// Host time to enqueue every local rank's call (median over all calls, warm-up included),
+    /// microseconds: cached dispatch, combine. Neither waits on the device.
+    host_enqueue_us: [f64; 2],
 }
 
 /// Median over blocks (of every rank) of the time from stamp `slots[i-1]` (0 first) to
@@ -910,14 +913,18 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         row.dispatch_with_layout = figure(&s, dispatch_bytes);
         row.layout_us = median(&lay_samples) * 1e6;
         // Cached dispatch.
+        let mut host_cached = Vec::new();
         let s = samples(total, warm, |it| {
             let i = it % n_sets;
             let ins = sets[i].inputs_without_topk();
             let hs: Vec<_> = handles[i].iter().map(|o| &o.handle).collect();
-            timed(g, "cached dispatch", |g| g.dispatch_cached(&ins, &hs))
+            let t = timed(g, "cached dispatch", |g| g.dispatch_cached(&ins, &hs))?;
+            host_cached.push(g.last_enqueue().as_secs_f64());
+            Ok(t)
         })?;
         row.cached = figure(&s, dispatch_bytes);
         // Combine: each set's rows must be in the arena, so dispatch the set (untimed) first.
+        let mut host_combine = Vec::new();
         let s = samples(total, warm, |it| {
             let i = it % n_sets;
             let out = g
@@ -925,9 +932,12 @@ pub fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                 .and_then(|o| g.sync().map(|()| o))
                 .map_err(gpu_err("dispatch before combine"))?;
             let ca = GpuCombineArgs::of_dispatch(&out);
-            timed(g, "combine", |g| g.combine(source, &ca))
+            let t = timed(g, "combine", |g| g.combine(source, &ca))?;
+            host_combine.push(g.last_enqueue().as_secs_f64());
+            Ok(t)
         })?;
         row.combine = figure(&s, bf16_bytes);
+        row.host_enqueue_us = [median(&host_cached) * 1e6, median(&host_combine) * 1e6];
         // Ceilings.
         let drec = fmt.dispatch_record();
         let s = samples(total, warm, |it| {
@@ -1099,6 +1109,10 @@ fn print_row(row: &SmRow, fp8: bool) {
         100.0 * ratio(row.ceiling_dispatch, row.cached),
     );
     println!("{}", combine_line(row));
+    println!(
+        "[gpu {} SMs/rank] host enqueue of every local rank's call (p50): cached dispatch {:.1} us, combine {:.1} us",
+        row.sms_per_rank, row.host_enqueue_us[0], row.host_enqueue_us[1]
+    );
 }
 
 /// The combine's figure line: its ratio to the same-run ceiling, or why there is none (after an

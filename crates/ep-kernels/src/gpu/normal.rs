@@ -338,6 +338,8 @@ pub struct NormalGroup {
     absent: Option<usize>,
     /// The gate of timed calls ([`NormalGroup::timed`]).
     gate: Option<Gate>,
+    /// Host time of the last [`NormalGroup::timed`] closure (enqueueing every local rank's work).
+    last_enqueue: Duration,
     /// Per rank: where the kernels stamp their phase times, when measuring.
     phase_times: Option<Vec<DevTensor>>,
     /// Tells graphs which group they were captured from.
@@ -522,6 +524,7 @@ impl NormalGroup {
             last: None,
             absent: None,
             gate: None,
+            last_enqueue: Duration::ZERO,
             phase_times: None,
             tracing: None,
             id: graph::next_group_id(),
@@ -954,7 +957,9 @@ impl NormalGroup {
             // The kernel reads a token's ids with P lanes (its layout_lanes: the least power of
             // two with 2P >= K) and covers any grid; this one gives each lane one pass.
             let lanes = t.cols().div_ceil(2).next_power_of_two() as u64;
-            let blocks = (t.rows() as u64 * lanes).div_ceil(u64::from(THREADS)).clamp(1, 132) as u32;
+            let blocks = (t.rows() as u64 * lanes)
+                .div_ceil(u64::from(THREADS))
+                .clamp(1, 132) as u32;
             self.launch(s, Kernel::Layout, blocks, &a)?;
             out.push(GpuLayout {
                 num_tokens_per_rank: per_rank,
@@ -1812,6 +1817,13 @@ impl NormalGroup {
         }
     }
 
+    /// Host time the last [`Self::timed`] closure took: enqueueing every local rank's work (and,
+    /// for a dispatch, the host's wait for num_recv), while the ranks' streams stood behind the
+    /// gate.
+    pub fn last_enqueue(&self) -> Duration {
+        self.last_enqueue
+    }
+
     /// Runs `f`, which enqueues work on every local rank's stream, with every local rank
     /// released at the same moment (their streams wait behind a short spin on a gate stream while the host
     /// enqueues), and returns each rank's device time from that release to the end of its work,
@@ -1825,7 +1837,9 @@ impl NormalGroup {
             Some(g) => g.hold(&self.dev, self.ranks.iter().map(|r| &r.stream))?,
             None => Vec::new(),
         };
+        let t0 = Instant::now();
         let out = f(self);
+        self.last_enqueue = t0.elapsed();
         let ends = record_ends(self.ranks.iter().map(|r| &r.stream));
         self.open_gate();
         let (out, ends) = (out?, ends?);
