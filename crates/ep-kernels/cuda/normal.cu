@@ -107,14 +107,19 @@ __device__ __forceinline__ void block_tokens(const Args &a, uint32_t c, uint32_t
     *mid_out = mid;
 }
 
-// Bytes of a dispatch block's first rows pulled into L2 while its offsets are exchanged (the
-// rows start ~5 us into the call; a block copies ~30-45 GB/s at 8-24 SMs: ~200 KB by then).
-#define PREFETCH_BYTES (192u * 1024u)
+// A dispatch block's first rows pulled into L2 while its offsets are exchanged (the rows start
+// ~5 us into the call): what the block would copy by then, ~5 us x the rank's copy rate (<= ~0.8
+// TB/s on one GPU) / its blocks, so PREFETCH_RANK_BYTES per rank over the grid, at most
+// PREFETCH_BLOCK_BYTES a block. More only queues in HBM ahead of the exchange's own loads
+// (192 KB a block at 64 SMs delayed the offsets ~2 us: BENCHMARKS.md, 2026-12-06).
+#define PREFETCH_RANK_BYTES (4u << 20)
+#define PREFETCH_BLOCK_BYTES (192u << 10)
 
-// Fire-and-forget L2 prefetch of the first min(bytes, PREFETCH_BYTES) of p: one request per
+// Fire-and-forget L2 prefetch of the first min(bytes, this block's share) of p: one request per
 // 128-byte line, spread over the block's threads (no thread waits for it).
 __device__ __forceinline__ void prefetch_l2(const uint8_t *p, uint64_t bytes) {
-    const uint64_t n = min(bytes, (uint64_t)PREFETCH_BYTES);
+    const uint64_t share = min((uint64_t)PREFETCH_BLOCK_BYTES, (uint64_t)PREFETCH_RANK_BYTES / gridDim.x);
+    const uint64_t n = min(bytes, share);
     for (uint64_t off = (uint64_t)threadIdx.x * 128u; off < n; off += (uint64_t)NT * 128u)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
 }
