@@ -9,7 +9,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 
 use super::abi::ErrBlock;
-use super::mem::HostMapped;
+use super::mem::{HostMapped, MemPool};
 use crate::error::{Error, Result};
 use crate::kernels;
 
@@ -47,6 +47,8 @@ pub struct Device {
     num_sms: usize,
     max_dynamic_smem: usize,
     pub(crate) err: HostMapped<ErrBlock>,
+    /// Where per-call outputs come from (memory kept mapped across calls).
+    pub(crate) pool: MemPool,
 }
 
 impl Device {
@@ -116,6 +118,7 @@ impl Device {
             .map_err(Error::cuda("cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))?
             as usize;
         let err = HostMapped::new(&ctx)?;
+        let pool = MemPool::new(&ctx)?;
         Ok(Arc::new(Self {
             ctx,
             normal,
@@ -125,6 +128,7 @@ impl Device {
             num_sms,
             max_dynamic_smem,
             err,
+            pool,
         }))
     }
 

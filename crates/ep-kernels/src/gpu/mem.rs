@@ -1,6 +1,6 @@
 //! Device and host-mapped memory owned by the backend: [`DevBuf`] (`cuMemAlloc`, so it can be
-//! exported with `cuIpcGetMemHandle`, unlike pool memory) and [`HostMapped`] (pinned host memory
-//! the kernels write: error records, mailboxes).
+//! exported with `cuIpcGetMemHandle`, unlike pool memory, or stream-ordered from a [`MemPool`])
+//! and [`HostMapped`] (pinned host memory the kernels write: error records, mailboxes).
 
 use std::sync::Arc;
 
@@ -76,6 +76,30 @@ impl DevBuf {
         // SAFETY: a stream-ordered allocation on a live stream of this context.
         let ptr = unsafe { result::malloc_async(stream.cu_stream(), bytes.max(16)) }
             .map_err(Error::cuda("cuMemAllocAsync"))?;
+        Ok(Self {
+            ctx,
+            ptr,
+            bytes,
+            stream: Some(stream.clone()),
+            owner: None,
+        })
+    }
+
+    /// `bytes` of stream-ordered device memory from `pool` (`cuMemAllocFromPoolAsync` on
+    /// `stream`, freed on it when dropped), as [`DevBuf::on_stream`] but from memory the pool
+    /// keeps mapped.
+    pub fn on_stream_in(pool: &MemPool, stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
+        let ctx = stream.context().clone();
+        ctx.bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: a stream-ordered allocation from a live pool of this context's device on a
+        // live stream of this context.
+        unsafe {
+            sys::cuMemAllocFromPoolAsync(&mut ptr, bytes.max(16), pool.pool, stream.cu_stream())
+        }
+        .result()
+        .map_err(Error::cuda("cuMemAllocFromPoolAsync"))?;
         Ok(Self {
             ctx,
             ptr,
@@ -207,6 +231,67 @@ impl Drop for DevBuf {
             // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once.
             None => self.ctx.record_err(unsafe { result::free_sync(self.ptr) }),
         }
+    }
+}
+
+/// A stream-ordered memory pool of one device that keeps what is freed into it (release
+/// threshold `u64::MAX`). The device's default pool has threshold 0: it hands its memory back at
+/// every synchronisation, so a per-call output of tens of MB (a combine's `[T, H]` rows) is
+/// mapped again on each call, on the host's critical path. A pool of its own leaves the
+/// process's default pool as the user set it.
+#[derive(Debug)]
+pub struct MemPool {
+    ctx: Arc<CudaContext>,
+    pool: sys::CUmemoryPool,
+}
+
+// SAFETY: a driver handle, used only through the driver (thread-safe) with the context bound.
+unsafe impl Send for MemPool {}
+// SAFETY: as above.
+unsafe impl Sync for MemPool {}
+
+impl MemPool {
+    /// A pool of device memory on `ctx`'s device.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        ctx.bind_to_thread()
+            .map_err(Error::cuda("cuCtxSetCurrent"))?;
+        // SAFETY: every field of CUmemPoolProps is an integer, a pointer or an array of bytes,
+        // for which zero is valid (no handle types, no size limit, no security attributes).
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = ctx.ordinal() as i32;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `props` is fully initialised; `pool` receives the handle.
+        unsafe { sys::cuMemPoolCreate(&mut pool, &props) }
+            .result()
+            .map_err(Error::cuda("cuMemPoolCreate"))?;
+        let out = Self {
+            ctx: ctx.clone(),
+            pool,
+        };
+        let mut keep: u64 = u64::MAX;
+        // SAFETY: the release threshold is a u64 attribute; `keep` outlives the call.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                out.pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&raw mut keep).cast(),
+            )
+        }
+        .result()
+        .map_err(Error::cuda("cuMemPoolSetAttribute(RELEASE_THRESHOLD)"))?;
+        Ok(out)
+    }
+}
+
+impl Drop for MemPool {
+    fn drop(&mut self) {
+        self.ctx.record_err(self.ctx.bind_to_thread());
+        // SAFETY: the pool is destroyed once; allocations still outstanding keep its memory
+        // until they are freed (the driver defers the release).
+        self.ctx
+            .record_err(unsafe { sys::cuMemPoolDestroy(self.pool) }.result());
     }
 }
 

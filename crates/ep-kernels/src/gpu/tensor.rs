@@ -118,6 +118,23 @@ impl DevTensor {
         Ok(Self::contiguous(buf, 0, dtype, rows, cols))
     }
 
+    /// A contiguous `[rows, cols]` tensor in stream-ordered memory of `stream` from `pool`
+    /// (uninitialised).
+    pub fn on_stream_in(
+        pool: &super::mem::MemPool,
+        stream: &Arc<cudarc::driver::CudaStream>,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        let buf = Arc::new(DevBuf::on_stream_in(
+            pool,
+            stream,
+            rows * cols * dtype.size(),
+        )?);
+        Ok(Self::contiguous(buf, 0, dtype, rows, cols))
+    }
+
     /// Bytes the view spans (from element `[0, 0]` to the end of the last row).
     pub fn span_bytes(&self) -> u64 {
         if self.rows == 0 {
