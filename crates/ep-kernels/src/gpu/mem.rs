@@ -70,36 +70,44 @@ impl DevBuf {
     /// device. Usable by work on `stream` (or ordered after it); not exportable to other
     /// processes.
     pub fn on_stream(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
-        let ctx = stream.context().clone();
-        ctx.bind_to_thread()
-            .map_err(Error::cuda("cuCtxSetCurrent"))?;
-        // SAFETY: a stream-ordered allocation on a live stream of this context.
-        let ptr = unsafe { result::malloc_async(stream.cu_stream(), bytes.max(16)) }
-            .map_err(Error::cuda("cuMemAllocAsync"))?;
-        Ok(Self {
-            ctx,
-            ptr,
-            bytes,
-            stream: Some(stream.clone()),
-            owner: None,
-        })
+        Self::stream_ordered(None, stream, bytes)
     }
 
-    /// `bytes` of stream-ordered device memory from `pool` (`cuMemAllocFromPoolAsync` on
-    /// `stream`, freed on it when dropped), as [`DevBuf::on_stream`] but from memory the pool
+    /// As [`DevBuf::on_stream`], from `pool` (`cuMemAllocFromPoolAsync`): memory the pool
     /// keeps mapped.
     pub fn on_stream_in(pool: &MemPool, stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
+        Self::stream_ordered(Some(pool), stream, bytes)
+    }
+
+    fn stream_ordered(
+        pool: Option<&MemPool>,
+        stream: &Arc<CudaStream>,
+        bytes: usize,
+    ) -> Result<Self> {
         let ctx = stream.context().clone();
         ctx.bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
-        let mut ptr: CUdeviceptr = 0;
-        // SAFETY: a stream-ordered allocation from a live pool of this context's device on a
-        // live stream of this context.
-        unsafe {
-            sys::cuMemAllocFromPoolAsync(&mut ptr, bytes.max(16), pool.pool, stream.cu_stream())
-        }
-        .result()
-        .map_err(Error::cuda("cuMemAllocFromPoolAsync"))?;
+        let ptr = match pool {
+            // SAFETY: a stream-ordered allocation on a live stream of this context.
+            None => unsafe { result::malloc_async(stream.cu_stream(), bytes.max(16)) }
+                .map_err(Error::cuda("cuMemAllocAsync"))?,
+            Some(pool) => {
+                let mut ptr: CUdeviceptr = 0;
+                // SAFETY: a stream-ordered allocation from a live pool of this context's device
+                // on a live stream of this context.
+                unsafe {
+                    sys::cuMemAllocFromPoolAsync(
+                        &mut ptr,
+                        bytes.max(16),
+                        pool.pool,
+                        stream.cu_stream(),
+                    )
+                }
+                .result()
+                .map_err(Error::cuda("cuMemAllocFromPoolAsync"))?;
+                ptr
+            }
+        };
         Ok(Self {
             ctx,
             ptr,
