@@ -49,6 +49,7 @@ pub(crate) const NORMAL_ARGS: Fields = &[
     ("mailbox", 0, "Host-mapped EpMailbox of this rank (num_recv and the expert list)."),
     ("err", 0, "Host-mapped EpErrBlock shared by the process's ranks."),
     ("timeout_ns", 0, "Bound of every wait (%globaltimer ns)."),
+    ("hold_ns", 0, "ep_spin (the timing gate): the least time it holds its stream (ns)."),
     ("dst_rows", 0, "Ceiling kernel: [T, R] i32 final rows (-1: not sent)."),
     ("phase_times", 0, "0, or [grid][EP_PHASE_SLOTS] u64 %globaltimer stamps per block (measurement)."),
     ("trace", 0, "Traced kernels (EP_TRACE): this rank's ep_trace_header, or 0 (record nothing)."),

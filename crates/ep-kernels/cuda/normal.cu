@@ -1258,13 +1258,12 @@ extern "C" __global__ void ep_flag_pingpong(const Args a) {
 
 // Spins for `timeout_ns` of %globaltimer: a gate that holds every rank's stream until the host
 // has enqueued all of a timed call, so the ranks start together.
-// The timing gate (gpu/gate.rs): holds its stream until the host-mapped word at `mailbox`
-// reaches `call` (the host opens it once every rank's work is enqueued) or `timeout_ns` passed
-// (a bound); with mailbox 0, for timeout_ns.
+// The timing gate (gpu/gate.rs): holds its stream at least `hold_ns`, then until the
+// host-mapped word at `mailbox` reaches `call` (the host opens it once every rank's work is
+// enqueued), at most `timeout_ns` in all (a bound); with mailbox 0, for timeout_ns.
 extern "C" __global__ void ep_spin(const Args a) {
     const uint64_t t0 = ep_now_ns();
     const uint64_t *word = (const uint64_t *)a.mailbox;
-    while (ep_now_ns() - t0 < a.timeout_ns) {
-        if (word != nullptr && ep_ld_volatile(word) >= a.call) break;
-    }
+    for (uint64_t dt = 0; dt < a.timeout_ns; dt = ep_now_ns() - t0)
+        if (dt >= a.hold_ns && word != nullptr && ep_ld_volatile(word) >= a.call) break;
 }

@@ -15,9 +15,14 @@ use crate::error::{Error, Result};
 
 /// The longest the gate holds the ranks back (ns) when the host does not open it: a bound (a
 /// spin never waits unbounded), far above what enqueueing a call on every rank takes. A fixed
-/// 300 us hold let R = 8 ranks start up to ~500 us apart (the host had not enqueued the last
-/// rank's work when it ran out: BENCHMARKS.md, 2026-12-06).
+/// 300 us hold alone let R = 8 ranks start up to ~500 us apart (the host had not enqueued the
+/// last rank's work when it ran out: BENCHMARKS.md, 2026-12-06).
 const MAX_HOLD_NS: u64 = 50_000_000;
+
+/// The least the gate holds the ranks back (ns), opened or not: time for the device to have
+/// fetched the launches the host just enqueued, so that a rank's kernel starts at the release
+/// and not a submission later (the figures before 2026-12-06 were all measured so).
+const MIN_HOLD_NS: u64 = 300_000;
 
 /// The gate stream of a group.
 #[derive(Debug)]
@@ -57,6 +62,7 @@ impl Gate {
         self.ticket += 1;
         let spin = NormalArgs {
             timeout_ns: MAX_HOLD_NS,
+            hold_ns: MIN_HOLD_NS,
             mailbox: self.word.dev_ptr(),
             call: self.ticket,
             ..NormalArgs::default()
