@@ -487,8 +487,7 @@ __device__ __forceinline__ uint32_t holders(int32_t my_row, uint32_t R, const ui
 // A token's K ids are read by P lanes (layout_lanes), two ids each — one 16-byte load when K is
 // even and the ids 16-byte aligned — so a warp's loads cover 32/P whole tokens contiguously (one
 // lane reading a token's K ids in K 8-byte loads touched 16 cache lines per load instruction);
-// the P lanes OR their destination masks by shuffles. Any grid covers every token (grid-stride);
-// the host sizes it at ceil(T·P / NT) blocks.
+// the P lanes OR their destination masks by shuffles. Any grid covers every token (grid-stride).
 #define LAYOUT_SMEM_EXPERTS 4096
 
 // Lanes per token: the least power of two P with 2P >= K (K <= 64 keeps P <= 32).
@@ -1256,8 +1255,6 @@ extern "C" __global__ void ep_flag_pingpong(const Args a) {
     if (a.rank == 0) *(volatile uint64_t *)a.combined_x = ep_now_ns() - start;
 }
 
-// Spins for `timeout_ns` of %globaltimer: a gate that holds every rank's stream until the host
-// has enqueued all of a timed call, so the ranks start together.
 // The timing gate (gpu/gate.rs): holds its stream at least `hold_ns`, then until the
 // host-mapped word at `mailbox` reaches `call` (the host opens it once every rank's work is
 // enqueued), at most `timeout_ns` in all (a bound); with mailbox 0, for timeout_ns.

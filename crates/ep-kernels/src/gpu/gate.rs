@@ -100,8 +100,21 @@ impl Drop for Gate {
     }
 }
 
+/// The end of a timed call: an end event on each stream, then the gate (if any) opened, also
+/// when recording failed (the streams must not wait for its bound).
+pub(crate) fn close<'a>(
+    gate: Option<&Gate>,
+    streams: impl IntoIterator<Item = &'a Arc<CudaStream>>,
+) -> Result<Vec<CudaEvent>> {
+    let ends = record_ends(streams);
+    if let Some(g) = gate {
+        g.open();
+    }
+    ends
+}
+
 /// An end event on each stream.
-pub(crate) fn record_ends<'a>(
+fn record_ends<'a>(
     streams: impl IntoIterator<Item = &'a Arc<CudaStream>>,
 ) -> Result<Vec<CudaEvent>> {
     streams

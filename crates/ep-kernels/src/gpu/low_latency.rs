@@ -31,7 +31,7 @@ pub use graph::LlGraph;
 
 use super::abi::{self, ErrBlock, LlArgs};
 use super::device::{Device, LlKernels};
-use super::gate::{Gate, elapsed, record_ends};
+use super::gate::{Gate, close, elapsed};
 use super::mem::DevBuf;
 use super::tensor::{DType, DevTensor};
 use super::trace::{TraceBufs, not_tracing};
@@ -1678,8 +1678,8 @@ impl LlGroup {
         Ok(out)
     }
 
-    /// Opens the timing gate, if one holds the streams: [`Self::timed`] after its closure, and
-    /// any call that is about to wait on the device (its work must not stay behind the gate).
+    /// Opens the timing gate, if one holds the streams: any call that is about to wait on the
+    /// device (its work must not stay behind the gate).
     pub(crate) fn open_gate(&self) {
         if let Some(g) = &self.gate {
             g.open();
@@ -1701,8 +1701,7 @@ impl LlGroup {
             None => Vec::new(),
         };
         let out = f(self);
-        let ends = record_ends(self.ranks.iter().map(|r| &r.stream));
-        self.open_gate();
+        let ends = close(self.gate.as_ref(), self.ranks.iter().map(|r| &r.stream));
         let (out, ends) = (out?, ends?);
         self.sync()?;
         Ok((out, elapsed(&starts, &ends)?))

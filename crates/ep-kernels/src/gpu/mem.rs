@@ -15,7 +15,7 @@ pub struct DevBuf {
     ctx: Arc<CudaContext>,
     ptr: CUdeviceptr,
     bytes: usize,
-    /// Stream-ordered memory (`cuMemAllocAsync`): freed on this stream.
+    /// Stream-ordered memory (`cuMemAllocFromPoolAsync`): freed on this stream.
     stream: Option<Arc<CudaStream>>,
     /// Memory another allocator owns (an NVSHMEM symmetric buffer): kept alive by this handle,
     /// released by its owner's drop, never by `cuMemFree`.
@@ -65,49 +65,22 @@ impl DevBuf {
         }
     }
 
-    /// `bytes` of stream-ordered device memory (`cuMemAllocAsync` on `stream`, freed on it when
-    /// dropped): for per-call tensors, whose allocation and release must not synchronise the
-    /// device. Usable by work on `stream` (or ordered after it); not exportable to other
-    /// processes.
-    pub fn on_stream(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
-        Self::stream_ordered(None, stream, bytes)
-    }
-
-    /// As [`DevBuf::on_stream`], from `pool` (`cuMemAllocFromPoolAsync`): memory the pool
-    /// keeps mapped.
-    pub fn on_stream_in(pool: &MemPool, stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
-        Self::stream_ordered(Some(pool), stream, bytes)
-    }
-
-    fn stream_ordered(
-        pool: Option<&MemPool>,
-        stream: &Arc<CudaStream>,
-        bytes: usize,
-    ) -> Result<Self> {
+    /// `bytes` of stream-ordered device memory from `pool` (`cuMemAllocFromPoolAsync` on
+    /// `stream`, freed on it when dropped): for per-call tensors, whose allocation and release
+    /// must not synchronise the device. Usable by work on `stream` (or ordered after it); not
+    /// exportable to other processes.
+    pub fn on_stream(pool: &MemPool, stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
         let ctx = stream.context().clone();
         ctx.bind_to_thread()
             .map_err(Error::cuda("cuCtxSetCurrent"))?;
-        let ptr = match pool {
-            // SAFETY: a stream-ordered allocation on a live stream of this context.
-            None => unsafe { result::malloc_async(stream.cu_stream(), bytes.max(16)) }
-                .map_err(Error::cuda("cuMemAllocAsync"))?,
-            Some(pool) => {
-                let mut ptr: CUdeviceptr = 0;
-                // SAFETY: a stream-ordered allocation from a live pool of this context's device
-                // on a live stream of this context.
-                unsafe {
-                    sys::cuMemAllocFromPoolAsync(
-                        &mut ptr,
-                        bytes.max(16),
-                        pool.pool,
-                        stream.cu_stream(),
-                    )
-                }
-                .result()
-                .map_err(Error::cuda("cuMemAllocFromPoolAsync"))?;
-                ptr
-            }
-        };
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: a stream-ordered allocation from a live pool of this context's device on a
+        // live stream of this context.
+        unsafe {
+            sys::cuMemAllocFromPoolAsync(&mut ptr, bytes.max(16), pool.pool, stream.cu_stream())
+        }
+        .result()
+        .map_err(Error::cuda("cuMemAllocFromPoolAsync"))?;
         Ok(Self {
             ctx,
             ptr,
@@ -231,7 +204,7 @@ impl Drop for DevBuf {
         // (and cuMemFree itself waits for work using the memory).
         self.ctx.record_err(self.ctx.bind_to_thread());
         match &self.stream {
-            // SAFETY: `ptr` came from cuMemAllocAsync on this stream and is freed once, after
+            // SAFETY: `ptr` came from cuMemAllocFromPoolAsync on this stream and is freed once, after
             // the work enqueued on it so far.
             Some(s) => self
                 .ctx

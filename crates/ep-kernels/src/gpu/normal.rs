@@ -43,7 +43,7 @@ use ep_core::routing::InputShapes;
 
 use super::abi::{self, ErrBlock, Mailbox, NormalArgs};
 use super::device::{Device, stream_fault};
-use super::gate::{Gate, elapsed, record_ends};
+use super::gate::{Gate, close, elapsed};
 use super::mem::{DevBuf, HostMapped};
 use super::peers::{self, Peer, Shape};
 use super::tensor::{DType, DevTensor};
@@ -954,9 +954,9 @@ impl NormalGroup {
             a.num_tokens_per_rank = per_rank.ptr();
             a.num_tokens_per_expert = per_expert.ptr();
             a.is_token_in_rank = in_rank.ptr();
-            // The kernel reads a token's ids with P lanes (its layout_lanes: the least power of
-            // two with 2P >= K) and covers any grid; this one gives each lane one pass.
-            let lanes = t.cols().div_ceil(2).next_power_of_two() as u64;
+            // Two ids a lane (the kernel's lanes per token round that up to a power of two, and
+            // its grid-stride loop covers whatever this grid leaves).
+            let lanes = t.cols().div_ceil(2) as u64;
             let blocks = (t.rows() as u64 * lanes)
                 .div_ceil(u64::from(THREADS))
                 .clamp(1, 132) as u32;
@@ -1809,8 +1809,8 @@ impl NormalGroup {
         Ok(())
     }
 
-    /// Opens the timing gate, if one holds the streams: [`Self::timed`] after its closure, and
-    /// any call that is about to wait on the device (its work must not stay behind the gate).
+    /// Opens the timing gate, if one holds the streams: any call that is about to wait on the
+    /// device (its work must not stay behind the gate).
     pub(crate) fn open_gate(&self) {
         if let Some(g) = &self.gate {
             g.open();
@@ -1825,8 +1825,8 @@ impl NormalGroup {
     }
 
     /// Runs `f`, which enqueues work on every local rank's stream, with every local rank
-    /// released at the same moment (their streams wait behind a short spin on a gate stream while the host
-    /// enqueues), and returns each rank's device time from that release to the end of its work,
+    /// released at the same moment (their streams wait behind a spin on a gate stream until the
+    /// host has enqueued), and returns each rank's device time from that release to the end of its work,
     /// in seconds (CUDA events).
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
         self.not_capturing("timed")?;
@@ -1840,8 +1840,7 @@ impl NormalGroup {
         let t0 = Instant::now();
         let out = f(self);
         self.last_enqueue = t0.elapsed();
-        let ends = record_ends(self.ranks.iter().map(|r| &r.stream));
-        self.open_gate();
+        let ends = close(self.gate.as_ref(), self.ranks.iter().map(|r| &r.stream));
         let (out, ends) = (out?, ends?);
         self.sync()?;
         Ok((out, elapsed(&starts, &ends)?))

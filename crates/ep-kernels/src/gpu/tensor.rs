@@ -107,28 +107,17 @@ impl DevTensor {
         Ok(Self::contiguous(Arc::new(buf), 0, dtype, rows, cols))
     }
 
-    /// A contiguous `[rows, cols]` tensor in stream-ordered memory of `stream` (uninitialised).
+    /// A contiguous `[rows, cols]` tensor in stream-ordered memory of `stream`, from `dev`'s
+    /// pool (uninitialised).
     pub fn on_stream(
+        dev: &super::device::Device,
         stream: &Arc<cudarc::driver::CudaStream>,
         dtype: DType,
         rows: usize,
         cols: usize,
     ) -> Result<Self> {
-        let buf = Arc::new(DevBuf::on_stream(stream, rows * cols * dtype.size())?);
-        Ok(Self::contiguous(buf, 0, dtype, rows, cols))
-    }
-
-    /// A contiguous `[rows, cols]` tensor in stream-ordered memory of `stream` from `pool`
-    /// (uninitialised).
-    pub fn on_stream_in(
-        pool: &super::mem::MemPool,
-        stream: &Arc<cudarc::driver::CudaStream>,
-        dtype: DType,
-        rows: usize,
-        cols: usize,
-    ) -> Result<Self> {
-        let buf = Arc::new(DevBuf::on_stream_in(
-            pool,
+        let buf = Arc::new(DevBuf::on_stream(
+            &dev.pool,
             stream,
             rows * cols * dtype.size(),
         )?);

@@ -319,9 +319,7 @@ impl NormalGroup {
         cols: usize,
     ) -> Result<DevTensor> {
         match &mut self.capture {
-            None => {
-                DevTensor::on_stream_in(&self.dev.pool, &self.ranks[rank].stream, dtype, rows, cols)
-            }
+            None => DevTensor::on_stream(&self.dev, &self.ranks[rank].stream, dtype, rows, cols),
             Some(cap) => {
                 let t = DevTensor::empty(self.dev.context(), dtype, rows, cols)?;
                 cap.keep.push(t.buffer().clone());
