@@ -516,6 +516,7 @@ uint64_t ep_shim_align128(uint64_t x) { return ep_align128(x); }
 void ep_shim_channel_range(uint64_t t, uint64_t c, uint64_t i, uint64_t *s, uint64_t *e) { ep_channel_range(t, c, i, s, e); }
 uint64_t ep_shim_parity(uint64_t call) { return ep_parity(call); }
 uint64_t ep_shim_epoch_word(uint64_t call) { return ep_epoch_word(call); }
+uint64_t ep_shim_counted(uint64_t call, uint32_t count) { return ep_counted(call, count); }
 uint64_t ep_shim_ll_encode(uint64_t call, uint32_t count) { return ep_ll_encode(call, count); }
 uint64_t ep_shim_ll_threshold(uint64_t call) { return ep_ll_threshold(call); }
 uint64_t ep_shim_ll_epoch(uint64_t v) { return ep_ll_epoch(v); }
@@ -527,12 +528,12 @@ uint64_t ep_shim_normal_done(uint64_t r, uint64_t s, uint64_t c) { return ep_nor
 uint64_t ep_shim_normal_pulled(uint64_t r, uint64_t s, uint64_t c) { return ep_normal_pulled(r, s, c); }
 uint64_t ep_shim_normal_ready(uint64_t r, uint64_t d) { return ep_normal_ready(r, d); }
 uint64_t ep_shim_normal_y_ready(uint64_t r, uint64_t d) { return ep_normal_y_ready(r, d); }
-uint64_t ep_shim_count_record_bytes(uint64_t r) { return ep_count_record_bytes(r); }
+uint64_t ep_shim_normal_head(uint64_t r, uint64_t p, uint64_t s, uint64_t e) { return ep_normal_head(r, p, s, e); }
+uint64_t ep_shim_count_record_bytes(void) { return ep_count_record_bytes(); }
 uint64_t ep_shim_table_bytes(uint64_t r) { return ep_table_bytes(r); }
 uint64_t ep_shim_normal_count_record(uint64_t r, uint64_t p, uint64_t s) { return ep_normal_count_record(r, p, s); }
-uint64_t ep_shim_count_record_cpm(uint64_t r) { return ep_count_record_cpm(r); }
-uint64_t ep_shim_count_record_channel(uint64_t r, uint64_t c) { return ep_count_record_channel(r, c); }
-uint64_t ep_shim_count_record_experts(uint64_t r) { return ep_count_record_experts(r); }
+uint64_t ep_shim_count_record_channel(uint64_t c) { return ep_count_record_channel(c); }
+uint64_t ep_shim_count_record_experts(void) { return ep_count_record_experts(); }
 uint64_t ep_shim_table_recv_begin(uint64_t r) { return ep_table_recv_begin(r); }
 uint64_t ep_shim_row_scales_offset(uint64_t h, uint64_t e) { return ep_row_scales_offset(h, e); }
 uint64_t ep_shim_normal_table(uint64_t r, uint64_t p) { return ep_normal_table(r, p); }

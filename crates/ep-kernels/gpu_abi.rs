@@ -142,7 +142,7 @@ pub(crate) const CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_ERR_TIMEOUT", 1, "A wait ran past timeout_ns."),
     ("EP_ERR_CAPACITY", 2, "Received rows exceed the arena (or num_worst_tokens)."),
     ("EP_ERR_EXPERT", 3, "An expert id outside [-1, E) (detail: token * K + slot, last_seen: the id)."),
-    ("EP_ERR_EPOCH", 4, "A low-latency signal carried another call's epoch (detail: source rank)."),
+    ("EP_ERR_EPOCH", 4, "A counted word (a low-latency signal, a normal head word) carried another call's epoch (detail: source rank)."),
     ("EP_ERR_COUNT", 5, "A combine signal announced another message count (detail: source rank)."),
     ("EP_ERR_LAYOUT", 6, "Normal dispatch: num_tokens_per_rank[d] is not the count of is_token_in_rank[., d] (word_rank, detail: d; expected: the input; last_seen: the count)."),
     ("EP_PAIR_WORD", 0x8000_0000_0000_0000, "Error records: word_offset = EP_PAIR_WORD | b names block b's word of the agent barrier of a channel's two CTAs (normal mode, in the rank's epoch buffer, not in normal.ctrl)."),

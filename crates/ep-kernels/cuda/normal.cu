@@ -647,27 +647,32 @@ __device__ void count_tokens(const Args &a, uint64_t lo, uint64_t split, uint64_
     __syncthreads();
 }
 
-// The notify agent (§2.3) on block 0: the count records' heads to every rank, from the inputs
-// (no scan), then notify[p][me] on every d. Every block (block 0 too) then waits for every rank's
-// notify and loads the heads (the senders' step 1); from those loads block 0 publishes the rank
-// prefix matrix and the table (publish_table) and block 1 what the host waits for
-// (publish_recv), so that neither block's rows start more than a few stores later than the
-// others' (one block doing both, with a system fence, started its rows 5.3 us late at 24 SMs).
-__device__ void notify(const Args &a, uint64_t k) {
+// The notify agent (§2.3), first part, on block 0 at the kernel's start: this rank's counts
+// n_me[e] as counted head words head[p][me][e] on every d (thread i: d = i / R, e = i % R), one
+// load of the input and one release each. The value travels in the word: the senders' wait is
+// the exchange, with no fence before it and no load after it.
+__device__ void publish_heads(const Args &a, uint64_t k) {
+    const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
+    const uint64_t p = ep_parity(k);
+    const int32_t *per_rank = (const int32_t *)a.num_tokens_per_rank;
+    stamp(a, 8);
+    for (uint32_t i = tid; i < R * R; i += NT) {
+        const uint32_t d = i / R, e = i % R;
+        const uint64_t v = ep_counted(k, (uint32_t)per_rank[e]);
+        ep_st_release_at(same_gpu(a), ctrl_word(a, d, ep_normal_head(R, p, me, e)), v);
+        TRACE_RELEASE(d, ep_normal_head(R, p, me, e), v);
+    }
+}
+
+// The notify agent's second part, on block 0 after publish_heads: the count record's expert
+// part e_s[d*L..d*L+L] to every d (loads of the input only), then notify[p][me] on every d. Only
+// block 1's publish_recv (the host's expert list) waits for it, not the senders.
+__device__ void notify_experts(const Args &a, uint64_t k) {
     const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
     const uint32_t L = (uint32_t)a.num_local_experts;
     const uint64_t p = ep_parity(k);
-    const int32_t *per_rank = (const int32_t *)a.num_tokens_per_rank;
     const int32_t *per_expert = (const int32_t *)a.num_tokens_per_expert;
-
-    stamp(a, 8);
-    // The record's head to every d (itself included): n_s[0..R] and e_s[d*L..d*L+L], loads of
-    // the inputs only, then notify[p][me] on d.
-    const uint64_t crec_me = ep_normal_count_record(R, p, me);
-    for (uint32_t i = tid; i < R * R; i += NT) {
-        const uint32_t d = i / R, e = i % R;
-        *(int32_t *)data_at(a, d, crec_me + 4u * e) = per_rank[e];
-    }
+    const uint64_t ex = ep_normal_count_record(R, p, me) + ep_count_record_experts();
     int32_t pe[NOTIFY_PE];
 #pragma unroll
     for (int u = 0; u < NOTIFY_PE; ++u) {
@@ -677,18 +682,15 @@ __device__ void notify(const Args &a, uint64_t k) {
 #pragma unroll
     for (int u = 0; u < NOTIFY_PE; ++u) {
         const uint32_t i = (uint32_t)u * NT + tid;
-        if (i < R * L) *(int32_t *)data_at(a, i / L, crec_me + ep_count_record_experts(R) + 4u * (i % L)) = pe[u];
+        if (i < R * L) *(int32_t *)data_at(a, i / L, ex + 4u * (i % L)) = pe[u];
     }
     for (uint32_t i = NOTIFY_PE * NT + tid; i < R * L; i += NT)
-        *(int32_t *)data_at(a, i / L, crec_me + ep_count_record_experts(R) + 4u * (i % L)) = per_expert[i];
+        *(int32_t *)data_at(a, i / L, ex + 4u * (i % L)) = per_expert[i];
     stamp(a, 11);
     peer_fence(a);
     if (TRACED && tid == 0) {
         // Before the barrier: the releases after it are recorded after these.
-        for (uint32_t d = 0; d < R; ++d) {
-            TRACE_STORE(d, crec_me, 4ull * R);
-            TRACE_STORE(d, crec_me + ep_count_record_experts(R), 4ull * L);
-        }
+        for (uint32_t d = 0; d < R; ++d) TRACE_STORE(d, ex, 4ull * L);
         TRACE_FENCE(PEER_FENCE_SCOPE(a));
     }
     __syncthreads();
@@ -699,7 +701,7 @@ __device__ void notify(const Args &a, uint64_t k) {
     }
 }
 
-// Block 0, once every head is loaded (nrec[s * R + e] = n_s[e], acquired by the caller): the
+// Block 0, once every head word is in (nrec[s * R + e] = n_s[e], acquired by the caller): the
 // rank prefix matrix (a handle output), the table (§2.1) of this rank, the capacity check's error
 // record, then table_ready (the receive parts wait for it). Returns false when the rows exceed
 // the arena (every block refuses the call alike from the same heads).
@@ -753,22 +755,36 @@ __device__ bool publish_table(const Args &a, uint64_t k, const int32_t *nrec) {
     return true;
 }
 
-// Block 1, once every head is loaded (as publish_table): the expert list and num_recv, to the
-// host-mapped mailbox, each word tagged with the call number (the host takes the list when
-// every word it reads carries this call's, so no system fence orders them). Nothing in a
-// worst-token dispatch (no host sync).
-__device__ void publish_recv(const Args &a, uint64_t k, const int32_t *nrec) {
+// Block 1, once every head word is in (as publish_table): waits for every rank's notify (its
+// record's expert part), then the expert list and num_recv to the host-mapped mailbox, each word
+// tagged with the call number (the host takes the list when every word it reads carries this
+// call's, so no system fence orders them). Nothing in a worst-token dispatch (no host sync).
+// Returns false when a wait failed (the error is recorded).
+__device__ bool publish_recv(const Args &a, uint64_t k, const int32_t *nrec) {
     const uint32_t tid = threadIdx.x, R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank;
     const uint32_t L = (uint32_t)a.num_local_experts;
     const uint64_t p = ep_parity(k);
-    if (a.num_worst_tokens != 0) return;
+    if (a.num_worst_tokens != 0) return true;
+    __shared__ int s_notified;
+    if (tid == 0) s_notified = 1;
+    __syncthreads();
+    if (tid < R) {
+        const uint64_t off = ep_normal_notify(R, p, tid);
+        if (!ep_wait_eq(ctrl_word(a, me, off), k, (ep_err_block *)a.err, a.timeout_ns, me, EP_KERNEL_DISPATCH, tid,
+                        off))
+            s_notified = 0;
+        else
+            TRACE_ACQUIRE(me, off, k);
+    }
+    __syncthreads();
+    if (!s_notified) return false;
     ep_mailbox *mb = (ep_mailbox *)a.mailbox;
+    const uint64_t ex = ep_count_record_experts();
     for (uint32_t l = tid; l < L; l += NT) {
         int32_t v[MAXR];  // every source's count loaded before any is added
 #pragma unroll
         for (uint32_t s = 0; s < MAXR; ++s)
-            v[s] = s < R ? ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) + ep_count_record_experts(R) + 4u * l))
-                         : 0;
+            v[s] = s < R ? ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, s) + ex + 4u * l)) : 0;
         int64_t sum = 0;
 #pragma unroll
         for (uint32_t s = 0; s < MAXR; ++s) sum += v[s];
@@ -776,12 +792,13 @@ __device__ void publish_recv(const Args &a, uint64_t k, const int32_t *nrec) {
         *(volatile uint64_t *)&mb->expert_counts[l] = (k << 32) | (uint64_t)((sum + al - 1) / al * al);
     }
     if (TRACED && tid == 0)
-        for (uint32_t s = 0; s < R; ++s) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ep_count_record_experts(R), 4ull * L);
+        for (uint32_t s = 0; s < R; ++s) TRACE_LOAD(me, ep_normal_count_record(R, p, s) + ex, 4ull * L);
     if (tid == 0) {
         int64_t num_recv = 0;
         for (uint32_t s = 0; s < R; ++s) num_recv += nrec[s * R + me];
         *(volatile uint64_t *)&mb->num_recv = (k << 32) | (uint64_t)num_recv;
     }
+    return true;
 }
 
 // Dispatch (§2.3) and cached dispatch (§2.4). Grid 2C blocks, pairs (2c, 2c + 1).
@@ -789,7 +806,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     ep_normal_dispatch(const Args a) {
     const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     const uint32_t R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank, C = (uint32_t)a.num_channels;
-    const uint32_t K = (uint32_t)a.num_topk, L = (uint32_t)a.num_local_experts;
+    const uint32_t K = (uint32_t)a.num_topk;
     const uint32_t c = blockIdx.x >> 1, h = blockIdx.x & 1u;
     const uint64_t k = block_epoch(a), p = ep_parity(k);
     const bool cached = (a.flags & EP_FLAG_CACHED) != 0, topk = (a.flags & EP_FLAG_TOPK) != 0;
@@ -823,6 +840,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     block_tokens(a, c, h, &t0, &t1, &mid);
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
     stamp(a, 0);
+    if (!cached && blockIdx.x == 0) publish_heads(a, k);
     if (tid == 0) s_ok = 1;
     if (tid < MAXR) s_before[tid] = s_chan[tid] = 0;
     __syncthreads();
@@ -830,7 +848,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
         // This block's own channel start (§2.3, sender step 1), before the exchange's waits:
         // tokens before the channel (non-cached; a cached dispatch takes it from the handle) and
         // before this half, staged in the s_rows tile. Block 0 (channel 0, first half) counts
-        // nothing and runs the notify agent.
+        // nothing: it runs the notify agent (publish_heads above, notify_experts below).
         uint64_t cs, ce;
         ep_channel_range(a.num_tokens, C, c, &cs, &ce);
         count_tokens(a, cached ? cs : 0, cs, t0, (uint8_t *)s_rows, s_chan, s_before);
@@ -843,27 +861,28 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     const uint8_t *x_block = (const uint8_t *)a.x + (uint64_t)t0 * a.x_bytes;
     const uint64_t x_block_bytes = (uint64_t)(t1 - t0) * a.x_bytes;
     if (!cached) {
-        if (blockIdx.x == 0) notify(a, k);
+        if (blockIdx.x == 0) notify_experts(a, k);
         prefetch_l2(x_block, x_block_bytes);
-        // Sender step 1 (§2.3): notify[p][s'] of every s' (which also lets this call's rows into
-        // s'), then the first R counts of every record's head: this rank's block start on each
-        // d, and the rows each d receives (every block refuses an overflow alike; block 0's
-        // publish_table writes the error record). The channel start this block counted itself.
-        if (tid < R) {
-            const uint64_t off = ep_normal_notify(R, p, tid);
-            if (!ep_wait_eq(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off))
+        // Sender step 1 (§2.3): every head word head[p][s'][e] (thread i: s' = i / R, e = i % R)
+        // — the counts themselves, and from every s' what lets this call's rows into s' — so
+        // this rank's block start on each d and the rows each d receives (every block refuses an
+        // overflow alike; block 0's publish_table writes the error record). The channel start
+        // this block counted itself.
+        if (tid < R * R) {
+            const uint32_t s2 = tid / R, e = tid % R;
+            const uint64_t off = ep_normal_head(R, p, s2, e);
+            const uint64_t v = ep_wait_counted(ctrl_word(a, me, off), k, err, a.timeout_ns, me, EP_KERNEL_DISPATCH,
+                                               s2, off, s2);
+            if (v == 0) {
                 s_ok = 0;
-            else
-                TRACE_ACQUIRE(me, off, k);
+            } else {
+                s_nrec[tid] = (int32_t)ep_ll_count(v);
+                TRACE_ACQUIRE(me, off, v);
+            }
         }
         __syncthreads();
         stamp(a, 7);
         if (s_ok) {
-            if (tid < R * R)
-                s_nrec[tid] = ld_i32_cg(data_at(a, me, ep_normal_count_record(R, p, tid / R) + 4u * (tid % R)));
-            __syncthreads();
-            if (TRACED && tid == 0)
-                for (uint32_t s2 = 0; s2 < R; ++s2) TRACE_LOAD(me, ep_normal_count_record(R, p, s2), 4ull * R);
             if (tid < R) {
                 int64_t b = 0, tot = 0;
                 for (uint32_t s2 = 0; s2 < R; ++s2) {
@@ -875,7 +894,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                 if ((uint64_t)tot > recv_rows_cap(a)) s_ok = 0;
             }
             if (blockIdx.x == 0 && !publish_table(a, k, s_nrec) && tid == 0) s_ok = 0;
-            if (blockIdx.x == 1) publish_recv(a, k, s_nrec);
+            if (blockIdx.x == 1 && !publish_recv(a, k, s_nrec) && tid == 0) s_ok = 0;
         }
     } else {
         if (blockIdx.x == 0 && tid < R) {
@@ -975,7 +994,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
         const uint32_t d = tid;
         const int32_t start = s_chan[d], end = s_chan[d] + s_before[d] + s_n[d];
         ((int32_t *)a.channel_prefix_matrix)[d * C + c] = end;
-        *(int2 *)data_at(a, d, ep_normal_count_record(R, p, me) + ep_count_record_channel(R, c)) =
+        *(int2 *)data_at(a, d, ep_normal_count_record(R, p, me) + ep_count_record_channel(c)) =
             make_int2(start, end);
         const int32_t given = ((const int32_t *)a.num_tokens_per_rank)[d];
         if (c + 1 == C && end != given)
@@ -986,7 +1005,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
         __syncthreads();
         if (tid == 0)
             for (uint32_t d = 0; d < R; ++d)
-                TRACE_STORE(d, ep_normal_count_record(R, p, me) + ep_count_record_channel(R, c), 8);
+                TRACE_STORE(d, ep_normal_count_record(R, p, me) + ep_count_record_channel(c), 8);
     }
 
     // 3. done[me][c] on every d once both CTAs of the channel stored their rows.
@@ -1034,7 +1053,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     // (NormalGroup::dispatch): nothing is copied out (a copy-out cost 2.3 us at 24 SMs).
     if (!cached && h == 0 && tid < R) {
         const uint32_t s = tid;
-        const uint64_t entry = ep_normal_count_record(R, p, s) + ep_count_record_channel(R, c);
+        const uint64_t entry = ep_normal_count_record(R, p, s) + ep_count_record_channel(c);
         ((int32_t *)a.recv_channel_prefix_matrix)[s * C + c] = __ldcg((const int2 *)data_at(a, me, entry)).x;
         if (TRACED) TRACE_LOAD(me, entry, 8);
     }

@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "ep_gpu_abi.h"
+#include "ep_protocol.cuh"
 
 __device__ __forceinline__ uint64_t ep_ld_acquire(const uint64_t *p) {
     uint64_t v;
@@ -113,6 +114,38 @@ __device__ inline bool ep_wait_eq(const uint64_t *word, uint64_t want, ep_err_bl
             }
         }
     }
+}
+
+/*
+ * Waits until the counted word `*word` (docs/protocol.md §1.1) carries call `call` (acquire),
+ * bounded like ep_wait_eq, and returns its value (0 on failure, with the error recorded). A
+ * word of a later call is EP_ERR_EPOCH (detail: `source`); an earlier one stays below
+ * ep_ll_threshold(call), so the wait goes on.
+ */
+__device__ inline uint64_t ep_wait_counted(const uint64_t *word, uint64_t call, ep_err_block *err,
+                                           uint64_t timeout_ns, uint64_t rank, uint64_t kernel,
+                                           uint64_t word_rank, uint64_t word_offset, uint64_t source) {
+    const uint64_t want = ep_ll_threshold(call);
+    uint64_t v = ep_ld_acquire(word);
+    if (v < want) {
+        const uint64_t start = ep_now_ns();
+        for (uint32_t polls = 1;; ++polls) {
+            v = ep_ld_acquire(word);
+            if (v >= want) break;
+            if ((polls & 1023u) == 0u) {
+                if (ep_aborted(err)) return 0;
+                if (ep_now_ns() - start > timeout_ns) {
+                    ep_fail(err, EP_ERR_TIMEOUT, rank, kernel, word_rank, word_offset, want, v, 0);
+                    return 0;
+                }
+            }
+        }
+    }
+    if (ep_ll_epoch(v) != call) {
+        ep_fail(err, EP_ERR_EPOCH, rank, kernel, word_rank, word_offset, want, v, source);
+        return 0;
+    }
+    return v;
 }
 
 /*

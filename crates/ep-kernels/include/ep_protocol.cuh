@@ -37,10 +37,11 @@ EP_HD void ep_channel_range(uint64_t t, uint64_t c_count, uint64_t c, uint64_t *
 
 EP_HD uint64_t ep_parity(uint64_t call) { return call & 1u; }
 
-/* ---- signals (docs/protocol.md §1.1): bits 63..32 = call, 31..0 = count --------------------- */
+/* ---- signals (docs/protocol.md §1.1): counted words, bits 63..32 = call, 31..0 = count ------ */
 
 EP_HD uint64_t ep_epoch_word(uint64_t call) { return call; }
-EP_HD uint64_t ep_ll_encode(uint64_t call, uint32_t count) { return (call << 32) | (uint64_t)count; }
+EP_HD uint64_t ep_counted(uint64_t call, uint32_t count) { return (call << 32) | (uint64_t)count; }
+EP_HD uint64_t ep_ll_encode(uint64_t call, uint32_t count) { return ep_counted(call, count); }
 EP_HD uint64_t ep_ll_threshold(uint64_t call) { return call << 32; }
 EP_HD uint64_t ep_ll_epoch(uint64_t value) { return value >> 32; }
 EP_HD uint32_t ep_ll_count(uint64_t value) { return (uint32_t)(value & 0xffffffffu); }
@@ -48,7 +49,7 @@ EP_HD uint32_t ep_ll_count(uint64_t value) { return (uint32_t)(value & 0xfffffff
 /* ---- normal intranode: control words (allocation normal.ctrl) ------------------------------- */
 
 EP_HD uint64_t ep_normal_ctrl_bytes(uint64_t r) {
-    return EP_WORD_STRIDE * (4u * r + 2u + 2u * r * EP_MAX_CHANNELS);
+    return EP_WORD_STRIDE * (4u * r + 2u + 2u * r * EP_MAX_CHANNELS + 2u * r * r);
 }
 EP_HD uint64_t ep_normal_notify(uint64_t r, uint64_t p, uint64_t s) { return EP_WORD_STRIDE * (p * r + s); }
 EP_HD uint64_t ep_normal_table_ready(uint64_t r, uint64_t p) { return EP_WORD_STRIDE * (2u * r + p); }
@@ -64,31 +65,34 @@ EP_HD uint64_t ep_normal_ready(uint64_t r, uint64_t d) {
 EP_HD uint64_t ep_normal_y_ready(uint64_t r, uint64_t d) {
     return EP_WORD_STRIDE * (3u * r + 2u + 2u * r * EP_MAX_CHANNELS + d);
 }
+/* head[p][s][e]: n_s[e] of the call, as ep_counted(call, n) (docs/protocol.md §2.3). */
+EP_HD uint64_t ep_normal_head(uint64_t r, uint64_t p, uint64_t s, uint64_t e) {
+    return EP_WORD_STRIDE * (4u * r + 2u + 2u * r * EP_MAX_CHANNELS + (p * r + s) * r + e);
+}
 
 /* ---- normal intranode: data (allocation normal.data) ---------------------------------------- */
 
-EP_HD uint64_t ep_count_record_bytes(uint64_t r) {
-    return ep_align16(4u * r) + EP_WORD_STRIDE * EP_MAX_CHANNELS + ep_align16(4u * EP_MAX_LOCAL_EXPERTS);
+EP_HD uint64_t ep_count_record_bytes(void) {
+    return EP_WORD_STRIDE * EP_MAX_CHANNELS + ep_align16(4u * EP_MAX_LOCAL_EXPERTS);
 }
 EP_HD uint64_t ep_table_bytes(uint64_t r) { return ep_align16(4u * (2u * r + 1u)); }
-/* Fields of a count record: n_s[0..R] i32 at 0, the channel prefix part (one 16-byte granule per
- * channel c: [start, end] i32 of c's tokens towards the record's destination, at cpm + 16c),
- * e_s[d*L..d*L+L] i32. The head (n_s, e_s) is stored by the notify agent before notify[p][s];
- * channel c's entry by sender (s, c) before done[s][c] (docs/protocol.md §2.3). */
-EP_HD uint64_t ep_count_record_cpm(uint64_t r) { return ep_align16(4u * r); }  /* its own granule */
-EP_HD uint64_t ep_count_record_experts(uint64_t r) { return ep_align16(4u * r) + EP_WORD_STRIDE * EP_MAX_CHANNELS; }
+/* Fields of a count record: the channel prefix part at 0 (one 16-byte granule per channel c:
+ * [start, end] i32 of c's tokens towards the record's destination), then e_s[d*L..d*L+L] i32.
+ * The expert part is stored by the notify agent before notify[p][s], channel c's entry by sender
+ * (s, c) before done[s][c]; the rank counts travel in the head words (docs/protocol.md §2.3). */
+EP_HD uint64_t ep_count_record_experts(void) { return EP_WORD_STRIDE * EP_MAX_CHANNELS; }
 /* Channel c's prefix entry [start, end] i32 (8 bytes of its own granule). */
-EP_HD uint64_t ep_count_record_channel(uint64_t r, uint64_t c) { return ep_count_record_cpm(r) + EP_WORD_STRIDE * c; }
+EP_HD uint64_t ep_count_record_channel(uint64_t c) { return EP_WORD_STRIDE * c; }
 /* Fields of a table: send_base[R] i32 at 0, recv_begin[R + 1] i32. */
 EP_HD uint64_t ep_table_recv_begin(uint64_t r) { return 4u * r; }
 EP_HD uint64_t ep_normal_count_record(uint64_t r, uint64_t p, uint64_t s) {
-    return (p * r + s) * ep_count_record_bytes(r);
+    return (p * r + s) * ep_count_record_bytes();
 }
 EP_HD uint64_t ep_normal_table(uint64_t r, uint64_t p) {
-    return 2u * r * ep_count_record_bytes(r) + p * ep_table_bytes(r);
+    return 2u * r * ep_count_record_bytes() + p * ep_table_bytes(r);
 }
 EP_HD uint64_t ep_normal_rows_base(uint64_t r) {
-    return ep_align128(2u * r * ep_count_record_bytes(r) + 2u * ep_table_bytes(r));
+    return ep_align128(2u * r * ep_count_record_bytes() + 2u * ep_table_bytes(r));
 }
 EP_HD uint64_t ep_normal_half(uint64_t r, uint64_t data_bytes) {
     uint64_t base = ep_normal_rows_base(r);

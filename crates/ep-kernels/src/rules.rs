@@ -24,6 +24,7 @@ mod ffi {
         pub(super) fn ep_shim_channel_range(t: u64, c: u64, i: u64, s: *mut u64, e: *mut u64);
         pub(super) fn ep_shim_parity(call: u64) -> u64;
         pub(super) fn ep_shim_epoch_word(call: u64) -> u64;
+        pub(super) fn ep_shim_counted(call: u64, count: u32) -> u64;
         pub(super) fn ep_shim_ll_encode(call: u64, count: u32) -> u64;
         pub(super) fn ep_shim_ll_threshold(call: u64) -> u64;
         pub(super) fn ep_shim_ll_epoch(v: u64) -> u64;
@@ -35,12 +36,12 @@ mod ffi {
         pub(super) fn ep_shim_normal_pulled(r: u64, s: u64, c: u64) -> u64;
         pub(super) fn ep_shim_normal_ready(r: u64, d: u64) -> u64;
         pub(super) fn ep_shim_normal_y_ready(r: u64, d: u64) -> u64;
-        pub(super) fn ep_shim_count_record_bytes(r: u64) -> u64;
+        pub(super) fn ep_shim_normal_head(r: u64, p: u64, s: u64, e: u64) -> u64;
+        pub(super) fn ep_shim_count_record_bytes() -> u64;
         pub(super) fn ep_shim_table_bytes(r: u64) -> u64;
         pub(super) fn ep_shim_normal_count_record(r: u64, p: u64, s: u64) -> u64;
-        pub(super) fn ep_shim_count_record_cpm(r: u64) -> u64;
-        pub(super) fn ep_shim_count_record_channel(r: u64, c: u64) -> u64;
-        pub(super) fn ep_shim_count_record_experts(r: u64) -> u64;
+        pub(super) fn ep_shim_count_record_channel(c: u64) -> u64;
+        pub(super) fn ep_shim_count_record_experts() -> u64;
         pub(super) fn ep_shim_table_recv_begin(r: u64) -> u64;
         pub(super) fn ep_shim_row_scales_offset(h: u64, e: u64) -> u64;
         pub(super) fn ep_shim_normal_table(r: u64, p: u64) -> u64;
@@ -107,6 +108,8 @@ rule!(/// `ep_parity`.
     parity => ep_shim_parity(call: u64) -> u64);
 rule!(/// `ep_epoch_word`.
     epoch_word => ep_shim_epoch_word(call: u64) -> u64);
+rule!(/// `ep_counted`.
+    counted => ep_shim_counted(call: u64, count: u32) -> u64);
 rule!(/// `ep_ll_encode`.
     ll_encode => ep_shim_ll_encode(call: u64, count: u32) -> u64);
 rule!(/// `ep_ll_threshold`.
@@ -129,18 +132,18 @@ rule!(/// `ep_normal_ready`.
     normal_ready => ep_shim_normal_ready(r: u64, d: u64) -> u64);
 rule!(/// `ep_normal_y_ready`.
     normal_y_ready => ep_shim_normal_y_ready(r: u64, d: u64) -> u64);
+rule!(/// `ep_normal_head`.
+    normal_head => ep_shim_normal_head(r: u64, p: u64, s: u64, e: u64) -> u64);
 rule!(/// `ep_count_record_bytes`.
-    count_record_bytes => ep_shim_count_record_bytes(r: u64) -> u64);
+    count_record_bytes => ep_shim_count_record_bytes() -> u64);
 rule!(/// `ep_table_bytes`.
     table_bytes => ep_shim_table_bytes(r: u64) -> u64);
 rule!(/// `ep_normal_count_record`.
     normal_count_record => ep_shim_normal_count_record(r: u64, p: u64, s: u64) -> u64);
-rule!(/// `ep_count_record_cpm`.
-    count_record_cpm => ep_shim_count_record_cpm(r: u64) -> u64);
 rule!(/// `ep_count_record_channel`.
-    count_record_channel => ep_shim_count_record_channel(r: u64, c: u64) -> u64);
+    count_record_channel => ep_shim_count_record_channel(c: u64) -> u64);
 rule!(/// `ep_count_record_experts`.
-    count_record_experts => ep_shim_count_record_experts(r: u64) -> u64);
+    count_record_experts => ep_shim_count_record_experts() -> u64);
 rule!(/// `ep_table_recv_begin`.
     table_recv_begin => ep_shim_table_recv_begin(r: u64) -> u64);
 rule!(/// `ep_row_scales_offset`.

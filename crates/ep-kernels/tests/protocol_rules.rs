@@ -27,6 +27,7 @@ proptest! {
         prop_assert_eq!(c::channel_range(t as u64, ch as u64, i as u64), (r.start as u64, r.end as u64));
         prop_assert_eq!(c::parity(call), l::parity(call));
         prop_assert_eq!(c::epoch_word(call), sig::epoch_word(call));
+        prop_assert_eq!(c::counted(call, count), sig::counted(call, count));
         prop_assert_eq!(c::ll_encode(call, count), sig::ll_encode(call, count));
         prop_assert_eq!(c::ll_threshold(call), sig::ll_threshold(call));
         prop_assert_eq!(c::ll_epoch(v), sig::ll_epoch(v));
@@ -47,15 +48,18 @@ proptest! {
         prop_assert_eq!(c::normal_pulled(ru, s as u64, ch as u64), ctrl.pulled(s, ch));
         prop_assert_eq!(c::normal_ready(ru, s as u64), ctrl.ready(s));
         prop_assert_eq!(c::normal_y_ready(ru, s as u64), ctrl.y_ready(s));
+        for e in [0, s, r - 1] {
+            prop_assert_eq!(c::normal_head(ru, p, s as u64, e as u64), ctrl.head(p, s, e));
+        }
         let d = l::NormalData { num_ranks: r, data_bytes: data };
-        prop_assert_eq!(c::count_record_bytes(ru), l::count_record_bytes(r));
+        prop_assert_eq!(c::count_record_bytes(), l::count_record_bytes());
         prop_assert_eq!(c::table_bytes(ru), l::table_bytes(r));
         prop_assert_eq!(c::normal_count_record(ru, p, s as u64), d.count_record(p, s));
         prop_assert_eq!(c::normal_table(ru, p), d.table(p));
-        let (crec_n, crec_cpm, crec_e) = l::count_record_fields(r);
-        prop_assert_eq!((0, c::count_record_cpm(ru), c::count_record_experts(ru)), (crec_n, crec_cpm, crec_e));
+        let (crec_cpm, crec_e) = l::count_record_fields();
+        prop_assert_eq!((c::count_record_channel(0), c::count_record_experts()), (crec_cpm, crec_e));
         for ch in [0usize, 1, 7, 63] {
-            prop_assert_eq!(c::count_record_channel(ru, ch as u64), l::count_record_channel(r, ch));
+            prop_assert_eq!(c::count_record_channel(ch as u64), l::count_record_channel(ch));
         }
         let (tab_send, tab_begin) = l::table_fields(r);
         prop_assert_eq!((0, c::table_recv_begin(ru)), (tab_send, tab_begin));

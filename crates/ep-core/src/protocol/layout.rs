@@ -64,12 +64,13 @@ impl NormalCtrl {
     fn r(self) -> u64 {
         self.num_ranks as u64
     }
-    /// Bytes of the control allocation: `16 · (4R + 2 + 2R·MAX_CHANNELS)`.
+    /// Bytes of the control allocation: `16 · (4R + 2 + 2R·MAX_CHANNELS + 2R²)`.
     #[must_use]
     pub fn bytes(self) -> u64 {
-        WORD_STRIDE * (4 * self.r() + 2 + 2 * self.r() * MAX_CHANNELS as u64)
+        WORD_STRIDE
+            * (4 * self.r() + 2 + 2 * self.r() * MAX_CHANNELS as u64 + 2 * self.r() * self.r())
     }
-    /// `notify[p][s]`: source `s`'s count record of parity `p` is in place.
+    /// `notify[p][s]`: source `s`'s count record of parity `p` (its expert part) is in place.
     #[must_use]
     pub fn notify(self, p: u64, s: usize) -> u64 {
         WORD_STRIDE * (p * self.r() + s as u64)
@@ -100,6 +101,14 @@ impl NormalCtrl {
     pub fn y_ready(self, d: usize) -> u64 {
         WORD_STRIDE * (3 * self.r() + 2 + 2 * self.r() * MAX_CHANNELS as u64 + d as u64)
     }
+    /// `head[p][s][e]`: `n_s[e]`, the tokens source `s` sends to rank `e` in the call of parity
+    /// `p`, as a counted word `(call << 32) | n` ([`super::signal::counted`]): the value travels
+    /// in the word, so a waiter needs no second load (docs/protocol.md §2.3).
+    #[must_use]
+    pub fn head(self, p: u64, s: usize, e: usize) -> u64 {
+        let r = self.r();
+        WORD_STRIDE * (4 * r + 2 + 2 * r * MAX_CHANNELS as u64 + (p * r + s as u64) * r + e as u64)
+    }
     /// The rank that writes the word at byte offset `off` of `owner`'s control allocation: the
     /// peer a waiter on that word depends on (`owner` itself for `table_ready`). `None` past the
     /// words. Used to name the suspect of a wait timeout (docs/protocol.md §7).
@@ -115,6 +124,8 @@ impl NormalCtrl {
             ((w - 2 * r - 2) % (r * cm)) / cm
         } else if w < 4 * r + 2 + 2 * r * cm {
             (w - 2 * r - 2 - 2 * r * cm) % r
+        } else if w < 4 * r + 2 + 2 * r * cm + 2 * r * r {
+            ((w - 4 * r - 2 - 2 * r * cm) / r) % r
         } else {
             return None;
         };
@@ -133,11 +144,11 @@ pub struct NormalData {
     pub data_bytes: u64,
 }
 
-/// Bytes of a count record of `num_ranks` ranks:
-/// `a16(4R) + 16·MAX_CHANNELS + a16(4·MAX_LOCAL_EXPERTS)` ([`count_record_fields`]).
+/// Bytes of a count record: `16·MAX_CHANNELS + a16(4·MAX_LOCAL_EXPERTS)`
+/// ([`count_record_fields`]).
 #[must_use]
-pub fn count_record_bytes(num_ranks: usize) -> u64 {
-    let (_, _, fe) = count_record_fields(num_ranks);
+pub const fn count_record_bytes() -> u64 {
+    let (_, fe) = count_record_fields();
     fe + align16(4 * MAX_LOCAL_EXPERTS as u64)
 }
 
@@ -147,23 +158,22 @@ pub fn table_bytes(num_ranks: usize) -> u64 {
     align16(4 * (2 * num_ranks + 1) as u64)
 }
 
-/// Byte offsets inside a count record: `(rank counts, channel prefix, expert counts)`. The
-/// record's head (rank and expert counts) is stored by the notify agent before `notify`; its
-/// channel prefix part, one 16-byte granule per channel (`[start, end]` i32 of channel `c`'s
-/// tokens towards the record's destination, at `cpm + 16·c`), stored by sender `(s, c)` before
-/// `done[s][c]` (docs/protocol.md §2.3). No two writers share a granule (docs/protocol.md §1.2):
-/// the prefix part starts at `a16(4R)`, each channel's entry is its own granule.
+/// Byte offsets inside a count record: `(channel prefix, expert counts)`. Its channel prefix
+/// part, one 16-byte granule per channel (`[start, end]` i32 of channel `c`'s tokens towards
+/// the record's destination, at `cpm + 16·c`), is stored by sender `(s, c)` before `done[s][c]`;
+/// its expert part by the notify agent before `notify` (docs/protocol.md §2.3). No two writers
+/// share a granule (docs/protocol.md §1.2). The rank counts are not in the record: they travel
+/// in the `head` words ([`NormalCtrl::head`]).
 #[must_use]
-pub fn count_record_fields(num_ranks: usize) -> (u64, u64, u64) {
-    let cpm = align16(4 * num_ranks as u64);
-    (0, cpm, cpm + WORD_STRIDE * MAX_CHANNELS as u64)
+pub const fn count_record_fields() -> (u64, u64) {
+    (0, WORD_STRIDE * MAX_CHANNELS as u64)
 }
 
 /// Offset inside a count record of channel `c`'s prefix entry `[start, end]` (8 bytes of its own
 /// 16-byte granule; docs/protocol.md §2.1).
 #[must_use]
-pub fn count_record_channel(num_ranks: usize, c: usize) -> u64 {
-    count_record_fields(num_ranks).1 + WORD_STRIDE * c as u64
+pub const fn count_record_channel(c: usize) -> u64 {
+    count_record_fields().0 + WORD_STRIDE * c as u64
 }
 
 /// Byte offsets inside a table: `(send_base, recv_begin)`. `send_base[e]` (R i32),
@@ -177,21 +187,17 @@ impl NormalData {
     /// `counts[p][s]`.
     #[must_use]
     pub fn count_record(self, p: u64, s: usize) -> u64 {
-        (p * self.num_ranks as u64 + s as u64) * count_record_bytes(self.num_ranks)
+        (p * self.num_ranks as u64 + s as u64) * count_record_bytes()
     }
     /// `table[p]`.
     #[must_use]
     pub fn table(self, p: u64) -> u64 {
-        2 * self.num_ranks as u64 * count_record_bytes(self.num_ranks)
-            + p * table_bytes(self.num_ranks)
+        2 * self.num_ranks as u64 * count_record_bytes() + p * table_bytes(self.num_ranks)
     }
     /// Start of the dispatch rows (128-aligned).
     #[must_use]
     pub fn rows_base(self) -> u64 {
-        align128(
-            2 * self.num_ranks as u64 * count_record_bytes(self.num_ranks)
-                + 2 * table_bytes(self.num_ranks),
-        )
+        align128(2 * self.num_ranks as u64 * count_record_bytes() + 2 * table_bytes(self.num_ranks))
     }
     /// Bytes of each of the two row regions (dispatch, combine): `⌊(data − rows_base) / 256⌋ · 128`.
     #[must_use]
@@ -528,6 +534,9 @@ mod tests {
         let mut all = vec![c.table_ready(0), c.table_ready(1)];
         for s in 0..3 {
             all.extend([c.notify(0, s), c.notify(1, s), c.ready(s), c.y_ready(s)]);
+            for e in 0..3 {
+                all.extend([c.head(0, s, e), c.head(1, s, e)]);
+            }
             for ch in 0..MAX_CHANNELS {
                 all.extend([c.done(s, ch), c.pulled(s, ch)]);
             }
@@ -539,17 +548,16 @@ mod tests {
         assert!(all.iter().all(|&w| w % 16 == 0 && w + 8 <= c.bytes()));
     }
 
-    /// A count record's head (notify agent) and prefix part (the senders) never share a
-    /// 16-byte granule, and the three fields fit the record, for every rank count.
+    /// A count record's expert part (notify agent) and prefix part (the senders) never share
+    /// a 16-byte granule, and both fit the record; the table fits, for every rank count.
     #[test]
     fn count_record_parts_have_their_own_granules() {
+        let (cpm, e) = count_record_fields();
+        assert_eq!(cpm, 0);
+        assert_eq!(e, cpm + WORD_STRIDE * MAX_CHANNELS as u64);
+        assert!(e % 16 == 0);
+        assert!(e + 4 * MAX_LOCAL_EXPERTS as u64 <= count_record_bytes());
         for r in 1..=160 {
-            let (n, cpm, e) = count_record_fields(r);
-            assert_eq!(n, 0);
-            assert!(cpm >= 4 * r as u64 && cpm % 16 == 0, "R = {r}");
-            assert_eq!(e, cpm + WORD_STRIDE * MAX_CHANNELS as u64);
-            assert!(e % 16 == 0);
-            assert!(e + 4 * MAX_LOCAL_EXPERTS as u64 <= count_record_bytes(r));
             let (b, rb) = table_fields(r);
             assert!(b == 0 && rb + 4 * (r as u64 + 1) <= table_bytes(r));
         }
@@ -565,6 +573,10 @@ mod tests {
             }
             assert_eq!(c.writer(c.ready(s), 7), Some(s));
             assert_eq!(c.writer(c.y_ready(s), 7), Some(s));
+            for e in 0..3 {
+                assert_eq!(c.writer(c.head(0, s, e), 7), Some(s));
+                assert_eq!(c.writer(c.head(1, s, e), 7), Some(s));
+            }
             for ch in [0, 5, MAX_CHANNELS - 1] {
                 assert_eq!(c.writer(c.done(s, ch), 7), Some(s));
                 assert_eq!(c.writer(c.pulled(s, ch), 7), Some(s));

@@ -16,8 +16,8 @@ pub enum ProtocolMutation {
     ReleaseBeforeLastRow,
     /// Normal dispatch: count records go to the other parity's slot.
     CountsWrongParity,
-    /// Normal dispatch: a sender loads the count records (its block start) without waiting for
-    /// every rank's `notify`.
+    /// Normal dispatch: a sender reads the `head` words (its block start) without waiting for
+    /// their call's values.
     SenderSkipsNotify,
     /// Normal dispatch: the receiver reads the count records' channel prefix part (its
     /// `recv_channel_prefix_matrix`) before acquiring the `done[s][c]` words that publish them.

@@ -19,6 +19,7 @@ use super::layout::{
     NormalCtrl, NormalData, RowFormat, channel_range, count_record_channel, count_record_fields,
     normal_final_row, parity, table_fields,
 };
+use super::signal::{counted, ll_count, ll_epoch, ll_threshold};
 use crate::error::{Error, Result};
 use crate::plan::combine::{init_accumulator, round_row};
 use crate::plan::intranode::{IntranodeHandle, before, sender_channels};
@@ -108,6 +109,37 @@ fn wait_eq_patient(
         }
     }
     ctx.wait(&until)
+}
+
+/// Waits for this rank's `head[p][s2][e]` word of call `call` (released by `s2`'s notify agent)
+/// and returns its count `n_{s2}[e]`. A word of another call is
+/// [`Error::SignalEpochMismatch`]: an earlier call's stays below the threshold, a later one
+/// cannot be there before this rank finished this call (docs/protocol.md §2.3).
+fn wait_head(
+    ctx: &mut dyn AgentCtx,
+    arena: &NormalArena,
+    call: u64,
+    s2: usize,
+    e: usize,
+) -> Result<u32> {
+    let me = ctx.me().rank;
+    let word = arena.word(arena.ctrl_layout().head(parity(call), s2, e));
+    let v = ctx.wait(&WaitUntil {
+        rank: me,
+        word,
+        cmp: Cmp::Ge,
+        value: ll_threshold(call),
+        what: format!("count of rank {s2} for rank {e}, call {call}"),
+    })?;
+    if ll_epoch(v) != call {
+        return Err(Error::SignalEpochMismatch {
+            rank: me,
+            word: word.0,
+            call,
+            found: ll_epoch(v),
+        });
+    }
+    Ok(ll_count(v))
 }
 
 /// Waits for `table_ready[p] == call` of this rank (patiently: [`wait_eq_patient`]).
@@ -485,7 +517,7 @@ fn load_recv_cpm(
     for s2 in 0..r {
         let at = arena.data_layout().count_record(p, s2);
         for c in 1..c_count {
-            ctx.load(me, arena.at(at + count_record_channel(r, c)), &mut buf)?;
+            ctx.load(me, arena.at(at + count_record_channel(c)), &mut buf)?;
             out.set(s2, c, get_i32(&buf, 0));
         }
     }
@@ -508,19 +540,22 @@ fn notify(
     let ctrl = arena.ctrl_layout();
     let data = arena.data_layout();
     let lay = &job.layouts[s];
-    let (_, _, fe) = count_record_fields(r);
+    let (_, fe) = count_record_fields();
     // Planted bug: the record goes to the other parity's slot while `notify` says it is here.
     let p_write = if mutation == ProtocolMutation::CountsWrongParity {
         1 - p
     } else {
         p
     };
-    // 1. The record's head, from the inputs (no scan): `n_s[0..R]` (the whole row, to every
-    //    rank) and `e_s[d·L..d·L+L]`; entry `c` of the channel prefix part is sender `(s, c)`'s
-    //    (§2.3).
-    let mut head_n = vec![0u8; 4 * r];
-    for (e, &n) in lay.num_tokens_per_rank.iter().enumerate() {
-        put_i32(&mut head_n, 4 * e, n);
+    // 1. The rank counts `n_s[0..R]` (the whole row, to every rank) as counted `head` words,
+    //    the value in the word: a waiter loads nothing after it. Then the record's expert part
+    //    `e_s[d·L..d·L+L]` and `notify[p][s]`. Loads of the inputs only, no scan; entry `c` of
+    //    the channel prefix part is sender `(s, c)`'s (§2.3).
+    for d in 0..r {
+        for (e, &n) in lay.num_tokens_per_rank.iter().enumerate() {
+            let v = counted(call, n as u32);
+            ctx.store_release(d, arena.word(ctrl.head(p_write, s, e)), v)?;
+        }
     }
     let mut head_e = vec![0u8; 4 * l_count];
     for d in 0..r {
@@ -531,32 +566,29 @@ fn notify(
                 lay.num_tokens_per_expert[d * l_count + l],
             );
         }
-        let at = data.count_record(p_write, s);
-        ctx.store(d, arena.at(at), &head_n)?;
         if l_count > 0 {
-            ctx.store(d, arena.at(at + fe), &head_e)?;
+            ctx.store(d, arena.at(data.count_record(p_write, s) + fe), &head_e)?;
         }
         ctx.store_release(d, arena.word(ctrl.notify(p, s)), call)?;
     }
     // The membership scan (the handle's `channel_prefix_matrix` and `send_head`, host outputs),
-    // after the release: nobody waits for it (each sender counts its own channel's prefix; the
+    // after the releases: nobody waits for it (each sender counts its own channel's prefix; the
     // GPU's channels write these outputs themselves).
     let (cpm, send_head) = sender_channels(&lay.is_token_in_rank, c_count);
-    // 2. Every rank's record head, in rank order (never the prefix part: not yet published).
+    // 2. Every rank's counts from its `head` words, its expert part after its `notify` (never
+    //    the prefix part: not yet published).
     let mut counts = Tensor2::filled(r, r, 0i32);
     let mut experts = vec![0i64; l_count];
     let mut e_buf = vec![0u8; 4 * l_count];
     for s2 in 0..r {
+        for e in 0..r {
+            counts.set(s2, e, wait_head(ctx, arena, call, s2, e)? as i32);
+        }
         wait_eq(ctx, s, arena.word(ctrl.notify(p, s2)), call, || {
             format!("count record of rank {s2} for call {call}")
         })?;
-        let at = data.count_record(p, s2);
-        ctx.load(s, arena.at(at), &mut head_n)?;
-        for e in 0..r {
-            counts.set(s2, e, get_i32(&head_n, 4 * e));
-        }
         if l_count > 0 {
-            ctx.load(s, arena.at(at + fe), &mut e_buf)?;
+            ctx.load(s, arena.at(data.count_record(p, s2) + fe), &mut e_buf)?;
         }
         for (l, x) in experts.iter_mut().enumerate() {
             *x += i64::from(get_i32(&e_buf, 4 * l));
@@ -649,26 +681,21 @@ fn send(
     let p = parity(call);
     let inp = &job.inputs[s];
     let itr = &job.layouts[s].is_token_in_rank;
-    // Step 1 (docs/protocol.md §2.3): every rank's count record, whose first `R` counts give
-    // this rank's block start on each destination, `send_base[d] = Σ_{s' < s} n_{s'}[d]`; the
-    // notify from every `d` is also what lets this call's rows into `d` (arena reuse).
+    // Step 1 (docs/protocol.md §2.3): every rank's `head` words, whose counts give this rank's
+    // block start on each destination, `send_base[d] = Σ_{s' < s} n_{s'}[d]`; the words from
+    // every `d` are also what lets this call's rows into `d` (arena reuse).
     let mut base = vec![0u32; r];
-    let mut n = vec![0u8; 4 * r];
     for s2 in 0..r {
-        // Planted bug: the counts are loaded without waiting for their notify.
-        if mutation != ProtocolMutation::SenderSkipsNotify {
-            wait_eq(
-                ctx,
-                s,
-                arena.word(arena.ctrl_layout().notify(p, s2)),
-                call,
-                || format!("count record of rank {s2} for call {call}"),
-            )?;
-        }
-        if s2 < s {
-            ctx.load(s, arena.at(arena.data_layout().count_record(p, s2)), &mut n)?;
-            for (d, b) in base.iter_mut().enumerate() {
-                *b += get_i32(&n, 4 * d) as u32;
+        for (d, b) in base.iter_mut().enumerate() {
+            // Planted bug: the counts are read without waiting for their call's words.
+            let n = if mutation == ProtocolMutation::SenderSkipsNotify {
+                let word = arena.word(arena.ctrl_layout().head(p, s2, d));
+                ll_count(ctx.load_u64(s, word)?)
+            } else {
+                wait_head(ctx, arena, call, s2, d)?
+            };
+            if s2 < s {
+                *b += n;
             }
         }
     }
@@ -774,7 +801,7 @@ fn send_rows(ctx: &mut dyn AgentCtx, arena: &NormalArena, job: &SendRows<'_>) ->
         // the `done[s][c]` below; `d`'s receiver reads it after acquiring that word. The slot's
         // call-`(k − 2)` part was read by `d` inside call `k − 2`, before its notify of call `k`,
         // which this sender waited for (§2.3, arena reuse).
-        let at = data.count_record(p, s) + count_record_channel(r, c);
+        let at = data.count_record(p, s) + count_record_channel(c);
         for d in 0..r {
             let mut v = [0u8; 8];
             put_i32(&mut v, 0, chan_start[d] as i32);

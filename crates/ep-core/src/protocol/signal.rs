@@ -1,9 +1,10 @@
 //! Signal encodings (docs/protocol.md §1.1): every signal word carries the call it belongs to, so
 //! stale values never satisfy a wait and no word is reset between calls.
 //!
-//! Bit layout of a low-latency signal word (u64, little-endian): bits 63..32 = call number
-//! (epoch), bits 31..0 = number of messages. Normal-mode words hold the call number itself.
-//! Mirrored by `ep_signal_*` in `crates/ep-kernels/include/ep_protocol.cuh`.
+//! Bit layout of a counted word (u64, little-endian): bits 63..32 = call number (epoch), bits
+//! 31..0 = a count — the low-latency signals (messages) and normal mode's `head` words (tokens
+//! to a rank). The other normal-mode words hold the call number itself. Mirrored by
+//! `crates/ep-kernels/include/ep_protocol.cuh`.
 
 /// Normal-mode epoch word value of call `call`.
 #[must_use]
@@ -11,11 +12,17 @@ pub const fn epoch_word(call: u64) -> u64 {
     call
 }
 
-/// Low-latency signal value: `(call << 32) | count`. `count` must fit in 32 bits (at most `N`
-/// messages, `N <= 1024`); `call` in 32 bits (a `Buffer` makes fewer than 2^32 calls).
+/// A counted word: `(call << 32) | count`. `count` must fit in 32 bits; `call` in 32 bits (a
+/// `Buffer` makes fewer than 2^32 calls).
+#[must_use]
+pub const fn counted(call: u64, count: u32) -> u64 {
+    (call << 32) | count as u64
+}
+
+/// Low-latency signal value: the counted word of `count` messages (at most `N <= 1024`).
 #[must_use]
 pub const fn ll_encode(call: u64, count: u32) -> u64 {
-    (call << 32) | count as u64
+    counted(call, count)
 }
 
 /// The smallest value a waiter of call `call` accepts: `call << 32` (`>=`), since any value of

@@ -1904,13 +1904,18 @@ pub(crate) fn copy_2d(stream: &CudaStream, src: &DevTensor, dst: &DevTensor) -> 
         .map_err(Error::cuda("cuMemcpy2DAsync"))
 }
 
-/// `notify[p][s]`, `done[s][c]`, ... for a control-word offset.
+/// `notify[p][s]`, `head[p][s][e]`, `done[s][c]`, ... for a control-word offset.
 fn ctrl_word_name(ctrl: NormalCtrl, off: u64) -> String {
     let r = ctrl.num_ranks;
     for s in 0..r {
         for p in 0..2 {
             if ctrl.notify(p, s) == off {
                 return format!("notify[{p}][{s}]");
+            }
+            for e in 0..r {
+                if ctrl.head(p, s, e) == off {
+                    return format!("head[{p}][{s}][{e}]");
+                }
             }
         }
         if ctrl.ready(s) == off {
@@ -1964,6 +1969,10 @@ mod tests {
                 assert_eq!(
                     ctrl_word_name(ctrl, ctrl.notify(1, s)),
                     format!("notify[1][{s}]")
+                );
+                assert_eq!(
+                    ctrl_word_name(ctrl, ctrl.head(0, s, r - 1)),
+                    format!("head[0][{s}][{}]", r - 1)
                 );
                 assert_eq!(ctrl_word_name(ctrl, ctrl.ready(s)), format!("ready[{s}]"));
                 assert_eq!(
