@@ -6,12 +6,13 @@
 # (ep-kernels--gpu_buffer, normal mode; ep-kernels--gpu_buffer_ll, low-latency mode on both
 # kernel variants; buffer-normal: gpu_buffer alone); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
 # gpu_normal_procs); ll = the low-latency suite (both kernel variants); bench = `ep bench
-# --backend gpu` R = 2 BF16 and FP8 and R = 8, each with the canonical digest beside the
+# --backend gpu` R = 2 BF16 and FP8 and R = 8 (bench8: R = 8 alone), each with the canonical digest beside the
 # simulator's for the same flags; mps = gpu_normal_procs and `ep bench --procs 2`, BF16 and FP8 (DeepEP's
 # one-GPU configuration: 2 rank processes, 24 SMs each) under MPS, started for that step only;
 # criterion = benches/gpu (the public API, host wall-clock); llbench = `ep bench --mode
 # low-latency` at DeepEP's shape on variants (a) and (b), graphs, digest beside the simulator's;
-# ab-normal / ab-normal8 / ab-ll (ab-args: the flags in $AB_ARGS) = the same benches from bundle/ep-A (an earlier build) and bundle/ep, alternated
+# ab-normal / ab-normal8 / ab-ll (ab-args: the flags in $AB_ARGS) = the same benches from bundle/ep-A (an earlier build), bundle/ep-B
+# (an intermediate build, when present) and bundle/ep, alternated
 # AB_ROUNDS times (default 1: A B), for a change's A/B on one machine. Every step has its own time limit; the whole run stays within
 # BUDGET seconds (default 540), and a step that would not fit is reported NOT RUN, never passed.
 set -uo pipefail
@@ -74,11 +75,13 @@ llbench() { # name, flags... (low-latency mode, DeepEP's shape, verified through
   if [ -n "$g" ] && [ "$g" = "$s" ]; then table+=("$name digest|equal to sim|$g"); else
     table+=("$name digest|DIFFERENT or missing|gpu=$g sim=$s"); fi
 }
-ab() { # name, ep bench flags... : bundle/ep-A (an earlier build) and bundle/ep alternated, AB_ROUNDS times
+ab() { # name, ep bench flags... : bundle/ep-A (an earlier build), bundle/ep-B (an intermediate one,
+  # when present) and bundle/ep alternated, AB_ROUNDS times
   local name="$1"; shift
   [ -x bundle/ep-A ] || { table+=("$name|NOT RUN (no bundle/ep-A)|"); return; }
+  local builds=(ep-A); [ -x bundle/ep-B ] && builds+=(ep-B); builds+=(ep)
   for i in $(seq 1 "${AB_ROUNDS:-1}"); do
-    for b in ep-A ep; do
+    for b in "${builds[@]}"; do
       step "$name-$b-$i" 150 "bundle/$b" bench --backend gpu "$@"
       echo "== $name $b (round $i)"
       grep -E "\] (dispatch|combine) (BF16|FP8)|^(dispatch|combine|both|floor) |dispatch tail|^verified|MISMATCH" "$out/$name-$b-$i.log" \
@@ -100,6 +103,7 @@ for s in "${steps[@]}"; do
     bench) bench bench-r2 --ranks 2 --sms-sweep 24,8,64
            bench bench-r2-fp8 --ranks 2 --sms-sweep 24,8,64 --fp8
            bench bench-r8 --ranks 8 --sms-sweep 16,8 --gpu-iters 20 ;;
+    bench8) bench bench-r8 --ranks 8 --sms-sweep 16,8 --gpu-iters 20 ;;
     mps) export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
          mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
          if nvidia-cuda-mps-control -d; then

@@ -514,6 +514,7 @@ extern "C" {
 uint64_t ep_shim_align16(uint64_t x) { return ep_align16(x); }
 uint64_t ep_shim_align128(uint64_t x) { return ep_align128(x); }
 void ep_shim_channel_range(uint64_t t, uint64_t c, uint64_t i, uint64_t *s, uint64_t *e) { ep_channel_range(t, c, i, s, e); }
+void ep_shim_channel_half(uint64_t t, uint64_t c, uint64_t i, uint64_t h, uint64_t *s, uint64_t *e) { ep_channel_half(t, c, i, h, s, e); }
 uint64_t ep_shim_parity(uint64_t call) { return ep_parity(call); }
 uint64_t ep_shim_epoch_word(uint64_t call) { return ep_epoch_word(call); }
 uint64_t ep_shim_counted(uint64_t call, uint32_t count) { return ep_counted(call, count); }
@@ -524,7 +525,7 @@ uint32_t ep_shim_ll_count(uint64_t v) { return ep_ll_count(v); }
 uint64_t ep_shim_normal_ctrl_bytes(uint64_t r) { return ep_normal_ctrl_bytes(r); }
 uint64_t ep_shim_normal_notify(uint64_t r, uint64_t p, uint64_t s) { return ep_normal_notify(r, p, s); }
 uint64_t ep_shim_normal_table_ready(uint64_t r, uint64_t p) { return ep_normal_table_ready(r, p); }
-uint64_t ep_shim_normal_done(uint64_t r, uint64_t s, uint64_t c) { return ep_normal_done(r, s, c); }
+uint64_t ep_shim_normal_done(uint64_t r, uint64_t s, uint64_t c, uint64_t h) { return ep_normal_done(r, s, c, h); }
 uint64_t ep_shim_normal_pulled(uint64_t r, uint64_t s, uint64_t c) { return ep_normal_pulled(r, s, c); }
 uint64_t ep_shim_normal_ready(uint64_t r, uint64_t d) { return ep_normal_ready(r, d); }
 uint64_t ep_shim_normal_y_ready(uint64_t r, uint64_t d) { return ep_normal_y_ready(r, d); }

@@ -3,15 +3,15 @@
 // handshake), pull combine, and the copy kernel that measures the ceiling of the same bytes.
 //
 // Agents → CTAs (§1.3): the sender agent (s, c) of channel c is a pair of CTAs (blocks 2c and
-// 2c + 1, each half of the channel's tokens; their barrier is the agent's block barrier), so a
-// kernel of 2C blocks uses the num_sms = 2C SMs of DeepEP's Config. In the dispatch the pair is
-// not a thread-block cluster (its barrier is agent_sync, through global memory): a cluster's
+// 2c + 1), so a kernel of 2C blocks uses the num_sms = 2C SMs of DeepEP's Config. In the
+// dispatch each CTA stores one half of the channel's tokens (ep_channel_half) and publishes it
+// with its own done[s][c][h]: the two never wait for each other (no cluster either: a cluster's
 // CTAs share a GPC, the scheduler then crowded some GPCs with row-copying SMs, and their blocks
-// were the stragglers (24 SMs: slowest rows 120 -> 111 us without clusters, BENCHMARKS.md). The
+// were the stragglers, 24 SMs: slowest rows 120 -> 111 us without clusters, BENCHMARKS.md). The
 // combine keeps its cluster of 2 (barrier.cluster), measured the faster there. Block 0 also
-// runs the notify agent before it sends; every pair, after sending, runs the receive part of
-// its channel (waits done[s][c] of every source s; the outputs are views of the records), so
-// the kernel ends on a rank only when all rows destined to it have landed. Offsets, slots and signal
+// runs the notify agent; every CTA, after sending, runs the receive part of its half-channel
+// (waits done[s][c][h] of every source s; the outputs are views of the records), so the kernel
+// ends on a rank only when all rows destined to it have landed. Offsets, slots and signal
 // values come from ep_protocol.cuh; waits are bounded (ep_device.cuh).
 
 #include <stdint.h>
@@ -43,10 +43,11 @@ __device__ __forceinline__ int32_t ld_i32_cg(const void *p) { return __ldcg((con
 
 // ---- protocol traces (EP_TRACE builds only; docs/protocol.md §3.13, ep_trace.cuh) ------------
 // Offsets are relative to the rank's normal.ctrl (signal words) / normal.data base, as
-// ctrl_word / data_at take them. The two CTAs of a pair are one agent (§1.3): each records
-// EP_TRACE_CLUSTER_BARRIER where it arrives at the agent barrier, and the host merges the two
-// blocks' records segment by segment (gpu/trace.rs). Only the arenas are traced (not the handle
-// tensors or the host-mapped mailbox).
+// ctrl_word / data_at take them. A dispatch CTA is an agent of its own; the combine's two CTAs
+// of a cluster are one agent (§1.3): each records EP_TRACE_CLUSTER_BARRIER where it arrives at
+// the cluster barrier, and the host merges the two blocks' records segment by segment
+// (gpu/trace.rs). Only the arenas are traced (not the handle tensors or the host-mapped
+// mailbox).
 #ifdef EP_TRACE
 #define TRACED 1
 #define TREC(kind, aux, region, rank, len, off, v) ep_trace_rec(a.trace, (kind), (aux), (region), (rank), (len), (off), (v))
@@ -72,14 +73,6 @@ __device__ __forceinline__ void stamp(const Args &a, uint32_t i) {
 // dispatch and combine kernel of a group has the same 2C blocks, so the words advance once per call.
 __device__ __forceinline__ uint64_t block_epoch(const Args &a) { return ep_block_epoch(a.call, a.epoch, true); }
 
-// The barrier of the channel's two CTAs (the agent's block barrier, §1.3): ep_pair_sync on this
-// rank's pair words, after its 2C epoch words. A second-order wait (the partner may itself be
-// waiting on a peer first): twice the bound.
-__device__ __forceinline__ bool agent_sync(const Args &a, uint64_t k, uint64_t kernel) {
-    return ep_pair_sync((uint64_t *)a.epoch + 2u * EP_MAX_CHANNELS, k, (ep_err_block *)a.err, 2 * a.timeout_ns,
-                        a.rank, kernel);
-}
-
 // Fences and signals towards peers: GPU scope when every rank is on this GPU
 // (EP_FLAG_SAME_GPU, co-resident ranks), system scope otherwise (NVLink peers, other processes).
 __device__ __forceinline__ bool same_gpu(const Args &a) { return (a.flags & EP_FLAG_SAME_GPU) != 0; }
@@ -96,15 +89,13 @@ __device__ __forceinline__ uint64_t recv_rows_cap(const Args &a) {
     return a.num_worst_tokens > 0 && a.num_worst_tokens < a.capacity ? a.num_worst_tokens : a.capacity;
 }
 
-// Tokens [t0, t1) of block (c, h): half h of chan(T, C, c).
-__device__ __forceinline__ void block_tokens(const Args &a, uint32_t c, uint32_t h, uint32_t *t0,
-                                             uint32_t *t1, uint32_t *mid_out) {
-    uint64_t cs, ce;
-    ep_channel_range(a.num_tokens, a.num_channels, c, &cs, &ce);
-    uint32_t mid = (uint32_t)(cs + (ce - cs + 1) / 2);
-    *t0 = h == 0 ? (uint32_t)cs : mid;
-    *t1 = h == 0 ? mid : (uint32_t)ce;
-    *mid_out = mid;
+// Tokens [t0, t1) of block (c, h): half h of chan(T, C, c) (ep_channel_half; in the dispatch
+// published by done[s][c][h]).
+__device__ __forceinline__ void block_tokens(const Args &a, uint32_t c, uint32_t h, uint32_t *t0, uint32_t *t1) {
+    uint64_t b, e;
+    ep_channel_half(a.num_tokens, a.num_channels, c, h, &b, &e);
+    *t0 = (uint32_t)b;
+    *t1 = (uint32_t)e;
 }
 
 // A dispatch block's first rows pulled into L2 while its offsets are exchanged (the rows start
@@ -836,8 +827,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     __shared__ int32_t s_chan[MAXR];    // tokens before the channel going to d (non-cached)
     __shared__ int32_t s_nrec[MAXR * MAXR];  // n_s[d] of every count record (non-cached)
     __shared__ int32_t s_base[MAXR];         // Σ_{s < me} n_s[d]: this rank's block start on d
-    uint32_t t0, t1, mid;
-    block_tokens(a, c, h, &t0, &t1, &mid);
+    uint32_t t0, t1;
+    block_tokens(a, c, h, &t0, &t1);
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
     stamp(a, 0);
     if (!cached && blockIdx.x == 0) publish_heads(a, k);
@@ -986,8 +977,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     // The channel's prefix entry (§2.3): the second CTA knows its start and end after its rows
     // (the tokens before the channel, in its first half, in its own). The end goes to the
     // handle's channel_prefix_matrix; [start, end] into this rank's count record on every d, the
-    // channel's own granule, published by the channel's done[me][c] below (this CTA's fence, the
-    // agent barrier, the first CTA's release). The last channel's end is the total to d: inputs
+    // channel's own granule, published by this CTA's done[me][c][1] below (its fence, then its
+    // release). The last channel's end is the total to d: inputs
     // that disagree with it are EP_ERR_LAYOUT (the record poisons the group; every row store
     // above stayed below the arena's rows).
     if (ok && !cached && h == 1 && tid < R) {
@@ -1008,26 +999,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                 TRACE_STORE(d, ep_normal_count_record(R, p, me) + ep_count_record_channel(c), 8);
     }
 
-    // 3. done[me][c] on every d once both CTAs of the channel stored their rows.
+    // 3. done[me][c][h] on every d once this CTA stored its half's rows (and, h = 1, the
+    //    channel's prefix entry): each CTA publishes its own half, no barrier with the other.
     stamp(a, 2);
     // Traced kernels only: a planted missing fence in the second CTA (the checker must catch it).
     const bool skip_fence = TRACED && h == 1 && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
     if (!skip_fence) peer_fence(a);
     __syncthreads();
-    if (TRACED && tid == 0) {
-        if (!skip_fence) TRACE_FENCE(PEER_FENCE_SCOPE(a));
-        TRACE_CLUSTER();
-    }
-    const bool paired = agent_sync(a, k, EP_KERNEL_DISPATCH);
-    if (ok && paired && h == 0 && tid < R) {
-        ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_done(R, me, c)), k);
-        TRACE_RELEASE(tid, ep_normal_done(R, me, c), k);
+    if (TRACED && tid == 0 && !skip_fence) TRACE_FENCE(PEER_FENCE_SCOPE(a));
+    if (ok && tid < R) {
+        ep_st_release_at(same_gpu(a), ctrl_word(a, tid, ep_normal_done(R, me, c, h)), k);
+        TRACE_RELEASE(tid, ep_normal_done(R, me, c, h), k);
     }
     stamp(a, 3);
 
-    // 4. Receive channel c: wait done[s][c] of every source (it publishes the rows and the
-    //    channel's prefix entry), so that the kernel ends on this rank only when every row
-    //    destined to it has landed; and table_ready (rpm, which the worst-token tail reads).
+    // 4. Receive half h of channel c: wait done[s][c][h] of every source (it publishes those
+    //    rows, and for h = 1 the channel's prefix entry), so that the kernel ends on this rank
+    //    only when every row destined to it has landed; and table_ready (rpm, which the
+    //    worst-token tail reads).
     if (tid == 0) s_ok = ok ? 1 : 0;
     if (ok && !cached && tid == 0) {
         uint64_t off = ep_normal_table_ready(R, p);
@@ -1039,7 +1028,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     }
     __syncthreads();
     if (ok && tid < R) {
-        uint64_t off = ep_normal_done(R, tid, c);
+        uint64_t off = ep_normal_done(R, tid, c, h);
         bool got = ep_wait_eq(ctrl_word(a, me, off), k, err, 3 * a.timeout_ns, me, EP_KERNEL_DISPATCH, tid, off);
         if (got) TRACE_ACQUIRE(me, off, k);
         if (!got) s_ok = 0;
@@ -1048,10 +1037,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     if (!s_ok) return;
     stamp(a, 4);
     // The handle's recv_channel_prefix_matrix, rcpm[s][c] = cpm_s[me][c - 1]: each channel's
-    // first CTA writes its own column (thread s, from s's prefix entry, acquired above). The
+    // second CTA writes its own column (thread s, from s's prefix entry, which the done[s][c][1]
+    // acquired above published). The
     // rows' src_idx stay in the records, where recv_src_idx views them like the top-k ids
     // (NormalGroup::dispatch): nothing is copied out (a copy-out cost 2.3 us at 24 SMs).
-    if (!cached && h == 0 && tid < R) {
+    if (!cached && h == 1 && tid < R) {
         const uint32_t s = tid;
         const uint64_t entry = ep_normal_count_record(R, p, s) + ep_count_record_channel(c);
         ((int32_t *)a.recv_channel_prefix_matrix)[s * C + c] = __ldcg((const int2 *)data_at(a, me, entry)).x;
@@ -1128,8 +1118,8 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(NT, 1)
     __syncthreads();
     const bool ok = s_ok != 0;
     stamp(a, 1);
-    uint32_t t0, t1, mid;
-    block_tokens(a, c, h, &t0, &t1, &mid);
+    uint32_t t0, t1;
+    block_tokens(a, c, h, &t0, &t1);
     const __nv_bfloat16 *b0 = (const __nv_bfloat16 *)a.bias0, *b1 = (const __nv_bfloat16 *)a.bias1;
     // Where rank d holds row `sh` of this channel's tokens.
     auto row_at = [&](uint32_t d, int32_t sh) -> const uint8_t * {

@@ -148,28 +148,6 @@ __device__ inline uint64_t ep_wait_counted(const uint64_t *word, uint64_t call, 
     return v;
 }
 
-/*
- * The barrier of a channel's two CTAs (blocks 2c and 2c + 1 of a normal-mode grid, one agent,
- * docs/protocol.md §1.3) through global memory, with the semantics of a cluster barrier: after
- * a __syncthreads, each CTA publishes the call number `k` it reached in its own word of `words`
- * (one u64 per block, release at GPU scope: both CTAs are on this GPU) and waits for its
- * partner's (acquire), bounded like ep_wait_eq (the record names the partner's word as
- * EP_PAIR_WORD | block). Call numbers only grow, so no word needs resetting. Every thread of
- * both CTAs calls it; returns false (in every thread) when the wait failed.
- */
-__device__ inline bool ep_pair_sync(uint64_t *words, uint64_t k, ep_err_block *err, uint64_t timeout_ns,
-                                    uint64_t rank, uint64_t kernel) {
-    __shared__ int s_pair_ok;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const uint32_t partner = blockIdx.x ^ 1u;
-        ep_st_release_gpu(words + blockIdx.x, k);
-        s_pair_ok = ep_wait_eq(words + partner, k, err, timeout_ns, rank, kernel, rank, EP_PAIR_WORD | partner) ? 1 : 0;
-    }
-    __syncthreads();
-    return s_pair_ok != 0;
-}
-
 /* Cluster barrier with release/acquire semantics (all threads of every CTA of the cluster). */
 __device__ __forceinline__ void ep_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");

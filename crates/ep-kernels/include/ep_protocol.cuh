@@ -35,6 +35,16 @@ EP_HD void ep_channel_range(uint64_t t, uint64_t c_count, uint64_t c, uint64_t *
     *end = s + per < t ? s + per : t;
 }
 
+/* Half h of chan(T, C, c): [start, mid) and [mid, end) with mid = start + ceil((end - start) / 2);
+ * each published by its own done[s][c][h] (docs/protocol.md §2.3). */
+EP_HD void ep_channel_half(uint64_t t, uint64_t c_count, uint64_t c, uint64_t h, uint64_t *start, uint64_t *end) {
+    uint64_t s, e;
+    ep_channel_range(t, c_count, c, &s, &e);
+    uint64_t mid = s + (e - s + 1u) / 2u;
+    *start = h == 0u ? s : mid;
+    *end = h == 0u ? mid : e;
+}
+
 EP_HD uint64_t ep_parity(uint64_t call) { return call & 1u; }
 
 /* ---- signals (docs/protocol.md §1.1): counted words, bits 63..32 = call, 31..0 = count ------ */
@@ -49,25 +59,26 @@ EP_HD uint32_t ep_ll_count(uint64_t value) { return (uint32_t)(value & 0xfffffff
 /* ---- normal intranode: control words (allocation normal.ctrl) ------------------------------- */
 
 EP_HD uint64_t ep_normal_ctrl_bytes(uint64_t r) {
-    return EP_WORD_STRIDE * (4u * r + 2u + 2u * r * EP_MAX_CHANNELS + 2u * r * r);
+    return EP_WORD_STRIDE * (4u * r + 2u + 3u * r * EP_MAX_CHANNELS + 2u * r * r);
 }
 EP_HD uint64_t ep_normal_notify(uint64_t r, uint64_t p, uint64_t s) { return EP_WORD_STRIDE * (p * r + s); }
 EP_HD uint64_t ep_normal_table_ready(uint64_t r, uint64_t p) { return EP_WORD_STRIDE * (2u * r + p); }
-EP_HD uint64_t ep_normal_done(uint64_t r, uint64_t s, uint64_t c) {
-    return EP_WORD_STRIDE * (2u * r + 2u + s * EP_MAX_CHANNELS + c);
+/* done[s][c][h]: the rows of half h of sender (s, c)'s channel (ep_channel_half) are in place. */
+EP_HD uint64_t ep_normal_done(uint64_t r, uint64_t s, uint64_t c, uint64_t h) {
+    return EP_WORD_STRIDE * (2u * r + 2u + 2u * (s * EP_MAX_CHANNELS + c) + h);
 }
 EP_HD uint64_t ep_normal_pulled(uint64_t r, uint64_t s, uint64_t c) {
-    return EP_WORD_STRIDE * (2u * r + 2u + r * EP_MAX_CHANNELS + s * EP_MAX_CHANNELS + c);
+    return EP_WORD_STRIDE * (2u * r + 2u + 2u * r * EP_MAX_CHANNELS + s * EP_MAX_CHANNELS + c);
 }
 EP_HD uint64_t ep_normal_ready(uint64_t r, uint64_t d) {
-    return EP_WORD_STRIDE * (2u * r + 2u + 2u * r * EP_MAX_CHANNELS + d);
+    return EP_WORD_STRIDE * (2u * r + 2u + 3u * r * EP_MAX_CHANNELS + d);
 }
 EP_HD uint64_t ep_normal_y_ready(uint64_t r, uint64_t d) {
-    return EP_WORD_STRIDE * (3u * r + 2u + 2u * r * EP_MAX_CHANNELS + d);
+    return EP_WORD_STRIDE * (3u * r + 2u + 3u * r * EP_MAX_CHANNELS + d);
 }
 /* head[p][s][e]: n_s[e] of the call, as ep_counted(call, n) (docs/protocol.md §2.3). */
 EP_HD uint64_t ep_normal_head(uint64_t r, uint64_t p, uint64_t s, uint64_t e) {
-    return EP_WORD_STRIDE * (4u * r + 2u + 2u * r * EP_MAX_CHANNELS + (p * r + s) * r + e);
+    return EP_WORD_STRIDE * (4u * r + 2u + 3u * r * EP_MAX_CHANNELS + (p * r + s) * r + e);
 }
 
 /* ---- normal intranode: data (allocation normal.data) ---------------------------------------- */

@@ -22,6 +22,14 @@ mod ffi {
         pub(super) fn ep_shim_align16(x: u64) -> u64;
         pub(super) fn ep_shim_align128(x: u64) -> u64;
         pub(super) fn ep_shim_channel_range(t: u64, c: u64, i: u64, s: *mut u64, e: *mut u64);
+        pub(super) fn ep_shim_channel_half(
+            t: u64,
+            c: u64,
+            i: u64,
+            h: u64,
+            s: *mut u64,
+            e: *mut u64,
+        );
         pub(super) fn ep_shim_parity(call: u64) -> u64;
         pub(super) fn ep_shim_epoch_word(call: u64) -> u64;
         pub(super) fn ep_shim_counted(call: u64, count: u32) -> u64;
@@ -32,7 +40,7 @@ mod ffi {
         pub(super) fn ep_shim_normal_ctrl_bytes(r: u64) -> u64;
         pub(super) fn ep_shim_normal_notify(r: u64, p: u64, s: u64) -> u64;
         pub(super) fn ep_shim_normal_table_ready(r: u64, p: u64) -> u64;
-        pub(super) fn ep_shim_normal_done(r: u64, s: u64, c: u64) -> u64;
+        pub(super) fn ep_shim_normal_done(r: u64, s: u64, c: u64, h: u64) -> u64;
         pub(super) fn ep_shim_normal_pulled(r: u64, s: u64, c: u64) -> u64;
         pub(super) fn ep_shim_normal_ready(r: u64, d: u64) -> u64;
         pub(super) fn ep_shim_normal_y_ready(r: u64, d: u64) -> u64;
@@ -125,7 +133,7 @@ rule!(/// `ep_normal_notify`.
 rule!(/// `ep_normal_table_ready`.
     normal_table_ready => ep_shim_normal_table_ready(r: u64, p: u64) -> u64);
 rule!(/// `ep_normal_done`.
-    normal_done => ep_shim_normal_done(r: u64, s: u64, c: u64) -> u64);
+    normal_done => ep_shim_normal_done(r: u64, s: u64, c: u64, h: u64) -> u64);
 rule!(/// `ep_normal_pulled`.
     normal_pulled => ep_shim_normal_pulled(r: u64, s: u64, c: u64) -> u64);
 rule!(/// `ep_normal_ready`.
@@ -208,6 +216,18 @@ pub fn channel_range(num_tokens: u64, num_channels: u64, channel: u64) -> (u64, 
     // SAFETY: `s` and `e` are valid, exclusive u64 locations for the duration of the call; the
     // shim writes each once and keeps no pointer.
     unsafe { ffi::ep_shim_channel_range(num_tokens, num_channels.max(1), channel, &mut s, &mut e) };
+    (s, e)
+}
+
+/// `ep_channel_half`: `(start, end)` of half `h`. `num_channels` must be at least 1.
+#[must_use]
+pub fn channel_half(num_tokens: u64, num_channels: u64, channel: u64, h: u64) -> (u64, u64) {
+    let (mut s, mut e) = (0u64, 0u64);
+    // SAFETY: `s` and `e` are valid, exclusive u64 locations for the duration of the call; the
+    // shim writes each once and keeps no pointer.
+    unsafe {
+        ffi::ep_shim_channel_half(num_tokens, num_channels.max(1), channel, h, &mut s, &mut e)
+    };
     (s, e)
 }
 

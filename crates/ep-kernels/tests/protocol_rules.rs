@@ -25,6 +25,10 @@ proptest! {
         prop_assert_eq!(c::align128(x), l::align128(x));
         let r = l::channel_range(t, ch, i);
         prop_assert_eq!(c::channel_range(t as u64, ch as u64, i as u64), (r.start as u64, r.end as u64));
+        for h in 0..2 {
+            let half = l::channel_half(t, ch, i, h);
+            prop_assert_eq!(c::channel_half(t as u64, ch as u64, i as u64, h as u64), (half.start as u64, half.end as u64));
+        }
         prop_assert_eq!(c::parity(call), l::parity(call));
         prop_assert_eq!(c::epoch_word(call), sig::epoch_word(call));
         prop_assert_eq!(c::counted(call, count), sig::counted(call, count));
@@ -44,7 +48,9 @@ proptest! {
         prop_assert_eq!(c::normal_ctrl_bytes(ru), ctrl.bytes());
         prop_assert_eq!(c::normal_notify(ru, p, s as u64), ctrl.notify(p, s));
         prop_assert_eq!(c::normal_table_ready(ru, p), ctrl.table_ready(p));
-        prop_assert_eq!(c::normal_done(ru, s as u64, ch as u64), ctrl.done(s, ch));
+        for h in 0..2 {
+            prop_assert_eq!(c::normal_done(ru, s as u64, ch as u64, h as u64), ctrl.done(s, ch, h));
+        }
         prop_assert_eq!(c::normal_pulled(ru, s as u64, ch as u64), ctrl.pulled(s, ch));
         prop_assert_eq!(c::normal_ready(ru, s as u64), ctrl.ready(s));
         prop_assert_eq!(c::normal_y_ready(ru, s as u64), ctrl.y_ready(s));

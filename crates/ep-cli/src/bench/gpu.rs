@@ -531,8 +531,8 @@ pub(super) fn since_first_start(stamps: &[Vec<Vec<u64>>]) -> impl Fn(u64) -> f64
 }
 
 /// Where a measured dispatch's offsets become known, per rank, in microseconds from the
-/// earliest block start of any rank: the rank's first block start, its notify block's count
-/// records stored (stamp 6), every notify acquired (7) and table ready (1), then over its blocks
+/// earliest block start of any rank: the rank's first block start, its notify block's expert
+/// parts fenced (stamp 6), every head word acquired (7) and table ready (1), then over its blocks
 /// the median and last "offsets known" (1), the median "rows stored" (2) and the last end (5).
 pub(super) fn dispatch_path(stamps: &[Vec<Vec<u64>>]) -> String {
     let us = since_first_start(stamps);
@@ -553,7 +553,7 @@ pub(super) fn dispatch_path(stamps: &[Vec<Vec<u64>>]) -> String {
                 .map(|i| format!("{i}:{:.1}", if b0[i] == 0 { 0.0 } else { us(b0[i]) }))
                 .collect();
             format!(
-                "rank {r} [block 0 stamps {}]: start {first:.1}..{:.1}, records {:.1}, notified {:.1}, table {:.1}, offsets median {:.1} last {:.1}, rows median {:.1}, end {:.1}",
+                "rank {r} [block 0 stamps {}]: start {first:.1}..{:.1}, experts {:.1}, heads {:.1}, table {:.1}, offsets median {:.1} last {:.1}, rows median {:.1}, end {:.1}",
                 steps.join(" "),
                 max(&col(0)),
                 us(b0[6]),
@@ -1363,11 +1363,11 @@ mod tests {
         let line = dispatch_path(&stamps);
         let ranks: Vec<&str> = line.split(" | ").collect();
         assert_eq!(ranks.len(), 2, "{line}");
-        // Rank 0 starts 1 us after rank 1; its notify block fenced its records at 5 us and saw
-        // every notify at 7 us; its blocks knew their offsets at 10 and 8 us (median 9).
+        // Rank 0 starts 1 us after rank 1; its notify block fenced its expert parts at 5 us and
+        // had every head word at 7 us; its blocks knew their offsets at 10 and 8 us (median 9).
         assert!(ranks[0].contains("start 1.0..1.5"), "{line}");
         assert!(
-            ranks[0].contains("records 5.0, notified 7.0, table 10.0"),
+            ranks[0].contains("experts 5.0, heads 7.0, table 10.0"),
             "{line}"
         );
         assert!(ranks[0].contains("offsets median 9.0 last 10.0"), "{line}");

@@ -44,6 +44,22 @@ pub fn channel_range(num_tokens: usize, num_channels: usize, channel: usize) -> 
     crate::plan::layout::channel_range(num_tokens, num_channels, channel)
 }
 
+/// Half `h` (0 or 1) of channel `c`'s tokens: `[start, mid)` and `[mid, end)` of
+/// `chan(T, C, c)` with `mid = start + ⌈(end − start) / 2⌉`. A normal dispatch sender publishes
+/// each half with its own `done[s][c][h]` (on the GPU each half is one CTA, docs/protocol.md
+/// §2.3, §2.7).
+#[must_use]
+pub fn channel_half(
+    num_tokens: usize,
+    num_channels: usize,
+    channel: usize,
+    h: usize,
+) -> Range<usize> {
+    let r = channel_range(num_tokens, num_channels, channel);
+    let mid = r.start + (r.end - r.start).div_ceil(2);
+    if h == 0 { r.start..mid } else { mid..r.end }
+}
+
 /// Call parity: which half of a double-buffered region call `call` uses.
 #[must_use]
 pub const fn parity(call: u64) -> u64 {
@@ -64,11 +80,11 @@ impl NormalCtrl {
     fn r(self) -> u64 {
         self.num_ranks as u64
     }
-    /// Bytes of the control allocation: `16 · (4R + 2 + 2R·MAX_CHANNELS + 2R²)`.
+    /// Bytes of the control allocation: `16 · (4R + 2 + 3R·MAX_CHANNELS + 2R²)`.
     #[must_use]
     pub fn bytes(self) -> u64 {
         WORD_STRIDE
-            * (4 * self.r() + 2 + 2 * self.r() * MAX_CHANNELS as u64 + 2 * self.r() * self.r())
+            * (4 * self.r() + 2 + 3 * self.r() * MAX_CHANNELS as u64 + 2 * self.r() * self.r())
     }
     /// `notify[p][s]`: source `s`'s count record of parity `p` (its expert part) is in place.
     #[must_use]
@@ -80,26 +96,30 @@ impl NormalCtrl {
     pub fn table_ready(self, p: u64) -> u64 {
         WORD_STRIDE * (2 * self.r() + p)
     }
-    /// `done[s][c]`: sender `(s, c)` stored all its rows into this rank.
+    /// `done[s][c][h]`: sender `(s, c)` stored the rows of half `h` of its channel into this rank
+    /// ([`channel_half`]; half 1 also its channel's prefix entry).
     #[must_use]
-    pub fn done(self, s: usize, c: usize) -> u64 {
-        WORD_STRIDE * (2 * self.r() + 2 + (s * MAX_CHANNELS + c) as u64)
+    pub fn done(self, s: usize, c: usize, h: usize) -> u64 {
+        WORD_STRIDE * (2 * self.r() + 2 + (2 * (s * MAX_CHANNELS + c) + h) as u64)
     }
     /// `pulled[s][c]`: combine reducer `(s, c)` finished reading this rank's combine rows.
     #[must_use]
     pub fn pulled(self, s: usize, c: usize) -> u64 {
         WORD_STRIDE
-            * (2 * self.r() + 2 + self.r() * MAX_CHANNELS as u64 + (s * MAX_CHANNELS + c) as u64)
+            * (2 * self.r()
+                + 2
+                + 2 * self.r() * MAX_CHANNELS as u64
+                + (s * MAX_CHANNELS + c) as u64)
     }
     /// `ready[d]`: rank `d` accepts rows of the current cached dispatch.
     #[must_use]
     pub fn ready(self, d: usize) -> u64 {
-        WORD_STRIDE * (2 * self.r() + 2 + 2 * self.r() * MAX_CHANNELS as u64 + d as u64)
+        WORD_STRIDE * (2 * self.r() + 2 + 3 * self.r() * MAX_CHANNELS as u64 + d as u64)
     }
     /// `y_ready[d]`: rank `d`'s combine rows of the current combine are in place.
     #[must_use]
     pub fn y_ready(self, d: usize) -> u64 {
-        WORD_STRIDE * (3 * self.r() + 2 + 2 * self.r() * MAX_CHANNELS as u64 + d as u64)
+        WORD_STRIDE * (3 * self.r() + 2 + 3 * self.r() * MAX_CHANNELS as u64 + d as u64)
     }
     /// `head[p][s][e]`: `n_s[e]`, the tokens source `s` sends to rank `e` in the call of parity
     /// `p`, as a counted word `(call << 32) | n` ([`super::signal::counted`]): the value travels
@@ -107,7 +127,7 @@ impl NormalCtrl {
     #[must_use]
     pub fn head(self, p: u64, s: usize, e: usize) -> u64 {
         let r = self.r();
-        WORD_STRIDE * (4 * r + 2 + 2 * r * MAX_CHANNELS as u64 + (p * r + s as u64) * r + e as u64)
+        WORD_STRIDE * (4 * r + 2 + 3 * r * MAX_CHANNELS as u64 + (p * r + s as u64) * r + e as u64)
     }
     /// The rank that writes the word at byte offset `off` of `owner`'s control allocation: the
     /// peer a waiter on that word depends on (`owner` itself for `table_ready`). `None` past the
@@ -121,11 +141,13 @@ impl NormalCtrl {
         } else if w < 2 * r + 2 {
             return Some(owner);
         } else if w < 2 * r + 2 + 2 * r * cm {
-            ((w - 2 * r - 2) % (r * cm)) / cm
-        } else if w < 4 * r + 2 + 2 * r * cm {
-            (w - 2 * r - 2 - 2 * r * cm) % r
-        } else if w < 4 * r + 2 + 2 * r * cm + 2 * r * r {
-            ((w - 4 * r - 2 - 2 * r * cm) / r) % r
+            (w - 2 * r - 2) / (2 * cm)
+        } else if w < 2 * r + 2 + 3 * r * cm {
+            (w - 2 * r - 2 - 2 * r * cm) / cm
+        } else if w < 4 * r + 2 + 3 * r * cm {
+            (w - 2 * r - 2 - 3 * r * cm) % r
+        } else if w < 4 * r + 2 + 3 * r * cm + 2 * r * r {
+            ((w - 4 * r - 2 - 3 * r * cm) / r) % r
         } else {
             return None;
         };
@@ -538,7 +560,7 @@ mod tests {
                 all.extend([c.head(0, s, e), c.head(1, s, e)]);
             }
             for ch in 0..MAX_CHANNELS {
-                all.extend([c.done(s, ch), c.pulled(s, ch)]);
+                all.extend([c.done(s, ch, 0), c.done(s, ch, 1), c.pulled(s, ch)]);
             }
         }
         let n = all.len();
@@ -578,7 +600,8 @@ mod tests {
                 assert_eq!(c.writer(c.head(1, s, e), 7), Some(s));
             }
             for ch in [0, 5, MAX_CHANNELS - 1] {
-                assert_eq!(c.writer(c.done(s, ch), 7), Some(s));
+                assert_eq!(c.writer(c.done(s, ch, 0), 7), Some(s));
+                assert_eq!(c.writer(c.done(s, ch, 1), 7), Some(s));
                 assert_eq!(c.writer(c.pulled(s, ch), 7), Some(s));
             }
             for h in 0..2 {

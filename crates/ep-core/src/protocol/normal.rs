@@ -16,8 +16,8 @@ use super::bytes::{
     put_f32s, put_i32, put_i64,
 };
 use super::layout::{
-    NormalCtrl, NormalData, RowFormat, channel_range, count_record_channel, count_record_fields,
-    normal_final_row, parity, table_fields,
+    NormalCtrl, NormalData, RowFormat, channel_half, channel_range, count_record_channel,
+    count_record_fields, normal_final_row, parity, table_fields,
 };
 use super::signal::{counted, ll_count, ll_epoch, ll_threshold};
 use crate::error::{Error, Result};
@@ -397,9 +397,11 @@ fn receive(ctx: &mut dyn AgentCtx, arena: &NormalArena, rx: &Receive<'_>) -> Res
     let data = arena.data_layout();
     for (s, &cs) in num_channels.iter().enumerate() {
         for c in 0..cs {
-            wait_eq_patient(ctx, d, arena.word(ctrl.done(s, c)), call, || {
-                format!("done of rank {s} channel {c} for call {call}")
-            })?;
+            for h in 0..2 {
+                wait_eq_patient(ctx, d, arena.word(ctrl.done(s, c, h)), call, || {
+                    format!("done of rank {s} channel {c} half {h} for call {call}")
+                })?;
+            }
         }
     }
     let drec = fmt.dispatch_record();
@@ -700,6 +702,7 @@ fn send(
         }
     }
     let range = channel_range(inp.num_tokens(), job.num_channels, c);
+    let halves = [0, 1].map(|h| channel_half(inp.num_tokens(), job.num_channels, c, h));
     let chan_start = counts_before(itr, range.start);
     let topk = job.with_topk.then_some((&inp.topk_idx, &inp.topk_weights));
     send_rows(
@@ -710,7 +713,7 @@ fn send(
             c,
             x: &inp.x,
             itr,
-            range,
+            halves,
             base,
             chan_start,
             fmt: job.fmt,
@@ -732,8 +735,9 @@ struct SendRows<'a> {
     x: &'a Activations,
     /// `[T, R]`: which ranks each token goes to.
     itr: &'a Tensor2<bool>,
-    /// The channel's tokens.
-    range: std::ops::Range<usize>,
+    /// The channel's tokens, in its two halves ([`channel_half`]), each published by its own
+    /// `done[s][c][h]`.
+    halves: [std::ops::Range<usize>; 2],
     /// Per destination, where this rank's block starts.
     base: Vec<u32>,
     /// Per destination, where this channel starts within the block.
@@ -745,19 +749,19 @@ struct SendRows<'a> {
     num_local: usize,
     mutation: ProtocolMutation,
     /// Non-cached dispatch: the parity of this call's count records, into which the channel's
-    /// end prefix `cpm_s[d][c]` goes on every `d` before `done[s][c]` (docs/protocol.md §2.3).
+    /// end prefix `cpm_s[d][c]` goes on every `d` before `done[s][c][1]` (docs/protocol.md §2.3).
     prefix: Option<u64>,
 }
 
-/// Stores every selected row of channel `c` at its final row on its destination, then releases
-/// `done[s][c]` on every rank.
+/// Stores every selected row of channel `c` at its final row on its destination, releasing
+/// `done[s][c][h]` on every rank after the rows of half `h`.
 fn send_rows(ctx: &mut dyn AgentCtx, arena: &NormalArena, job: &SendRows<'_>) -> Result<()> {
     let SendRows {
         call,
         c,
         x,
         itr,
-        ref range,
+        ref halves,
         ref base,
         ref chan_start,
         fmt,
@@ -775,42 +779,44 @@ fn send_rows(ctx: &mut dyn AgentCtx, arena: &NormalArena, job: &SendRows<'_>) ->
     let mut idx = vec![0u32; r];
     // Planted bug: the last row is stored after the releases.
     let mut deferred: Option<(usize, SymAddr, Vec<u8>)> = None;
-    for t in range.clone() {
-        put_x(&mut rec, x, t, fmt);
-        for d in 0..r {
-            if !itr.get(t, d) {
-                continue;
-            }
-            let tk = topk.map(|(idx, w)| (idx.row(t), w.row(t)));
-            put_meta(&mut rec, fmt, t, tk, d, num_local);
-            let row = normal_final_row(base[d], chan_start[d], idx[d]);
-            idx[d] += 1;
-            let addr = arena.at(data.dispatch_row(u64::from(row), drec));
-            if mutation == ProtocolMutation::ReleaseBeforeLastRow {
-                if let Some((dd, a, b)) = deferred.take() {
-                    ctx.store(dd, a, &b)?;
+    for (h, half) in halves.iter().enumerate() {
+        for t in half.clone() {
+            put_x(&mut rec, x, t, fmt);
+            for d in 0..r {
+                if !itr.get(t, d) {
+                    continue;
                 }
-                deferred = Some((d, addr, rec.clone()));
-            } else {
-                ctx.store(d, addr, &rec)?;
+                let tk = topk.map(|(idx, w)| (idx.row(t), w.row(t)));
+                put_meta(&mut rec, fmt, t, tk, d, num_local);
+                let row = normal_final_row(base[d], chan_start[d], idx[d]);
+                idx[d] += 1;
+                let addr = arena.at(data.dispatch_row(u64::from(row), drec));
+                if mutation == ProtocolMutation::ReleaseBeforeLastRow {
+                    if let Some((dd, a, b)) = deferred.take() {
+                        ctx.store(dd, a, &b)?;
+                    }
+                    deferred = Some((d, addr, rec.clone()));
+                } else {
+                    ctx.store(d, addr, &rec)?;
+                }
             }
         }
-    }
-    if let Some(p) = prefix {
-        // The channel's prefix entry `[start, end]` (its own granule) on every `d`, published by
-        // the `done[s][c]` below; `d`'s receiver reads it after acquiring that word. The slot's
-        // call-`(k − 2)` part was read by `d` inside call `k − 2`, before its notify of call `k`,
-        // which this sender waited for (§2.3, arena reuse).
-        let at = data.count_record(p, s) + count_record_channel(c);
-        for d in 0..r {
-            let mut v = [0u8; 8];
-            put_i32(&mut v, 0, chan_start[d] as i32);
-            put_i32(&mut v, 4, (chan_start[d] + idx[d]) as i32);
-            ctx.store(d, arena.at(at), &v)?;
+        if let (1, Some(p)) = (h, prefix) {
+            // The channel's prefix entry `[start, end]` (its own granule) on every `d`, published
+            // by the `done[s][c][1]` below; `d`'s receiver reads it after acquiring that word.
+            // The slot's call-`(k − 2)` part was read by `d` inside call `k − 2`, before its head
+            // words of call `k`, which this sender waited for (§2.3, arena reuse).
+            let at = data.count_record(p, s) + count_record_channel(c);
+            for d in 0..r {
+                let mut v = [0u8; 8];
+                put_i32(&mut v, 0, chan_start[d] as i32);
+                put_i32(&mut v, 4, (chan_start[d] + idx[d]) as i32);
+                ctx.store(d, arena.at(at), &v)?;
+            }
         }
-    }
-    for d in 0..r {
-        ctx.store_release(d, arena.word(ctrl.done(s, c)), call)?;
+        for d in 0..r {
+            ctx.store_release(d, arena.word(ctrl.done(s, c, h)), call)?;
+        }
     }
     if let Some((dd, a, b)) = deferred {
         ctx.store(dd, a, &b)?;
@@ -860,13 +866,13 @@ pub(crate) fn cached_phase<'a>(
                 let x = job.xs[d];
                 let itr = &own.is_token_in_rank;
                 let c_count = own.channel_prefix_matrix.cols();
-                let range = channel_range(x.num_tokens(), c_count, c);
+                let halves = [0, 1].map(|h| channel_half(x.num_tokens(), c_count, c, h));
                 let send = SendRows {
                     call,
                     c,
                     x,
                     itr,
-                    range,
+                    halves,
                     base: (0..r).map(|e| own.rank_start(d, e) as u32).collect(),
                     chan_start: (0..r).map(|e| own.channel_start(e, c) as u32).collect(),
                     fmt: job.fmt,

@@ -54,10 +54,8 @@ mod graph;
 mod trace;
 pub use graph::{CallStreams, NormalGraph};
 
-/// u64 epoch words per rank: one per block of the largest dispatch or combine grid, then as
-/// many pair words (each block's last call number at its channel's agent barrier, `agent_sync`
-/// in normal.cu).
-const EPOCH_WORDS: usize = 4 * ep_core::protocol::layout::MAX_CHANNELS;
+/// u64 epoch words per rank: one per block of the largest dispatch or combine grid.
+const EPOCH_WORDS: usize = 2 * ep_core::protocol::layout::MAX_CHANNELS;
 
 /// Ranks a normal-mode kernel can address.
 pub const MAX_RANKS: usize = abi::EP_GPU_MAX_RANKS as usize;
@@ -81,8 +79,7 @@ struct Rank {
     data: Arc<DevBuf>,
     mailbox: HostMapped<Mailbox>,
     /// `[2 * MAX_CHANNELS]` u64: each block's last call number (the device-resident epoch a
-    /// captured graph reads, docs/protocol.md §2.7), then `[2 * MAX_CHANNELS]` pair words (the
-    /// agent barrier of a channel's two CTAs); only this rank's kernels touch it.
+    /// captured graph reads, docs/protocol.md §2.7); only this rank's kernels touch it.
     epoch: DevBuf,
 }
 
@@ -1717,25 +1714,12 @@ fn decode_record(e: &ErrBlock, num_ranks: usize, timeout: Duration) -> Error {
     match e.status {
         abi::EP_ERR_TIMEOUT => {
             let ctrl = NormalCtrl { num_ranks };
-            // A pair word (the agent barrier) is the partner block's, on the same rank.
-            let pair = e.word_offset & abi::EP_PAIR_WORD != 0;
             Error::DeviceWaitTimeout {
                 rank: e.rank as usize,
                 kernel,
                 block: e.block as usize,
-                word: if pair {
-                    format!(
-                        "the agent barrier word of block {} (the other CTA of its channel)",
-                        e.word_offset & !abi::EP_PAIR_WORD
-                    )
-                } else {
-                    ctrl_word_name(ctrl, e.word_offset)
-                },
-                writer: if pair {
-                    Some(e.rank as usize)
-                } else {
-                    ctrl.writer(e.word_offset, e.word_rank as usize)
-                },
+                word: ctrl_word_name(ctrl, e.word_offset),
+                writer: ctrl.writer(e.word_offset, e.word_rank as usize),
                 expected: e.expected,
                 last_seen: e.last_seen,
                 timeout,
@@ -1925,8 +1909,10 @@ fn ctrl_word_name(ctrl: NormalCtrl, off: u64) -> String {
             return format!("y_ready[{s}]");
         }
         for c in 0..ep_core::protocol::layout::MAX_CHANNELS {
-            if ctrl.done(s, c) == off {
-                return format!("done[{s}][{c}]");
+            for h in 0..2 {
+                if ctrl.done(s, c, h) == off {
+                    return format!("done[{s}][{c}][{h}]");
+                }
             }
             if ctrl.pulled(s, c) == off {
                 return format!("pulled[{s}][{c}]");
@@ -1980,8 +1966,8 @@ mod tests {
                     format!("y_ready[{s}]")
                 );
                 assert_eq!(
-                    ctrl_word_name(ctrl, ctrl.done(s, 5)),
-                    format!("done[{s}][5]")
+                    ctrl_word_name(ctrl, ctrl.done(s, 5, 1)),
+                    format!("done[{s}][5][1]")
                 );
                 assert_eq!(
                     ctrl_word_name(ctrl, ctrl.pulled(s, 63)),
@@ -2057,19 +2043,20 @@ mod tests {
         );
     }
 
-    /// A dispatch CTA that timed out at its channel's agent barrier names its partner block's
-    /// pair word (not a control word) and its own rank as the writer.
+    /// A dispatch CTA that timed out on a `head` word names the word and its writer, the rank
+    /// whose counts it waited for.
     #[test]
-    fn an_agent_barrier_timeout_names_the_partner_block() {
+    fn a_head_word_timeout_names_the_word_and_its_writer() {
+        let ctrl = NormalCtrl { num_ranks: 4 };
         let e = ErrBlock {
             status: abi::EP_ERR_TIMEOUT,
             rank: 2,
             kernel: abi::EP_KERNEL_DISPATCH,
             block: 4,
-            word_rank: 2,
-            word_offset: abi::EP_PAIR_WORD | 5,
-            expected: 9,
-            last_seen: 7,
+            word_rank: 3,
+            word_offset: ctrl.head(1, 3, 0),
+            expected: 9 << 32,
+            last_seen: 7 << 32,
             ..ErrBlock::default()
         };
         let err = decode_record(&e, 4, Duration::from_secs(1));
@@ -2078,12 +2065,10 @@ mod tests {
                 rank: 2,
                 block: 4,
                 word,
-                writer: Some(2),
-                expected: 9,
-                last_seen: 7,
+                writer: Some(3),
                 ..
-            } => assert!(word.contains("block 5"), "{err}"),
-            other => panic!("not the partner's timeout: {other}"),
+            } => assert_eq!(word, "head[1][3][0]", "{err}"),
+            other => panic!("not the head word's timeout: {other}"),
         }
     }
 }

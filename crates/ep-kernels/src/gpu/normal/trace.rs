@@ -1,7 +1,7 @@
 //! Protocol traces of normal mode (docs/protocol.md §3.13; [`NormalGroup::set_trace`]): the
-//! traced build of `cuda/normal.cu` records each block's arena events, the two CTAs of a channel
-//! merged into the one agent they are (`gpu::trace::decode_clusters`), for ep-sim's
-//! memory-model checker.
+//! traced build of `cuda/normal.cu` records each block's arena events — a dispatch CTA is an
+//! agent of its own, the combine's two CTAs of a cluster are merged into the one agent they are
+//! (`gpu::trace::decode_clusters`) — for ep-sim's memory-model checker.
 
 use ep_core::transport::device_trace::AgentEvents;
 use ep_core::transport::{DeviceEvent, FenceScope, TraceRegion};
@@ -11,8 +11,14 @@ use crate::error::Result;
 use crate::gpu::abi::NormalArgs;
 use crate::gpu::trace::{TraceBufs, decode_clusters, not_tracing};
 
-/// CTAs per agent (a channel's pair of blocks, `agent_sync` in normal.cu).
-const CLUSTER: usize = 2;
+/// CTAs per agent: a dispatch CTA publishes its half-channel alone (`done[s][c][h]`); the
+/// combine's pair is a cluster of two (`barrier.cluster` in normal.cu).
+const fn cluster(op: TracedOp) -> usize {
+    match op {
+        TracedOp::Dispatch => 1,
+        TracedOp::Combine => 2,
+    }
+}
 
 /// Which operation the last traced launch was.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,7 +48,7 @@ impl NormalGroup {
     /// Protocol traces (docs/protocol.md §3.13): with `Some(capacity)` every following dispatch,
     /// cached dispatch and combine runs the traced kernels (`EP_TRACE`), each block of each local
     /// rank recording up to `capacity` events (its arena stores and loads, fences, releases,
-    /// acquires, agent barriers); [`NormalGroup::trace`] returns the last operation's, for
+    /// acquires, the combine's cluster barriers); [`NormalGroup::trace`] returns the last operation's, for
     /// ep-sim's memory-model checker (`ep_sim::device_trace`). `None` turns it off. For debugging
     /// and tests: each traced operation waits for the previous one. Only the arenas are traced
     /// (not the handle tensors, the host-mapped mailbox or the layout kernel).
@@ -66,7 +72,7 @@ impl NormalGroup {
     }
 
     /// Test switch of the traced kernels (docs/protocol.md §6): the second CTA of every dispatch
-    /// channel skips its fence before the agent barrier — a planted missing fence the trace
+    /// channel skips its fence before its `done` release — a planted missing fence the trace
     /// checker must report. [`Error::Unsupported`] unless tracing is on.
     #[doc(hidden)]
     pub fn plant_missing_fence_for_test(&mut self, on: bool) -> Result<()> {
@@ -84,8 +90,8 @@ impl NormalGroup {
         (self.ranks[0].ctrl.len() as u64, self.data_bytes)
     }
 
-    /// The protocol events the last traced operation recorded, one agent per channel pair of every
-    /// local rank (after waiting for it). A combine's trace starts, in each rank's first agent,
+    /// The protocol events the last traced operation recorded, one agent per dispatch CTA or
+    /// combine cluster of every local rank (after waiting for it). A combine's trace starts, in each rank's first agent,
     /// with a store of the rank's whole `normal.data` and a system fence: what its stream wrote
     /// there before the launch (the expert outputs, the dispatch's records), which that agent's
     /// `y_ready` release publishes to the peers. [`Error::TraceOverflow`] when a block had more
@@ -99,7 +105,8 @@ impl NormalGroup {
             .ok_or_else(|| not_tracing("no trace"))?;
         let mut all = Vec::new();
         for (i, k) in self.ranks.iter().enumerate() {
-            let mut agents = decode_clusters(k.world_rank, &t.bufs.read(i)?, CLUSTER)?;
+            let op = t.last.unwrap_or(TracedOp::Dispatch);
+            let mut agents = decode_clusters(k.world_rank, &t.bufs.read(i)?, cluster(op))?;
             if t.last == Some(TracedOp::Combine)
                 && let Some(first) = agents.iter_mut().find(|a| a.agent == 0)
             {
