@@ -815,7 +815,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     const int32_t *rpm = (const int32_t *)a.rank_prefix_matrix;
     const int32_t *cpm = (const int32_t *)a.channel_prefix_matrix;
 
-    __shared__ int s_ok;
+    __shared__ int s_ok, s_fail;
     __shared__ int32_t s_n[MAXR];
     __shared__ int32_t s_slot0[MAXR];   // index in (channel, d) of this block's first token to d
     __shared__ int32_t s_rowbase[MAXR]; // final row of that token on d
@@ -832,7 +832,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     const uint8_t *in_rank = (const uint8_t *)a.is_token_in_rank;
     stamp(a, 0);
     if (!cached && blockIdx.x == 0) publish_heads(a, k);
-    if (tid == 0) s_ok = 1;
+    if (tid == 0) s_ok = 1, s_fail = 0;
     if (tid < MAXR) s_before[tid] = s_chan[tid] = 0;
     __syncthreads();
     {
@@ -873,6 +873,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
         }
         __syncthreads();
         stamp(a, 7);
+        // s_ok is read by every thread here, before the next barrier: what fails from here on goes
+        // to s_fail, so that blocks 0 and 1 enter publish_table / publish_recv with all threads.
         if (s_ok) {
             if (tid < R) {
                 int64_t b = 0, tot = 0;
@@ -882,10 +884,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                     tot += v;
                 }
                 s_base[tid] = (int32_t)b;
-                if ((uint64_t)tot > recv_rows_cap(a)) s_ok = 0;
+                if ((uint64_t)tot > recv_rows_cap(a)) s_fail = 1;
             }
-            if (blockIdx.x == 0 && !publish_table(a, k, s_nrec) && tid == 0) s_ok = 0;
-            if (blockIdx.x == 1 && !publish_recv(a, k, s_nrec) && tid == 0) s_ok = 0;
+            if (blockIdx.x == 0 && !publish_table(a, k, s_nrec) && tid == 0) s_fail = 1;
+            if (blockIdx.x == 1 && !publish_recv(a, k, s_nrec) && tid == 0) s_fail = 1;
         }
     } else {
         if (blockIdx.x == 0 && tid < R) {
@@ -902,7 +904,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
         }
     }
     __syncthreads();
-    const bool ok = s_ok != 0;
+    const bool ok = s_ok != 0 && s_fail == 0;
     stamp(a, 1);
 
     if (ok && tid < R) {
