@@ -93,54 +93,56 @@ __device__ __forceinline__ bool ep_aborted(const ep_err_block *err) {
 }
 
 /*
- * Waits until `*word == want` (acquire), at most `timeout_ns`. The word lives in `word_rank`'s
- * normal.ctrl at `word_offset` (named in the error record). The abort word is host memory, so it
- * is read only every 1024 polls.
+ * The bounded poll behind the waits below: acquire-loads `*word` until `done(value)`, at most
+ * `timeout_ns`; `*seen` gets the last value. The word lives in `word_rank`'s normal.ctrl at
+ * `word_offset` (named in the error record, with `expected`). The abort word is host memory, so
+ * it is read only every 1024 polls. Returns false on a timeout (recorded) or an abort.
  */
-__device__ inline bool ep_wait_eq(const uint64_t *word, uint64_t want, ep_err_block *err,
-                                  uint64_t timeout_ns, uint64_t rank, uint64_t kernel,
-                                  uint64_t word_rank, uint64_t word_offset) {
+template <typename Done>
+__device__ inline bool ep_poll(const uint64_t *word, Done done, uint64_t expected, uint64_t *seen,
+                               ep_err_block *err, uint64_t timeout_ns, uint64_t rank, uint64_t kernel,
+                               uint64_t word_rank, uint64_t word_offset) {
     uint64_t v = ep_ld_acquire(word);
-    if (v == want) return true;
-    uint64_t start = ep_now_ns();
+    *seen = v;
+    if (done(v)) return true;
+    const uint64_t start = ep_now_ns();
     for (uint32_t polls = 1;; ++polls) {
         v = ep_ld_acquire(word);
-        if (v == want) return true;
+        *seen = v;
+        if (done(v)) return true;
         if ((polls & 1023u) == 0u) {
             if (ep_aborted(err)) return false;
             if (ep_now_ns() - start > timeout_ns) {
-                ep_fail(err, EP_ERR_TIMEOUT, rank, kernel, word_rank, word_offset, want, v, 0);
+                ep_fail(err, EP_ERR_TIMEOUT, rank, kernel, word_rank, word_offset, expected, v, 0);
                 return false;
             }
         }
     }
 }
 
+/* Waits until `*word == want` (acquire), bounded (ep_poll). */
+__device__ inline bool ep_wait_eq(const uint64_t *word, uint64_t want, ep_err_block *err,
+                                  uint64_t timeout_ns, uint64_t rank, uint64_t kernel,
+                                  uint64_t word_rank, uint64_t word_offset) {
+    uint64_t v;
+    return ep_poll(word, [want](uint64_t x) { return x == want; }, want, &v, err, timeout_ns, rank, kernel,
+                   word_rank, word_offset);
+}
+
 /*
  * Waits until the counted word `*word` (docs/protocol.md §1.1) carries call `call` (acquire),
- * bounded like ep_wait_eq, and returns its value (0 on failure, with the error recorded). A
- * word of a later call is EP_ERR_EPOCH (detail: `source`); an earlier one stays below
+ * bounded (ep_poll), and returns its value (0 on failure, with the error recorded). A word of a
+ * later call is EP_ERR_EPOCH (detail: `source`); an earlier one stays below
  * ep_ll_threshold(call), so the wait goes on.
  */
 __device__ inline uint64_t ep_wait_counted(const uint64_t *word, uint64_t call, ep_err_block *err,
                                            uint64_t timeout_ns, uint64_t rank, uint64_t kernel,
                                            uint64_t word_rank, uint64_t word_offset, uint64_t source) {
     const uint64_t want = ep_ll_threshold(call);
-    uint64_t v = ep_ld_acquire(word);
-    if (v < want) {
-        const uint64_t start = ep_now_ns();
-        for (uint32_t polls = 1;; ++polls) {
-            v = ep_ld_acquire(word);
-            if (v >= want) break;
-            if ((polls & 1023u) == 0u) {
-                if (ep_aborted(err)) return 0;
-                if (ep_now_ns() - start > timeout_ns) {
-                    ep_fail(err, EP_ERR_TIMEOUT, rank, kernel, word_rank, word_offset, want, v, 0);
-                    return 0;
-                }
-            }
-        }
-    }
+    uint64_t v;
+    if (!ep_poll(word, [want](uint64_t x) { return x >= want; }, want, &v, err, timeout_ns, rank, kernel, word_rank,
+                 word_offset))
+        return 0;
     if (ep_ll_epoch(v) != call) {
         ep_fail(err, EP_ERR_EPOCH, rank, kernel, word_rank, word_offset, want, v, source);
         return 0;

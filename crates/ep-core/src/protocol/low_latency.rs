@@ -19,7 +19,7 @@ use super::layout::{
 };
 use super::logfmt_slot::SlotCodec;
 use super::normal::put_slot;
-use super::signal::{ll_count, ll_encode, ll_epoch, ll_threshold};
+use super::signal::{counted_until, counted_value, ll_encode};
 use crate::error::{Error, Result};
 use crate::numerics::fp8;
 use crate::plan::low_latency::{
@@ -28,9 +28,7 @@ use crate::plan::low_latency::{
 };
 use crate::routing::ExpertIdx;
 use crate::tensor::{Tensor2, Tensor3};
-use crate::transport::{
-    AgentCtx, Cmp, Phase, PhaseKind, QpIndex, SignalOp, SymAddr, SymAlloc, WaitUntil,
-};
+use crate::transport::{AgentCtx, Phase, PhaseKind, QpIndex, SignalOp, SymAddr, SymAlloc};
 
 /// The low-latency memory of a `Buffer` (docs/protocol.md §3.1).
 #[derive(Clone, Debug)]
@@ -177,13 +175,7 @@ fn wait_signal(
     call: u64,
     what: impl FnOnce() -> String,
 ) -> Result<Option<u32>> {
-    let until = WaitUntil {
-        rank,
-        word,
-        cmp: Cmp::Ge,
-        value: ll_threshold(call),
-        what: what(),
-    };
+    let until = counted_until(rank, word, call, what());
     let v = if shrink {
         match ctx.wait_or_expire(&until)? {
             Some(v) => v,
@@ -192,15 +184,7 @@ fn wait_signal(
     } else {
         ctx.wait(&until)?
     };
-    if ll_epoch(v) != call {
-        return Err(Error::SignalEpochMismatch {
-            rank,
-            word: word.0,
-            call,
-            found: ll_epoch(v),
-        });
-    }
-    Ok(Some(ll_count(v)))
+    counted_value(&until, call, v).map(Some)
 }
 
 /// Casts (or copies) token `t` into a row slot.

@@ -19,7 +19,7 @@ use super::layout::{
     NormalCtrl, NormalData, RowFormat, channel_half, channel_range, count_record_channel,
     count_record_fields, normal_final_row, parity, table_fields,
 };
-use super::signal::{counted, ll_count, ll_epoch, ll_threshold};
+use super::signal::{counted, counted_until, counted_value, ll_count};
 use crate::error::{Error, Result};
 use crate::plan::combine::{init_accumulator, round_row};
 use crate::plan::intranode::{IntranodeHandle, before, sender_channels};
@@ -122,24 +122,11 @@ fn wait_head(
     s2: usize,
     e: usize,
 ) -> Result<u32> {
-    let me = ctx.me().rank;
     let word = arena.word(arena.ctrl_layout().head(parity(call), s2, e));
-    let v = ctx.wait(&WaitUntil {
-        rank: me,
-        word,
-        cmp: Cmp::Ge,
-        value: ll_threshold(call),
-        what: format!("count of rank {s2} for rank {e}, call {call}"),
-    })?;
-    if ll_epoch(v) != call {
-        return Err(Error::SignalEpochMismatch {
-            rank: me,
-            word: word.0,
-            call,
-            found: ll_epoch(v),
-        });
-    }
-    Ok(ll_count(v))
+    let what = format!("count of rank {s2} for rank {e}, call {call}");
+    let until = counted_until(ctx.me().rank, word, call, what);
+    let v = ctx.wait(&until)?;
+    counted_value(&until, call, v)
 }
 
 /// Waits for `table_ready[p] == call` of this rank (patiently: [`wait_eq_patient`]).
@@ -701,9 +688,8 @@ fn send(
             }
         }
     }
-    let range = channel_range(inp.num_tokens(), job.num_channels, c);
     let halves = [0, 1].map(|h| channel_half(inp.num_tokens(), job.num_channels, c, h));
-    let chan_start = counts_before(itr, range.start);
+    let chan_start = counts_before(itr, halves[0].start);
     let topk = job.with_topk.then_some((&inp.topk_idx, &inp.topk_weights));
     send_rows(
         ctx,

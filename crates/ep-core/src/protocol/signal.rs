@@ -6,6 +6,9 @@
 //! to a rank). The other normal-mode words hold the call number itself. Mirrored by
 //! `crates/ep-kernels/include/ep_protocol.cuh`.
 
+use crate::error::{Error, Result};
+use crate::transport::{Cmp, SymAddr, WaitUntil};
+
 /// Normal-mode epoch word value of call `call`.
 #[must_use]
 pub const fn epoch_word(call: u64) -> u64 {
@@ -48,6 +51,32 @@ pub const fn ll_count(value: u64) -> u32 {
 #[must_use]
 pub const fn ll_is_call(value: u64, call: u64) -> bool {
     ll_epoch(value) == call
+}
+
+/// The wait for a counted word of call `call` (`word` in `rank`'s memory): `>= call << 32`,
+/// which no earlier call's value satisfies. Its value goes through [`counted_value`].
+pub(crate) fn counted_until(rank: usize, word: SymAddr, call: u64, what: String) -> WaitUntil {
+    WaitUntil {
+        rank,
+        word,
+        cmp: Cmp::Ge,
+        value: ll_threshold(call),
+        what,
+    }
+}
+
+/// The count of `v`, the value a [`counted_until`] wait of call `call` returned; a later call's
+/// word is [`Error::SignalEpochMismatch`].
+pub(crate) fn counted_value(until: &WaitUntil, call: u64, v: u64) -> Result<u32> {
+    if ll_epoch(v) != call {
+        return Err(Error::SignalEpochMismatch {
+            rank: until.rank,
+            word: until.word.0,
+            call,
+            found: ll_epoch(v),
+        });
+    }
+    Ok(ll_count(v))
 }
 
 #[cfg(test)]
