@@ -480,7 +480,8 @@ fn protocol_rules(out: &Path, manifest: &Path) {
          #define EP_WORD_STRIDE {}u\n#define EP_MAX_CHANNELS {}u\n#define EP_MAX_LOCAL_EXPERTS {}u\n\
          #define EP_LL_MAX_TOPK {}u\n#define EP_LL_META_ENTRY_BYTES {}u\n#define EP_REGION_ALIGN {}u\n\
          #define EP_LL_SIGNAL_QP {}u\n#define EP_ROW_META_PAIR_BYTES {}u\n\
-         #define EP_ROW_TOPK_ID_BYTES {}u\n#define EP_ROW_TOPK_WEIGHT_BYTES {}u\n#endif\n",
+         #define EP_ROW_TOPK_ID_BYTES {}u\n#define EP_ROW_TOPK_WEIGHT_BYTES {}u\n\
+         #define EP_LL_MAX_SEND_GROUPS {}u\n#endif\n",
         l::WORD_STRIDE,
         l::MAX_CHANNELS,
         l::MAX_LOCAL_EXPERTS,
@@ -491,6 +492,7 @@ fn protocol_rules(out: &Path, manifest: &Path) {
         l::ROW_META_PAIR_BYTES,
         l::ROW_TOPK_ID_BYTES,
         l::ROW_TOPK_WEIGHT_BYTES,
+        l::LL_MAX_SEND_GROUPS,
     );
     std::fs::write(out.join("ep_protocol_constants.h"), constants).expect("write constants header");
     let shim = out.join("ep_protocol_shim.cc");
@@ -515,6 +517,7 @@ uint64_t ep_shim_align16(uint64_t x) { return ep_align16(x); }
 uint64_t ep_shim_align128(uint64_t x) { return ep_align128(x); }
 void ep_shim_channel_range(uint64_t t, uint64_t c, uint64_t i, uint64_t *s, uint64_t *e) { ep_channel_range(t, c, i, s, e); }
 void ep_shim_channel_half(uint64_t t, uint64_t c, uint64_t i, uint64_t h, uint64_t *s, uint64_t *e) { ep_channel_half(t, c, i, h, s, e); }
+void ep_shim_ll_send_group(uint64_t t, uint64_t g, uint64_t b, uint64_t *s, uint64_t *e) { ep_ll_send_group(t, g, b, s, e); }
 uint64_t ep_shim_parity(uint64_t call) { return ep_parity(call); }
 uint64_t ep_shim_epoch_word(uint64_t call) { return ep_epoch_word(call); }
 uint64_t ep_shim_counted(uint64_t call, uint32_t count) { return ep_counted(call, count); }
@@ -549,12 +552,14 @@ uint64_t ep_shim_row_topk_weights_offset(uint64_t h, uint64_t e, uint64_t s, uin
 uint64_t ep_shim_row_combine_record(uint64_t h, uint64_t k) { return ep_row_combine_record(h, k); }
 uint32_t ep_shim_normal_final_row(uint32_t a, uint32_t b, uint32_t c) { return ep_normal_final_row(a, b, c); }
 uint64_t ep_shim_ll_signal_bytes(uint64_t r) { return ep_ll_signal_bytes(r); }
-uint64_t ep_shim_ll_dispatch_signal(uint64_t r, uint64_t h, uint64_t s) { return ep_ll_dispatch_signal(r, h, s); }
+uint64_t ep_shim_ll_dispatch_signal(uint64_t r, uint64_t h, uint64_t s, uint64_t b) { return ep_ll_dispatch_signal(r, h, s, b); }
 uint64_t ep_shim_ll_combine_signal(uint64_t r, uint64_t h, uint64_t d) { return ep_ll_combine_signal(r, h, d); }
 uint64_t ep_shim_ll_half(uint64_t op) { return ep_ll_half(op); }
 uint16_t ep_shim_ll_data_qp(uint32_t run, uint16_t nq) { return ep_ll_data_qp(run, nq); }
 uint64_t ep_shim_ll_row(L4) { MK; return ep_ll_row(lay); }
 uint64_t ep_shim_ll_meta(L4) { MK; return ep_ll_meta(lay); }
+uint64_t ep_shim_ll_header_copy(L4) { MK; return ep_ll_header_copy(lay); }
+uint64_t ep_shim_ll_header(L4) { MK; return ep_ll_header(lay); }
 uint64_t ep_shim_ll_dsend_row(L4, uint64_t t) { MK; return ep_ll_dsend_row(lay, t); }
 uint64_t ep_shim_ll_dsend_meta(L4, uint64_t d) { MK; return ep_ll_dsend_meta(lay, d); }
 uint64_t ep_shim_ll_drecv(L4, uint64_t s) { MK; return ep_ll_drecv(lay, s); }

@@ -273,7 +273,7 @@ __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, ui
         count[src] = 0;
         if (!masked(a, src)) {
             uint64_t off = combine ? ep_ll_combine_signal(a.num_ranks, half, src)
-                                   : ep_ll_dispatch_signal(a.num_ranks, half, src);
+                                   : ep_ll_dispatch_signal(a.num_ranks, half, src, blockIdx.x);
             uint64_t waited = 0;
             uint64_t v = wait_ge(a, signal_of(a, a.rank, off), ep_ll_threshold(call_k), kernel, off, &waited);
             ep_err_block *err = (ep_err_block *)a.err;
@@ -310,10 +310,10 @@ __device__ __forceinline__ uint64_t op_epoch(const Args &a) {
     return ep_block_epoch(a.call, a.epoch, (a.flags & EP_FLAG_LL_SEND) != 0);
 }
 
-// Variant (b): the send part's last block completes every put of this PE (nvshmem_quiet)
-// before the kernel ends, so the staging is free when its half comes round again (§3.7); at the
-// end, after the receive part, it is off the signals' path.
-__device__ __forceinline__ void quiet_if_last(bool last) {
+// Variant (b): a block whose puts must complete before the kernel ends (every dispatch send
+// block; the combine's last send block, for the whole PE) quiets, so the staging is free when its
+// half comes round again (§3.7); at the end, after the receive part, off the signals' path.
+__device__ __forceinline__ void quiet_at_end(bool last) {
 #ifdef EP_LL_NVSHMEM
     if (last && threadIdx.x == 0) nvshmem_quiet();
 #else
@@ -349,7 +349,10 @@ __device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
 // destination ranks and its slot on each; `ncnt[d]` gets the messages to d. An expert id
 // outside [-1, E) is recorded (EP_ERR_EXPERT) and treated as -1, so the protocol still completes
 // and the group stays usable.
-__device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt) {
+// `gfirst[d]` / `gcnt[d]`: the first slot and the messages to d of this block's send group,
+// tokens [tb, te) (docs/protocol.md §3.3).
+__device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t tb, uint32_t te, uint32_t *gfirst,
+                           uint32_t *gcnt) {
     const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, L = a.num_local_experts;
     const uint32_t R = a.num_ranks;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -381,15 +384,17 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt) {
     // Slots: warp d ranks the tokens with an expert on d.
     if (warp < R) {
         const uint32_t d = warp;
-        uint32_t run = 0;
+        uint32_t run = 0, first = 0, mine = 0;
         for (uint32_t b = 0; b < T; b += 32) {
             uint32_t t = b + lane;
             bool to_d = t < T && ((sm.dmask[t] >> d) & 1u);
             uint32_t bal = __ballot_sync(FULL, to_d);
             if (t < T) sm.slot[t * R + d] = to_d ? (uint16_t)(run + __popc(bal & lanemask_lt())) : 0xffffu;
             run += __popc(bal);
+            first += __popc(__ballot_sync(FULL, to_d && t < tb));
+            mine += __popc(__ballot_sync(FULL, to_d && t >= tb && t < te));
         }
-        if (lane == 0) ncnt[d] = run;
+        if (lane == 0) ncnt[d] = run, gfirst[d] = first, gcnt[d] = mine;
     }
     __syncthreads();
 }
@@ -489,19 +494,28 @@ __device__ __forceinline__ uint8_t *meta_block_out(const Args &a, const ep_ll_la
 #endif
 }
 
-// The send part: every message of this rank into its destination's drecv[s], then (last block)
-// headers and signals. Returns whether this block was the last (variant (b) quiets there).
-__device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
-    __shared__ uint32_t ncnt[MAXR];
+// The send part of send group b = blockIdx.x (docs/protocol.md §3.3, §3.10): the messages of the
+// block's tokens [tb, te) (ep_ll_send_group) into their destinations' drecv[s], their meta
+// records, and on each destination the group's header copy, then one fence and the group's
+// signal disp_sig[h][s][b]. Every block routes the whole rank (it needs every entry's pos and the
+// per-expert totals); no block waits for another.
+__device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
+    __shared__ uint32_t ncnt[MAXR], gfirst[MAXR], gcnt[MAXR];
     SendSmem sm = send_smem(a, smem);
     const ep_ll_layout ly = layout_of(a);
     const uint32_t T = a.num_tokens, K = a.num_topk, R = a.num_ranks, L = a.num_local_experts;
-    const uint32_t H = a.hidden;
+    const uint32_t H = a.hidden, b = blockIdx.x;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const bool fp8 = (a.flags & EP_FLAG_FP8) != 0;
     const bool round_scale = (a.flags & EP_FLAG_ROUND_SCALE) != 0;
+    uint32_t tb, te;
+    {
+        uint64_t gs, ge;
+        ep_ll_send_group(T, gridDim.x, b, &gs, &ge);
+        tb = (uint32_t)gs, te = (uint32_t)ge;
+    }
     stamp(a, 0);
-    send_slots(a, sm, ncnt);
+    send_slots(a, sm, ncnt, tb, te, gfirst, gcnt);
     stamp(a, 1);
     if (blockIdx.x == 0) {
         int32_t *slots = (int32_t *)a.slots;
@@ -509,16 +523,16 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             slots[i] = sm.slot[i] == 0xffffu ? -1 : (int32_t)sm.slot[i];
         if (threadIdx.x < R) ((int32_t *)a.send_counts)[threadIdx.x] = (int32_t)ncnt[threadIdx.x];
     }
-    const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
+    const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly), hc = ep_ll_header_copy(ly);
     const float *weights = (const float *)a.topk_weights;
-    const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
-    // Rows: units of UNITS x 32 chunks of one token spread over every warp of the grid, the
+    const uint32_t nt = te - tb;
+    // Rows: units of UNITS x 32 chunks of one of the group's tokens over the block's warps, the
     // unit's loads issued before its stores (short dependency chains); each row loaded once,
     // cast once, stored to each destination.
     if (!fp8) {
         const uint32_t C = H * 2 / 16, per_row = (C + 32 * UNITS - 1) / (32 * UNITS);
-        for (uint32_t u = gw; u < T * per_row; u += GW) {
-            const uint32_t t = u / per_row, c0 = (u % per_row) * 32 * UNITS;
+        for (uint32_t u = warp; u < nt * per_row; u += WARPS) {
+            const uint32_t t = tb + u / per_row, c0 = (u % per_row) * 32 * UNITS;
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
             const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
@@ -559,8 +573,8 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         const uint32_t S = H / 128, per_row = (S + 2 * UNITS - 1) / (2 * UNITS);
         const uint64_t soff = ep_ll_fp8_scales_offset(ly);
         const uint32_t half_id = lane / 16, sub = lane % 16;
-        for (uint32_t u = gw; u < T * per_row; u += GW) {
-            const uint32_t t = u / per_row, b0 = (u % per_row) * 2 * UNITS;
+        for (uint32_t u = warp; u < nt * per_row; u += WARPS) {
+            const uint32_t t = tb + u / per_row, b0 = (u % per_row) * 2 * UNITS;
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
             const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
@@ -613,12 +627,13 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 #endif
         }
     }
-    // While the rows drain: positions, then the meta records (receivers read them only after
-    // the signal). Warp gw writes those of tokens gw, gw + GW, ... (lane k = top-k slot k).
+    // While the rows drain: positions, then the group's meta records (receivers read them only
+    // after the signal). Warp w writes those of tokens tb + w, tb + w + WARPS, ... (lane k = top-k
+    // slot k).
     stamp(a, 9);
     send_positions(a, sm);
     stamp(a, 10);
-    for (uint32_t t = gw; t < T; t += GW) {
+    for (uint32_t t = tb + warp; t < te; t += WARPS) {
         const uint32_t dm = sm.dmask[t];
         const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
         for (uint32_t d = 0; d < R; ++d) {
@@ -642,81 +657,106 @@ __device__ bool dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 #endif
         }
     }
-    stamp(a, 2);
-    if (!last_block(a, (uint64_t *)a.counter, 0)) return false;
-    // Headers c(l, s) for every unmasked destination, then the signals.
-    for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
-        const uint32_t d = i / L, l = i % L;
+    // The group's header copy b on every unmasked destination: [first slot, the rank's messages
+    // to d, c(l, s) for l < L].
+    for (uint32_t i = threadIdx.x; i < R * (L + 2); i += NT) {
+        const uint32_t d = i / (L + 2), j = i % (L + 2);
         if (masked(a, d)) continue;
-        uint32_t *header = (uint32_t *)meta_block_out(a, ly, d);
-        header[l] = sm.tot[d * L + l];
+        uint32_t *copy = (uint32_t *)(meta_block_out(a, ly, d) + (uint64_t)b * hc);
+        copy[j] = j == 0 ? gfirst[d] : j == 1 ? ncnt[d] : sm.tot[d * L + j - 2];
     }
+    stamp(a, 2);
     __syncthreads();
+    // Traced kernels only: a planted missing fence (the checker must catch it).
+    const bool skip_fence = TRACED && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
 #ifdef EP_LL_NVSHMEM
-    // Warp d: fence (every row and meta put of this PE before what follows), then one
-    // put_signal of the header carrying disp_sig[h][rank]. The quiet that frees the staging
-    // (§3.7) comes at the kernel's end, off the signals' path.
+    // Warp d: fence (every row and meta put of this block before what follows), then one
+    // put_signal of the header copy carrying disp_sig[h][rank][b]. The quiet that frees the
+    // staging (§3.7) comes at the kernel's end, off the signals' path.
     if (warp < R && !masked(a, warp)) {
         const uint32_t d = warp;
+        const uint64_t sig = ep_ll_dispatch_signal(R, a.half, a.rank, b);
+        uint8_t *copy = meta_block_out(a, ly, d) + (uint64_t)b * hc;
+        uint8_t *dst = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + (uint64_t)b * hc;
         if (lane == 0) {
-            nvshmem_fence();
-            TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
+            if (!skip_fence) {
+                nvshmem_fence();
+                TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
+            }
 #ifdef EP_TRACE
-            TRACE_STORE(a.rank, data_offset(a, a.rank, meta_block_out(a, ly, d)), 4ull * L);
-            trace_put_signal(a, d, data_offset(a, d, half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank)),
-                             data_offset(a, a.rank, meta_block_out(a, ly, d)), 4ull * L,
-                             ep_ll_dispatch_signal(R, a.half, a.rank), ep_ll_encode(call_k, ncnt[d]));
+            TRACE_STORE(a.rank, data_offset(a, a.rank, copy), hc);
+            trace_put_signal(a, d, data_offset(a, d, dst), data_offset(a, a.rank, copy), hc, sig,
+                             ep_ll_encode(call_k, gcnt[d]));
 #endif
         }
         __syncwarp();
-        nvshmemx_putmem_signal_nbi_warp(half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank), meta_block_out(a, ly, d),
-                                        4ull * L, signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
-                                        ep_ll_encode(call_k, ncnt[d]), NVSHMEM_SIGNAL_SET, pe_of(a, d));
+        nvshmemx_putmem_signal_nbi_warp(dst, copy, hc, signal_of(a, d, sig), ep_ll_encode(call_k, gcnt[d]),
+                                        NVSHMEM_SIGNAL_SET, pe_of(a, d));
     }
 #else
     if (threadIdx.x == 0) {
         for (uint32_t d = 0; d < R; ++d)
-            if (!masked(a, d)) TRACE_STORE(d, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, a.rank), 4ull * L);
-        fence_for_peers(a);
-        TRACE_FENCE(PEER_FENCE_SCOPE(a));
+            if (!masked(a, d)) TRACE_STORE(d, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, a.rank) + (uint64_t)b * hc, hc);
+        if (!skip_fence) {
+            fence_for_peers(a);
+            TRACE_FENCE(PEER_FENCE_SCOPE(a));
+        }
         for (uint32_t d = 0; d < R; ++d) {
             if (masked(a, d)) continue;
-            release_signal(a, signal_of(a, d, ep_ll_dispatch_signal(R, a.half, a.rank)),
-                          ep_ll_encode(call_k, ncnt[d]));
-            TRACE_RELEASE(d, ep_ll_dispatch_signal(R, a.half, a.rank), ep_ll_encode(call_k, ncnt[d]));
+            const uint64_t sig = ep_ll_dispatch_signal(R, a.half, a.rank, b);
+            release_signal(a, signal_of(a, d, sig), ep_ll_encode(call_k, gcnt[d]));
+            TRACE_RELEASE(d, sig, ep_ll_encode(call_k, gcnt[d]));
         }
     }
 #endif
     stamp(a, 3);
-    return true;
 }
 
-// The receive part on rank d: wait for every unmasked source, place its messages.
+// The receive part of block b on rank d (docs/protocol.md §3.4, §3.10): wait for send group b of
+// every unmasked source, read its header copy, place its messages.
 __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, b = blockIdx.x;
     __shared__ uint32_t count[MAXR];
     __shared__ uint32_t first_msg[MAXR + 1];
+    __shared__ uint32_t first_slot[MAXR];
+    __shared__ uint32_t from[MAXR];
+    __shared__ int bad;
     const ep_ll_layout ly = layout_of(a);
     const uint32_t R = a.num_ranks, L = a.num_local_experts, H = a.hidden;
     const uint32_t N = a.num_max_tokens, rows = R * N;
     const bool fp8 = (a.flags & EP_FLAG_FP8) != 0, ue8m0 = (a.flags & EP_FLAG_UE8M0) != 0;
     uint32_t *begin = (uint32_t *)(smem + a.sm_begin); // [R][L]
+    const uint64_t hc = ep_ll_header_copy(ly);
     stamp(a, 4);
     if (!wait_sources(a, call_k, EP_KERNEL_LL_DISPATCH, a.half, false, count, nullptr)) return;
     stamp(a, 5);
     uint8_t *mine = half_of(a, a.rank, a.half);
+    if (threadIdx.x == 0) bad = 0;
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
         const uint32_t s = i / L, l = i % L;
-        begin[i] = masked(a, s) ? 0u : __ldcg((const uint32_t *)(mine + ep_ll_drecv(ly, s)) + l);
+        begin[i] = masked(a, s) ? 0u : __ldcg((const uint32_t *)(mine + ep_ll_drecv(ly, s) + b * hc) + 2 + l);
+    }
+    if (threadIdx.x < R) {
+        const uint32_t s = threadIdx.x;
+        const uint32_t *copy = (const uint32_t *)(mine + ep_ll_drecv(ly, s) + b * hc);
+        first_slot[s] = masked(a, s) ? 0u : __ldcg(copy);
+        from[s] = masked(a, s) ? 0u : __ldcg(copy + 1);
+        // The group's slots must lie within the source's messages, and those within N.
+        if (!masked(a, s) && (from[s] > N || first_slot[s] + count[s] > from[s])) {
+            ep_fail((ep_err_block *)a.err, EP_ERR_COUNT, a.rank, EP_KERNEL_LL_DISPATCH, a.rank,
+                    ep_ll_dispatch_signal(R, a.half, s, b), from[s], first_slot[s] + count[s], s);
+            bad = 1;
+        }
     }
     if (threadIdx.x == 0) {
         first_msg[0] = 0;
         for (uint32_t s = 0; s < R; ++s) first_msg[s + 1] = first_msg[s] + count[s];
     }
     __syncthreads();
+    if (bad) return;
     if (TRACED && threadIdx.x == 0)
         for (uint32_t s = 0; s < R; ++s)
-            if (!masked(a, s)) TRACE_LOAD(a.rank, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, s), 4ull * L);
+            if (!masked(a, s)) TRACE_LOAD(a.rank, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, s) + b * hc, hc);
     // Counts → running begin per expert (ascending source), and the handle outputs.
     for (uint32_t l = threadIdx.x; l < L; l += NT) {
         uint32_t run = 0;
@@ -732,22 +772,21 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
             if (a.recv_stats != 0) ((int32_t *)a.recv_stats)[l] += (int32_t)run;
         }
     }
-    if (blockIdx.x == 0 && threadIdx.x < R) ((int32_t *)a.recv_counts)[threadIdx.x] = (int32_t)count[threadIdx.x];
+    if (blockIdx.x == 0 && threadIdx.x < R) ((int32_t *)a.recv_counts)[threadIdx.x] = (int32_t)from[threadIdx.x];
     __syncthreads();
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const uint32_t S = H / 128, S4 = (S + 3) / 4;
     const uint32_t total = first_msg[R];
-    // Units of UNITS x 32 chunks of one message over every warp of the grid: the warp reads the
-    // meta record once (lane j: entry j), then copies its chunks to each entry's place; the
-    // message's first unit also writes src_info and the scales.
-    const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
+    // Units of UNITS x 32 chunks of one of the group's messages over the block's warps: the warp
+    // reads the meta record once (lane j: entry j), then copies its chunks to each entry's place;
+    // the message's first unit also writes src_info and the scales.
     const uint64_t xbytes = fp8 ? H : 2ull * H;
     const uint32_t C = (uint32_t)(xbytes / 16), per_msg = (C + 32 * UNITS - 1) / (32 * UNITS);
-    for (uint32_t u = gw; u < total * per_msg; u += GW) {
+    for (uint32_t u = warp; u < total * per_msg; u += WARPS) {
         const uint32_t q = u / per_msg, c0 = (u % per_msg) * 32 * UNITS;
         uint32_t s = 0;
         while (q >= first_msg[s + 1]) ++s;
-        const uint32_t i = q - first_msg[s];
+        const uint32_t i = first_slot[s] + q - first_msg[s];
         const uint8_t *recv = mine + ep_ll_drecv(ly, s);
         const uint8_t *meta = recv + hdr + (uint64_t)i * meta_bytes;
         const uint8_t *row = mine + ep_ll_drecv_row(ly, s, i);
@@ -821,9 +860,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a)
     const uint64_t call_k = op_epoch(a);
     load_mask(a);
     if (masked(a, a.rank)) return;
-    const bool last = (a.flags & EP_FLAG_LL_SEND) && dispatch_send(a, call_k, smem);
+    const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
+    if (send) dispatch_send(a, call_k, smem);
     if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, call_k, smem);
-    quiet_if_last(last);
+    // Variant (b): every send block completes its puts before the kernel ends (§3.7).
+    quiet_at_end(send);
 }
 
 // ---- LogFMT-10 (use_logfmt: combine partials, ep_logfmt.cuh's codec) -----------------------------
@@ -1178,7 +1219,7 @@ __device__ __forceinline__ void combine_kernel(const Args &a, uint8_t *smem) {
     if (masked(a, a.rank)) return;
     const bool last = (a.flags & EP_FLAG_LL_SEND) && combine_send<LOGFMT>(a, call_k, smem);
     if (a.flags & EP_FLAG_LL_RECV) combine_recv<LOGFMT>(a, call_k);
-    quiet_if_last(last);
+    quiet_at_end(last);
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_combine(const Args a) {

@@ -140,12 +140,21 @@ EP_HD uint32_t ep_normal_final_row(uint32_t block_begin, uint32_t channel_start,
 
 /* ---- low-latency (docs/protocol.md §3) ------------------------------------------------------ */
 
-EP_HD uint64_t ep_ll_signal_bytes(uint64_t r) { return ep_align128(4u * EP_WORD_STRIDE * r); }
-EP_HD uint64_t ep_ll_dispatch_signal(uint64_t r, uint64_t half, uint64_t s) { return EP_WORD_STRIDE * (half * 2u * r + s); }
+EP_HD uint64_t ep_ll_signal_bytes(uint64_t r) {
+    return ep_align128(EP_WORD_STRIDE * 2u * r * (EP_LL_MAX_SEND_GROUPS + 1u));
+}
+/* disp_sig[h][s][b]: send group b of source s. */
+EP_HD uint64_t ep_ll_dispatch_signal(uint64_t r, uint64_t half, uint64_t s, uint64_t b) {
+    return EP_WORD_STRIDE * ((half * r + s) * EP_LL_MAX_SEND_GROUPS + b);
+}
 EP_HD uint64_t ep_ll_combine_signal(uint64_t r, uint64_t half, uint64_t d) {
-    return EP_WORD_STRIDE * (half * 2u * r + r + d);
+    return EP_WORD_STRIDE * (2u * r * EP_LL_MAX_SEND_GROUPS + half * r + d);
 }
 EP_HD uint64_t ep_ll_half(uint64_t op) { return op & 1u; }
+/* Tokens [start, end) of send group b of g: the channel split. */
+EP_HD void ep_ll_send_group(uint64_t t, uint64_t g, uint64_t b, uint64_t *start, uint64_t *end) {
+    ep_channel_range(t, g, b, start, end);
+}
 EP_HD uint16_t ep_ll_data_qp(uint32_t run, uint16_t num_qps) {
     return num_qps <= 1u ? (uint16_t)0 : (uint16_t)((run + 1u) % (uint32_t)num_qps);
 }
@@ -160,7 +169,10 @@ typedef struct ep_ll_layout {
 
 EP_HD uint64_t ep_ll_row(ep_ll_layout l) { return ep_align16(2u * l.hidden); }
 EP_HD uint64_t ep_ll_fp8_scales_offset(ep_ll_layout l) { return ep_align16(l.hidden); }
-EP_HD uint64_t ep_ll_header(ep_ll_layout l) { return ep_align16(4u * l.num_local_experts); }
+/* One send group's header copy [first slot u32][messages from the source u32][c(l) u32 x L]; the header holds
+   EP_LL_MAX_SEND_GROUPS of them, group b's at b * ep_ll_header_copy. */
+EP_HD uint64_t ep_ll_header_copy(ep_ll_layout l) { return ep_align16(8u + 4u * l.num_local_experts); }
+EP_HD uint64_t ep_ll_header(ep_ll_layout l) { return EP_LL_MAX_SEND_GROUPS * ep_ll_header_copy(l); }
 EP_HD uint64_t ep_ll_meta(ep_ll_layout l) {
     (void)l;
     return ep_align16(8u + EP_LL_META_ENTRY_BYTES * EP_LL_MAX_TOPK);

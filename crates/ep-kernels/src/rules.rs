@@ -22,6 +22,7 @@ mod ffi {
         pub(super) fn ep_shim_align16(x: u64) -> u64;
         pub(super) fn ep_shim_align128(x: u64) -> u64;
         pub(super) fn ep_shim_channel_range(t: u64, c: u64, i: u64, s: *mut u64, e: *mut u64);
+        pub(super) fn ep_shim_ll_send_group(t: u64, g: u64, b: u64, s: *mut u64, e: *mut u64);
         pub(super) fn ep_shim_channel_half(
             t: u64,
             c: u64,
@@ -64,12 +65,14 @@ mod ffi {
         pub(super) fn ep_shim_row_combine_record(h: u64, k: u64) -> u64;
         pub(super) fn ep_shim_normal_final_row(a: u32, b: u32, c: u32) -> u32;
         pub(super) fn ep_shim_ll_signal_bytes(r: u64) -> u64;
-        pub(super) fn ep_shim_ll_dispatch_signal(r: u64, h: u64, s: u64) -> u64;
+        pub(super) fn ep_shim_ll_dispatch_signal(r: u64, h: u64, s: u64, b: u64) -> u64;
         pub(super) fn ep_shim_ll_combine_signal(r: u64, h: u64, d: u64) -> u64;
         pub(super) fn ep_shim_ll_half(op: u64) -> u64;
         pub(super) fn ep_shim_ll_data_qp(run: u32, nq: u16) -> u16;
         pub(super) fn ep_shim_ll_row(r: u64, l: u64, h: u64, n: u64) -> u64;
         pub(super) fn ep_shim_ll_meta(r: u64, l: u64, h: u64, n: u64) -> u64;
+        pub(super) fn ep_shim_ll_header_copy(r: u64, l: u64, h: u64, n: u64) -> u64;
+        pub(super) fn ep_shim_ll_header(r: u64, l: u64, h: u64, n: u64) -> u64;
         pub(super) fn ep_shim_ll_dsend_row(r: u64, l: u64, h: u64, n: u64, t: u64) -> u64;
         pub(super) fn ep_shim_ll_dsend_meta(r: u64, l: u64, h: u64, n: u64, d: u64) -> u64;
         pub(super) fn ep_shim_ll_drecv(r: u64, l: u64, h: u64, n: u64, s: u64) -> u64;
@@ -181,7 +184,7 @@ rule!(/// `ep_normal_final_row`.
 rule!(/// `ep_ll_signal_bytes`.
     ll_signal_bytes => ep_shim_ll_signal_bytes(r: u64) -> u64);
 rule!(/// `ep_ll_dispatch_signal`.
-    ll_dispatch_signal => ep_shim_ll_dispatch_signal(r: u64, half: u64, s: u64) -> u64);
+    ll_dispatch_signal => ep_shim_ll_dispatch_signal(r: u64, half: u64, s: u64, b: u64) -> u64);
 rule!(/// `ep_ll_combine_signal`.
     ll_combine_signal => ep_shim_ll_combine_signal(r: u64, half: u64, d: u64) -> u64);
 rule!(/// `ep_ll_half`.
@@ -219,6 +222,16 @@ pub fn channel_range(num_tokens: u64, num_channels: u64, channel: u64) -> (u64, 
     (s, e)
 }
 
+/// `ep_ll_send_group`: `(start, end)` of send group `b` of `groups` (at least 1).
+#[must_use]
+pub fn ll_send_group(num_tokens: u64, groups: u64, b: u64) -> (u64, u64) {
+    let (mut s, mut e) = (0u64, 0u64);
+    // SAFETY: `s` and `e` are valid, exclusive u64 locations for the duration of the call; the
+    // shim writes each once and keeps no pointer.
+    unsafe { ffi::ep_shim_ll_send_group(num_tokens, groups.max(1), b, &mut s, &mut e) };
+    (s, e)
+}
+
 /// `ep_channel_half`: `(start, end)` of half `h`. `num_channels` must be at least 1.
 #[must_use]
 pub fn channel_half(num_tokens: u64, num_channels: u64, channel: u64, h: u64) -> (u64, u64) {
@@ -247,6 +260,10 @@ ll_rule!(/// `ep_ll_row`.
     ll_row => ep_shim_ll_row());
 ll_rule!(/// `ep_ll_meta`.
     ll_meta => ep_shim_ll_meta());
+ll_rule!(/// `ep_ll_header_copy`.
+    ll_header_copy => ep_shim_ll_header_copy());
+ll_rule!(/// `ep_ll_header`.
+    ll_header => ep_shim_ll_header());
 ll_rule!(/// `ep_ll_dsend_row`.
     ll_dsend_row => ep_shim_ll_dsend_row(t));
 ll_rule!(/// `ep_ll_dsend_meta`.

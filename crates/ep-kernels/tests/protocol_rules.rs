@@ -25,6 +25,8 @@ proptest! {
         prop_assert_eq!(c::align128(x), l::align128(x));
         let r = l::channel_range(t, ch, i);
         prop_assert_eq!(c::channel_range(t as u64, ch as u64, i as u64), (r.start as u64, r.end as u64));
+        let g = l::ll_send_group(t, ch, i);
+        prop_assert_eq!(c::ll_send_group(t as u64, ch as u64, i as u64), (g.start as u64, g.end as u64));
         for h in 0..2 {
             let half = l::channel_half(t, ch, i, h);
             prop_assert_eq!(c::channel_half(t as u64, ch as u64, i as u64, h as u64), (half.start as u64, half.end as u64));
@@ -88,13 +90,16 @@ proptest! {
     fn low_latency_offsets(r in 1usize..=256, le in 1usize..=64, h128 in 1usize..=64, n in 1usize..=1024,
                            half in 0u64..2, s in 0usize..256, i in 0usize..1024, op in any::<u64>(),
                            run in any::<u32>(), nq in 0u16..64, ll in any::<u16>(), pos in any::<u16>(),
-                           w in any::<f32>(), begin in any::<u32>(), count in any::<u32>()) {
+                           w in any::<f32>(), begin in any::<u32>(), count in any::<u32>(),
+                           g in 0usize..l::LL_MAX_SEND_GROUPS) {
         let (s, i) = (s % r, i % n);
         let lay = l::LlLayout { num_ranks: r, num_local_experts: le, hidden: 128 * h128, num_max_tokens: n };
         let dims = c::LlDims { num_ranks: r as u64, num_local_experts: le as u64, hidden: lay.hidden as u64, num_max_tokens: n as u64 };
         let (su, iu) = (s as u64, i as u64);
         prop_assert_eq!(c::ll_signal_bytes(r as u64), l::ll_signal_bytes(r));
-        prop_assert_eq!(c::ll_dispatch_signal(r as u64, half, su), l::ll_dispatch_signal(r, half, s));
+        prop_assert_eq!(c::ll_dispatch_signal(r as u64, half, su, g as u64), l::ll_dispatch_signal(r, half, s, g));
+        prop_assert_eq!(c::ll_header_copy(dims), lay.header_copy());
+        prop_assert_eq!(c::ll_header(dims), lay.header());
         prop_assert_eq!(c::ll_combine_signal(r as u64, half, su), l::ll_combine_signal(r, half, s));
         prop_assert_eq!(c::ll_half(op), l::ll_half(op));
         prop_assert_eq!(c::ll_data_qp(run, nq), l::ll_data_qp(run, nq));

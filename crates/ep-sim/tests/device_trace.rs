@@ -1,8 +1,8 @@
 //! The GPU trace checker (`ep_sim::device_trace`) on hand-built traces shaped like the
-//! low-latency kernels of docs/protocol.md §3.10 (variant (a), stores by pointer) and §3.11
-//! (variant (b), NVSHMEM puts): the correct shapes pass under many seeds; a planted missing
-//! fence, a load before its acquire and a put signalled without a fence are each caught, with
-//! the rank, block and bytes named.
+//! low-latency kernels of docs/protocol.md §3.10 (variant (a), stores by pointer; the dispatch's
+//! send groups, the combine's completion counter) and §3.11 (variant (b), NVSHMEM puts): the
+//! correct shapes pass under many seeds; a planted missing fence, a load before its acquire and
+//! a put signalled without a fence are each caught, with the rank, block and bytes named.
 
 use ep_core::transport::{AgentEvents, DeviceEvent, FenceScope, TraceRegion};
 use ep_sim::Violation;
@@ -14,17 +14,29 @@ const B: usize = 3;
 /// Tokens per rank (every token goes to every rank).
 const N: u64 = 5;
 const ROW: u64 = 64;
-const HDR: u64 = 16;
+/// One send group's header copy; the header holds `B` of them.
+const HC: u64 = 16;
+const HDR: u64 = B as u64 * HC;
 const META: u64 = 32;
 /// Operation half and call.
 const H: u64 = 1;
 const K: u64 = 7;
 
-fn disp_sig(s: usize) -> u64 {
-    16 * (H * 2 * R as u64 + s as u64)
+/// `disp_sig[h][s][b]`: send group `b` of source `s`.
+fn disp_sig(s: usize, b: usize) -> u64 {
+    16 * ((H * R as u64 + s as u64) * B as u64 + b as u64)
 }
 fn comb_sig(d: usize) -> u64 {
-    16 * (H * 2 * R as u64 + R as u64 + d as u64)
+    16 * (2 * R as u64 * B as u64 + H * R as u64 + d as u64)
+}
+/// Send group `b`'s header copy in `drecv[s]`.
+fn header_copy(s: usize, b: usize) -> u64 {
+    drecv(s) + b as u64 * HC
+}
+/// Send group `b`'s tokens (docs/protocol.md §3.3).
+fn group(b: usize) -> std::ops::Range<u64> {
+    let g = ep_core::protocol::layout::ll_send_group(N as usize, B, b);
+    g.start as u64..g.end as u64
 }
 /// `drecv[s]` in the receiver's `ll.data`: header, `N` meta records, `N` rows.
 fn drecv(s: usize) -> u64 {
@@ -40,6 +52,10 @@ fn row(s: usize, i: u64) -> u64 {
 fn dsend(t: u64) -> u64 {
     drecv(R) + t * ROW
 }
+/// Variant (b)'s staging of send group `b`'s header copy (after the staged rows).
+fn header_stage(b: usize) -> u64 {
+    dsend(N) + b as u64 * HC
+}
 /// Combine: `crecv[d]` slot `i` on the token's rank.
 fn crecv(d: usize, i: u64) -> u64 {
     d as u64 * N * ROW + i * ROW
@@ -47,8 +63,8 @@ fn crecv(d: usize, i: u64) -> u64 {
 
 fn arenas() -> Arenas {
     Arenas {
-        signals_bytes: 64 * R as u64,
-        data_bytes: drecv(R) + N * ROW,
+        signals_bytes: 16 * 2 * R as u64 * (B as u64 + 1),
+        data_bytes: header_stage(B),
     }
 }
 
@@ -80,55 +96,45 @@ fn arrival_order(rank: usize) -> [usize; B] {
     if rank == 0 { [2, 0, 1] } else { [0, 1, 2] }
 }
 
-/// LL dispatch, variant (a) (§3.10): every block of rank `s` stores its tokens' rows and meta
-/// records straight into each destination's `drecv[s]`, fences and arrives at the counter; the
-/// last block stores the headers, fences and releases `disp_sig[h][s]` on every destination.
-/// The receive part: every block acquires every source's signal, loads the headers, then the
-/// meta records and rows of its share.
+/// LL dispatch, variant (a) (§3.10): block `b` of rank `s` is send group `b`: it stores its
+/// tokens' rows and meta records and its header copy straight into each destination's
+/// `drecv[s]`, fences and releases `disp_sig[h][s][b]` on every destination. Its receive part
+/// acquires group `b`'s signal of every source, loads the header copies, then that group's meta
+/// records and rows.
 fn dispatch_a() -> Vec<AgentEvents> {
     let mut agents = Vec::new();
     for rank in 0..R {
-        let order = arrival_order(rank);
         for b in 0..B {
             let mut ev = Vec::new();
-            for t in (b as u64..N).step_by(B) {
+            for t in group(b) {
                 for d in 0..R {
                     ev.push(store(d, row(rank, t), ROW));
                     ev.push(store(d, meta(rank, t), META));
                 }
             }
+            for d in 0..R {
+                ev.push(store(d, header_copy(rank, b), HC));
+            }
             ev.push(FENCE);
-            let ticket = order.iter().position(|&x| x == b).unwrap() as u64;
-            let last = ticket + 1 == B as u64;
-            ev.push(DeviceEvent::CounterArrive {
-                counter: 0,
-                ticket,
-                last,
-            });
-            if last {
-                for d in 0..R {
-                    ev.push(store(d, drecv(rank), HDR));
-                }
-                ev.push(FENCE);
-                for d in 0..R {
-                    ev.push(DeviceEvent::Release {
-                        rank: d,
-                        offset: disp_sig(rank),
-                        value: value(N),
-                    });
-                }
+            let n = group(b).count() as u64;
+            for d in 0..R {
+                ev.push(DeviceEvent::Release {
+                    rank: d,
+                    offset: disp_sig(rank, b),
+                    value: value(n),
+                });
             }
             // Receive part.
             for s in 0..R {
                 ev.push(DeviceEvent::Acquire {
                     rank,
-                    offset: disp_sig(s),
-                    value: value(N),
+                    offset: disp_sig(s, b),
+                    value: value(n),
                 });
             }
             for s in 0..R {
-                ev.push(load(rank, drecv(s), HDR));
-                for i in (b as u64..N).step_by(B) {
+                ev.push(load(rank, header_copy(s, b), HC));
+                for i in group(b) {
                     ev.push(load(rank, meta(s, i), META));
                     ev.push(load(rank, row(s, i), ROW));
                 }
@@ -197,16 +203,15 @@ fn combine_a() -> Vec<AgentEvents> {
     agents
 }
 
-/// LL dispatch, variant (b) (§3.11): rows staged in the sender's `dsend` and put to each
-/// destination, meta records put likewise; fence, arrival; the last block: fence, then one
-/// put-with-signal of the header per destination.
+/// LL dispatch, variant (b) (§3.11): send group `b` stages its tokens' rows in the sender's
+/// `dsend` and puts them to each destination, stages its header copy, fences, then puts the
+/// header copy with `disp_sig[h][s][b]` per destination.
 fn dispatch_b() -> Vec<AgentEvents> {
     let mut agents = Vec::new();
     for rank in 0..R {
-        let order = arrival_order(rank);
         for b in 0..B {
             let mut ev = Vec::new();
-            for t in (b as u64..N).step_by(B) {
+            for t in group(b) {
                 ev.push(store(rank, dsend(t), ROW));
                 for d in 0..R {
                     ev.push(DeviceEvent::Put {
@@ -217,39 +222,29 @@ fn dispatch_b() -> Vec<AgentEvents> {
                     });
                 }
             }
+            ev.push(store(rank, header_stage(b), HC));
             ev.push(FENCE);
-            let ticket = order.iter().position(|&x| x == b).unwrap() as u64;
-            let last = ticket + 1 == B as u64;
-            ev.push(DeviceEvent::CounterArrive {
-                counter: 0,
-                ticket,
-                last,
-            });
-            if last {
-                // The header staged in the last block's dsend_meta (here: staging slot 0).
-                ev.push(store(rank, dsend(0), HDR));
-                ev.push(FENCE);
-                for d in 0..R {
-                    ev.push(DeviceEvent::PutSignal {
-                        dst_rank: d,
-                        dst_offset: drecv(rank),
-                        src_offset: dsend(0),
-                        len: HDR,
-                        signal_offset: disp_sig(rank),
-                        value: value(N),
-                    });
-                }
+            let n = group(b).count() as u64;
+            for d in 0..R {
+                ev.push(DeviceEvent::PutSignal {
+                    dst_rank: d,
+                    dst_offset: header_copy(rank, b),
+                    src_offset: header_stage(b),
+                    len: HC,
+                    signal_offset: disp_sig(rank, b),
+                    value: value(n),
+                });
             }
             for s in 0..R {
                 ev.push(DeviceEvent::Acquire {
                     rank,
-                    offset: disp_sig(s),
-                    value: value(N),
+                    offset: disp_sig(s, b),
+                    value: value(n),
                 });
             }
             for s in 0..R {
-                ev.push(load(rank, drecv(s), HDR));
-                for i in (b as u64..N).step_by(B) {
+                ev.push(load(rank, header_copy(s, b), HC));
+                for i in group(b) {
                     ev.push(load(rank, row(s, i), ROW));
                 }
             }
@@ -316,44 +311,33 @@ fn correct_shapes_pass_under_many_seeds() {
     }
 }
 
+/// The writer a violation names (`rank r/agent b(block b)`), for a race or an unpublished store.
+fn writer_of(v: &Violation) -> String {
+    match v {
+        Violation::DataRace { writer, .. } => writer.clone(),
+        Violation::StoreNotPublished { writer, .. } => format!("rank{}/{}", writer.rank, writer.role),
+        other => panic!("expected a race or an unpublished store, got {other}"),
+    }
+}
+
 #[test]
-fn missing_fence_of_a_sender_block_is_caught_naming_its_store() {
-    // Block 2 of rank 0 arrives first; without its fence its rows are not published.
+fn missing_fence_of_a_send_group_is_caught_naming_its_store() {
+    // Without its fence, block 2 of rank 0 releases its signal before its stores are published.
     for cfg in seeds(12) {
         let mut t = dispatch_a();
         drop_fence(&mut t, 0, 2, 0);
         let e = check_with(R, arenas(), &t, &cfg).unwrap_err();
         let msg = e.to_string();
         let (v, place) = expect_violation(e);
-        let Violation::DataRace { writer, .. } = &v else {
-            panic!("seed {}: expected a data race, got {v}", cfg.seed);
-        };
-        assert!(writer.starts_with("rank0/agent2(block2)"), "{msg}");
-        // The bytes are one of block 2's rows or meta records (token 2), on one of the ranks.
+        let writer = writer_of(&v);
+        assert!(writer.starts_with("rank0") && writer.contains("block2"), "{msg}");
+        // The bytes are group 2's rows, meta records (token 4) or header copy, on one of the ranks.
         assert_eq!(place.region, TraceRegion::Data, "{msg}");
-        let owned = [row(0, 2), meta(0, 2)]
+        let owned = [row(0, 4), meta(0, 4), header_copy(0, 2)]
             .iter()
             .any(|&o| (o..o + ROW).contains(&place.offset));
         assert!(owned, "{msg}");
     }
-}
-
-#[test]
-fn missing_fence_of_the_last_block_before_its_release_is_store_not_published() {
-    // Rank 0's last block is block 1; its second fence orders the headers before the signal.
-    let mut t = dispatch_a();
-    drop_fence(&mut t, 0, 1, 1);
-    let e = check(R, arenas(), &t).unwrap_err();
-    let msg = e.to_string();
-    let (v, place) = expect_violation(e);
-    match &v {
-        Violation::StoreNotPublished { writer, .. } => {
-            assert_eq!((writer.rank, writer.role.as_str()), (0, "block1"), "{msg}");
-        }
-        other => panic!("expected StoreNotPublished, got {other}"),
-    }
-    assert_eq!(place.offset, drecv(0), "{msg}");
-    assert_eq!(place.region, TraceRegion::Data);
 }
 
 #[test]
@@ -403,41 +387,51 @@ fn missing_fence_in_the_combine_direction_is_caught() {
 }
 
 #[test]
-fn variant_b_puts_need_the_fence_before_the_arrival() {
-    // Rank 0 block 2 arrives first; without its fence the rows it put are not published.
+fn variant_b_puts_need_the_fence_before_the_put_signal() {
+    // Without block 2's fence the rows it put are not ordered before its signal.
     let mut t = dispatch_b();
     drop_fence(&mut t, 0, 2, 0);
     let (v, place) = expect_violation(check(R, arenas(), &t).unwrap_err());
-    let Violation::DataRace { writer, .. } = &v else {
-        panic!("expected a data race, got {v}");
-    };
-    assert!(writer.starts_with("rank0/agent2(block2)"), "{v}");
-    assert_eq!(place.offset, row(0, 2), "{v}");
+    let writer = writer_of(&v);
+    assert!(writer.starts_with("rank0") && writer.contains("block2"), "{v}");
+    assert_eq!(place.offset, row(0, 4), "{v}");
 }
 
 #[test]
 fn put_signal_publishes_its_own_data_without_a_fence() {
-    // The last block's second fence only orders the header staging before its put-with-signal,
-    // whose data the signal covers: without it the trace is still correct (NVSHMEM semantics).
+    // A header copy staged after the block's fence still travels with its put-with-signal, whose
+    // data the signal covers (NVSHMEM semantics): the trace stays correct.
     let mut t = dispatch_b();
-    drop_fence(&mut t, 0, 1, 1);
+    let a = t.iter_mut().find(|a| (a.rank, a.agent) == (0, 1)).unwrap();
+    let staged = a
+        .events
+        .iter()
+        .position(|e| matches!(e, DeviceEvent::Store { offset, .. } if *offset == header_stage(1)))
+        .unwrap();
+    let ev = a.events.remove(staged);
+    let fence = a
+        .events
+        .iter()
+        .position(|e| matches!(e, DeviceEvent::Fence { .. }))
+        .unwrap();
+    a.events.insert(fence + 1, ev);
     check(R, arenas(), &t).unwrap();
-    // But a store of the block's after its last fence, read through the signal, is not.
+    // But a store of the block's after its fence, read through the signal, is not.
     let a = t.iter_mut().find(|a| (a.rank, a.agent) == (0, 1)).unwrap();
     let at = a
         .events
         .iter()
         .position(|e| matches!(e, DeviceEvent::PutSignal { .. }))
         .unwrap();
-    a.events.insert(at, store(1, meta(0, 0), META));
-    let b = t.iter_mut().find(|a| (a.rank, a.agent) == (1, 0)).unwrap();
-    b.events.push(load(1, meta(0, 0), META));
+    a.events.insert(at, store(1, meta(0, 2), META));
+    let b = t.iter_mut().find(|a| (a.rank, a.agent) == (1, 1)).unwrap();
+    b.events.push(load(1, meta(0, 2), META));
     let (v, place) = expect_violation(check(R, arenas(), &t).unwrap_err());
     match &v {
         Violation::StoreNotPublished { writer, .. } => assert_eq!(writer.role, "block1"),
         other => panic!("expected StoreNotPublished, got {other}"),
     }
-    assert_eq!((place.rank, place.offset), (1, meta(0, 0)), "{v}");
+    assert_eq!((place.rank, place.offset), (1, meta(0, 2)), "{v}");
 }
 
 #[test]
@@ -466,7 +460,7 @@ fn inconsistent_traces_are_refused_before_replay() {
     let a = t.iter_mut().find(|a| (a.rank, a.agent) == (1, 2)).unwrap();
     a.events.push(DeviceEvent::Acquire {
         rank: 1,
-        offset: disp_sig(0),
+        offset: disp_sig(0, 2),
         value: value(N + 1),
     });
     assert!(matches!(
@@ -477,8 +471,8 @@ fn inconsistent_traces_are_refused_before_replay() {
             ..
         })
     ));
-    // Two arrivals with one ticket.
-    let mut t = dispatch_a();
+    // Two arrivals with one ticket (the combine's counter).
+    let mut t = combine_a();
     for a in &mut t {
         for e in &mut a.events {
             if let DeviceEvent::CounterArrive { ticket, .. } = e

@@ -14,6 +14,9 @@ pub const MAX_CHANNELS: usize = 64;
 pub const MAX_LOCAL_EXPERTS: usize = 1024;
 /// Top-k entries a low-latency meta record has room for (spec §0, `kNumMaxTopK`).
 pub const LL_MAX_TOPK: usize = 11;
+/// Most send groups a low-latency dispatch may have (docs/protocol.md §3.3: a GPU rank's
+/// blocks, `num_sms`); sizes the dispatch signals and the header copies.
+pub const LL_MAX_SEND_GROUPS: usize = 160;
 /// Bytes of one low-latency meta entry `(l u16, pos u16, w f32)`.
 pub const LL_META_ENTRY_BYTES: u64 = 8;
 /// Alignment of allocations and regions.
@@ -319,30 +322,50 @@ pub const fn normal_final_row(block_begin: u32, channel_start: u32, index_in_cha
 
 // ---- low-latency ----------------------------------------------------------------------------------
 
-/// Bytes of the low-latency signal allocation: `a128(64·R)`.
+/// Bytes of the low-latency signal allocation: `a128(16·(2R·G + 2R))`, `G` =
+/// [`LL_MAX_SEND_GROUPS`].
 #[must_use]
 pub fn ll_signal_bytes(num_ranks: usize) -> u64 {
-    align128(4 * WORD_STRIDE * num_ranks as u64)
+    align128(WORD_STRIDE * 2 * num_ranks as u64 * (LL_MAX_SEND_GROUPS as u64 + 1))
 }
 
-/// `disp_sig[h][s]` in the signal allocation.
+/// `disp_sig[h][s][b]` in the signal allocation: send group `b` of source `s`.
 #[must_use]
-pub fn ll_dispatch_signal(num_ranks: usize, half: u64, s: usize) -> u64 {
-    WORD_STRIDE * (half * 2 * num_ranks as u64 + s as u64)
+pub fn ll_dispatch_signal(num_ranks: usize, half: u64, s: usize, b: usize) -> u64 {
+    WORD_STRIDE * ((half * num_ranks as u64 + s as u64) * LL_MAX_SEND_GROUPS as u64 + b as u64)
 }
 
-/// `comb_sig[h][d]` in the signal allocation.
+/// `comb_sig[h][d]` in the signal allocation (after every dispatch signal).
 #[must_use]
 pub fn ll_combine_signal(num_ranks: usize, half: u64, d: usize) -> u64 {
-    WORD_STRIDE * (half * 2 * num_ranks as u64 + num_ranks as u64 + d as u64)
+    let r = num_ranks as u64;
+    WORD_STRIDE * (2 * r * LL_MAX_SEND_GROUPS as u64 + half * r + d as u64)
 }
 
 /// The rank that writes the low-latency signal word at byte offset `off` of the signal
-/// allocation (`disp_sig[h][s]`: `s`; `comb_sig[h][d]`: `d`); `None` past the words.
+/// allocation (`disp_sig[h][s][b]`: `s`; `comb_sig[h][d]`: `d`); `None` past the words.
 #[must_use]
 pub fn ll_signal_writer(num_ranks: usize, off: u64) -> Option<usize> {
-    let w = off / WORD_STRIDE;
-    (w < 4 * num_ranks as u64).then_some((w % num_ranks as u64) as usize)
+    let (w, r, g) = (off / WORD_STRIDE, num_ranks as u64, LL_MAX_SEND_GROUPS as u64);
+    if w < 2 * r * g {
+        Some(((w / g) % r) as usize)
+    } else {
+        (w < 2 * r * (g + 1)).then_some(((w - 2 * r * g) % r) as usize)
+    }
+}
+
+/// `(half, source, group)` of a dispatch signal word at `off`, `None` for any other word.
+#[must_use]
+pub fn ll_dispatch_signal_of(num_ranks: usize, off: u64) -> Option<(u64, usize, usize)> {
+    let (w, r, g) = (off / WORD_STRIDE, num_ranks as u64, LL_MAX_SEND_GROUPS as u64);
+    (w < 2 * r * g).then_some((w / (r * g), ((w / g) % r) as usize, (w % g) as usize))
+}
+
+/// Tokens of send group `b` of `g` on a rank with `num_tokens` tokens (docs/protocol.md §3.3):
+/// the channel split of normal mode ([`channel_range`]), contiguous and ascending.
+#[must_use]
+pub fn ll_send_group(num_tokens: usize, groups: usize, b: usize) -> Range<usize> {
+    channel_range(num_tokens, groups, b)
 }
 
 /// Half used by low-latency operation number `op` (docs/protocol.md §3.7).
@@ -394,10 +417,16 @@ impl LlLayout {
     pub fn fp8_scales_offset(self) -> u64 {
         align16(self.hidden as u64)
     }
-    /// Header bytes `a16(4L)`.
+    /// One send group's header copy `a16(8 + 4L)`: `[first slot u32][messages u32][c(l) u32 × L]`
+    /// (docs/protocol.md §3.2).
+    #[must_use]
+    pub fn header_copy(self) -> u64 {
+        align16(8 + 4 * self.num_local_experts as u64)
+    }
+    /// Header bytes: [`LL_MAX_SEND_GROUPS`] copies, group `b`'s at `b·header_copy()`.
     #[must_use]
     pub fn header(self) -> u64 {
-        align16(4 * self.num_local_experts as u64)
+        LL_MAX_SEND_GROUPS as u64 * self.header_copy()
     }
     /// Meta record bytes `a16(8 + 8·LL_MAX_TOPK)`.
     #[must_use]
@@ -605,12 +634,20 @@ mod tests {
                 assert_eq!(c.writer(c.pulled(s, ch), 7), Some(s));
             }
             for h in 0..2 {
-                assert_eq!(ll_signal_writer(3, ll_dispatch_signal(3, h, s)), Some(s));
+                for b in [0, 1, LL_MAX_SEND_GROUPS - 1] {
+                    let off = ll_dispatch_signal(3, h, s, b);
+                    assert_eq!(ll_signal_writer(3, off), Some(s));
+                    assert_eq!(ll_dispatch_signal_of(3, off), Some((h, s, b)));
+                }
                 assert_eq!(ll_signal_writer(3, ll_combine_signal(3, h, s)), Some(s));
+                assert_eq!(ll_dispatch_signal_of(3, ll_combine_signal(3, h, s)), None);
             }
         }
         assert_eq!(c.writer(c.bytes(), 7), None);
-        assert_eq!(ll_signal_writer(3, 4 * 3 * WORD_STRIDE), None);
+        let words = 2 * 3 * (LL_MAX_SEND_GROUPS as u64 + 1);
+        assert_eq!(ll_signal_writer(3, (words - 1) * WORD_STRIDE), Some(2));
+        assert_eq!(ll_signal_writer(3, words * WORD_STRIDE), None);
+        assert!(ll_signal_bytes(3) >= words * WORD_STRIDE);
     }
 
     #[test]

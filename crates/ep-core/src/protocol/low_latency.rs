@@ -15,7 +15,7 @@ use super::ProtocolMutation;
 use super::bytes::{get_bf16_row, get_f32s, get_u32, put_bf16_row, put_f32s, put_u32};
 use super::layout::{
     LL_META_ENTRY_BYTES, LL_SIGNAL_QP, LlLayout, ll_combine_signal, ll_data_qp, ll_dispatch_signal,
-    ll_meta_entry, ll_meta_entry_decode, ll_meta_head, ll_meta_head_decode,
+    ll_meta_entry, ll_meta_entry_decode, ll_meta_head, ll_meta_head_decode, ll_send_group,
 };
 use super::logfmt_slot::SlotCodec;
 use super::normal::put_slot;
@@ -140,10 +140,10 @@ impl LlOp {
     fn at(&self, arena: &LlArena, off: u64) -> SymAddr {
         arena.data.at(self.layout.half_base(self.half) + off)
     }
-    fn dsig(&self, arena: &LlArena, s: usize) -> SymAddr {
+    fn dsig(&self, arena: &LlArena, s: usize, b: usize) -> SymAddr {
         arena
             .signals
-            .at(ll_dispatch_signal(arena.num_ranks, self.half, s))
+            .at(ll_dispatch_signal(arena.num_ranks, self.half, s, b))
     }
     fn csig(&self, arena: &LlArena, d: usize) -> SymAddr {
         arena
@@ -153,17 +153,18 @@ impl LlOp {
     fn live(&self, r: usize) -> bool {
         !self.masked.get(r).copied().unwrap_or(false)
     }
-    /// Destinations of sender agent `a` of `n_agents` on rank `s`, rotated to spread incast.
-    fn dests(&self, s: usize, a: usize, n_agents: usize) -> impl Iterator<Item = usize> + '_ {
+    /// The unmasked destinations of send group `b` on rank `s`, rotated to spread incast.
+    fn dests(&self, s: usize, b: usize) -> impl Iterator<Item = usize> + '_ {
         let r = self.layout.num_ranks;
         (0..r)
-            .map(move |i| (s + a + i) % r)
-            .filter(move |d| d % n_agents == a && self.live(*d))
+            .map(move |i| (s + b + i) % r)
+            .filter(move |d| self.live(*d))
     }
 }
 
-/// Number of sender agents per rank.
-const SEND_AGENTS: usize = 2;
+/// Send groups per rank on the simulator (docs/protocol.md §3.3; a GPU rank has one per block).
+/// Three, so that the groups' token ranges are uneven and, with fewer than three tokens, empty.
+pub(crate) const SEND_GROUPS: usize = 3;
 
 /// Waits for a peer's signal of `call` and returns its message count; in shrink mode `None` when
 /// the bound expired (the caller reports the peer in [`Expired`]).
@@ -212,10 +213,10 @@ pub(crate) fn dispatch_send_phase<'a>(
 ) -> Phase<'a> {
     let mut phase = Phase::new(PhaseKind::LowLatencyDispatchSend, op.call);
     for s in (0..arena.num_ranks).filter(|&s| op.live(s)) {
-        for a in 0..SEND_AGENTS {
+        for b in 0..SEND_GROUPS {
             phase = phase.agent(s, 0, "ll-sender", move |ctx: &mut dyn AgentCtx| {
                 dispatch_send(
-                    ctx, arena, op, x[s], topk[s].0, topk[s].1, rows, a, mutation,
+                    ctx, arena, op, x[s], topk[s].0, topk[s].1, rows, b, mutation,
                 )
             });
         }
@@ -223,6 +224,20 @@ pub(crate) fn dispatch_send_phase<'a>(
     phase
 }
 
+/// The entries of token `t` on destination `d`: `(k, local expert)` in top-k order.
+fn entries_on(idx: &Tensor2<ExpertIdx>, t: usize, d: usize, l_count: usize) -> Vec<(usize, usize)> {
+    idx.row(t)
+        .iter()
+        .enumerate()
+        .filter_map(|(k, &e)| usize::try_from(e).ok().map(|e| (k, e)))
+        .filter(|&(_, e)| e / l_count == d)
+        .map(|(k, e)| (k, e % l_count))
+        .collect()
+}
+
+/// Send group `b` of rank `s` (docs/protocol.md §3.3): its tokens' rows staged, then per
+/// destination its messages' meta records and header copy, the rows in runs, a fence, and the
+/// header copy put with `disp_sig[h][s][b]`.
 #[allow(clippy::too_many_arguments, reason = "one agent's whole context")]
 fn dispatch_send(
     ctx: &mut dyn AgentCtx,
@@ -232,7 +247,7 @@ fn dispatch_send(
     idx: &Tensor2<ExpertIdx>,
     weights: &Tensor2<f32>,
     rows: LlRows,
-    a: usize,
+    b: usize,
     mutation: ProtocolMutation,
 ) -> Result<()> {
     let s = ctx.me().rank;
@@ -240,50 +255,51 @@ fn dispatch_send(
     let l_count = lay.num_local_experts;
     let row_bytes = lay.row() as usize;
     let reuse = mutation == ProtocolMutation::LlStagingReuse;
+    let group = ll_send_group(x.rows(), SEND_GROUPS, b);
     let mut buf = vec![0u8; row_bytes];
-    // 1. Cast each token once into its staging row (this agent's share), then meet the other agent.
+    // 1. Cast each of the group's tokens once into its staging row.
     if !reuse {
-        for t in (a..x.rows()).step_by(SEND_AGENTS) {
+        for t in group.clone() {
             stage_row(x.row(t), rows, lay, &mut buf)?;
             ctx.store(s, op.at(arena, lay.dsend_row(t)), &buf)?;
         }
     }
-    ctx.block_barrier()?;
-    // 2. Per destination: metadata, row puts in runs, fence, metadata + signal.
+    // 2. Per destination: meta records, header copy, row puts in runs, fence, header + signal.
     let meta_bytes = lay.meta() as usize;
-    let hdr = lay.header() as usize;
-    let mut meta = vec![0u8; hdr + x.rows() * meta_bytes];
-    let mut pos = vec![0u32; l_count];
-    for d in op.dests(s, a, SEND_AGENTS) {
-        meta.iter_mut().for_each(|b| *b = 0);
-        pos.iter_mut().for_each(|p| *p = 0);
-        let mut n = 0usize;
+    let hc = lay.header_copy() as usize;
+    let mut header = vec![0u8; hc];
+    let mut meta = Vec::new();
+    for d in op.dests(s, b) {
+        // The rank's whole routing to d: every entry's pos and every expert's count c(l, s);
+        // the group's first slot is the messages of the tokens before it.
+        let mut pos = vec![0u32; l_count];
+        let (mut first, mut n, mut total) = (0usize, 0usize, 0u32);
+        meta.clear();
         // Current run: (first slot, first token, length).
         let mut run: Option<(usize, usize, usize)> = None;
         let mut runs = 0u32;
         for t in 0..x.rows() {
-            let m = hdr + n * meta_bytes;
-            let mut cnt = 0usize;
-            for (k, &e) in idx.row(t).iter().enumerate() {
-                let Ok(e) = usize::try_from(e) else { continue };
-                if e / l_count != d {
-                    continue;
-                }
-                let l = e % l_count;
-                let o = m + 8 + cnt * LL_META_ENTRY_BYTES as usize;
-                meta[o..o + 8].copy_from_slice(&ll_meta_entry(
-                    l as u16,
-                    pos[l] as u16,
-                    weights.get(t, k),
-                ));
-                pos[l] += 1;
-                cnt += 1;
-            }
-            if cnt == 0 {
+            let ent = entries_on(idx, t, d, l_count);
+            if ent.is_empty() {
                 continue;
             }
-            meta[m..m + 8].copy_from_slice(&ll_meta_head(t as u32, cnt as u32));
-            let slot = n;
+            total += 1;
+            if !group.contains(&t) {
+                if t < group.start {
+                    first += 1;
+                }
+                ent.iter().for_each(|&(_, l)| pos[l] += 1);
+                continue;
+            }
+            let mut rec = vec![0u8; meta_bytes];
+            rec[..8].copy_from_slice(&ll_meta_head(t as u32, ent.len() as u32));
+            for (j, &(k, l)) in ent.iter().enumerate() {
+                let o = 8 + j * LL_META_ENTRY_BYTES as usize;
+                rec[o..o + 8].copy_from_slice(&ll_meta_entry(l as u16, pos[l] as u16, weights.get(t, k)));
+                pos[l] += 1;
+            }
+            meta.extend_from_slice(&rec);
+            let slot = first + n;
             n += 1;
             if reuse {
                 // Planted bug: one staging row reused for every message, no quiet between.
@@ -313,21 +329,34 @@ fn dispatch_send(
         if let Some(r0) = run {
             put_run(ctx, arena, op, d, r0, runs)?;
         }
+        put_u32(&mut header, 0, first as u32);
+        put_u32(&mut header, 4, total);
         for (l, &p) in pos.iter().enumerate() {
-            put_u32(&mut meta, 4 * l, p);
+            put_u32(&mut header, 8 + 4 * l, p);
         }
-        let len = hdr + n * meta_bytes;
-        ctx.store(s, op.at(arena, lay.dsend_meta(d)), &meta[..len])?;
+        let meta_at = lay.header() + (first * meta_bytes) as u64;
+        let copy_at = b as u64 * lay.header_copy();
+        if n > 0 {
+            ctx.store(s, op.at(arena, lay.dsend_meta(d) + meta_at), &meta)?;
+            ctx.put(
+                d,
+                QpIndex(LL_SIGNAL_QP),
+                op.at(arena, lay.drecv(s) + meta_at),
+                op.at(arena, lay.dsend_meta(d) + meta_at),
+                meta.len() as u64,
+            )?;
+        }
+        ctx.store(s, op.at(arena, lay.dsend_meta(d) + copy_at), &header)?;
         if mutation != ProtocolMutation::LlSignalWithoutFence {
             ctx.fence()?;
         }
         ctx.put_signal(
             d,
             QpIndex(LL_SIGNAL_QP),
-            op.at(arena, lay.drecv(s)),
-            op.at(arena, lay.dsend_meta(d)),
-            len as u64,
-            op.dsig(arena, s),
+            op.at(arena, lay.drecv(s) + copy_at),
+            op.at(arena, lay.dsend_meta(d) + copy_at),
+            hc as u64,
+            op.dsig(arena, s, b),
             SignalOp::Set,
             ll_encode(op.call, n as u32),
         )?;
@@ -506,11 +535,12 @@ fn dispatch_recv(
     let mut data = Vec::new();
     let mut sc = vec![0f32; s_count];
     let mut bf = vec![bf16::ZERO; h];
+    let hc = lay.header_copy() as usize;
+    let mut copy = vec![0u8; hc];
+    let mut counts = vec![0u8; 4 * l_count];
     for s in 0..r {
         let n = if op.live(s) {
-            wait_signal(ctx, op.shrink, d, op.dsig(arena, s), op.call, || {
-                format!("dispatch signal of rank {s} for call {}", op.call)
-            })?
+            recv_headers(ctx, arena, op, s, &mut copy, &mut counts)?
         } else {
             None
         };
@@ -525,16 +555,10 @@ fn dispatch_recv(
             routes.msg_start.push(routes.msg_token.len() as u32);
             continue;
         };
-        let n = n as usize;
-        if n > lay.num_max_tokens {
-            return Err(Error::LlInvalidLayout {
-                local_expert: 0,
-                source_rank: s,
-                detail: format!("{n} messages exceed N = {}", lay.num_max_tokens),
-            });
+        meta.resize(n * meta_bytes, 0);
+        if n > 0 {
+            ctx.load(d, op.at(arena, lay.drecv(s) + hdr as u64), &mut meta)?;
         }
-        meta.resize(hdr + n * meta_bytes, 0);
-        ctx.load(d, op.at(arena, lay.drecv(s)), &mut meta)?;
         data.resize(n * row_bytes, 0);
         if n > 0 {
             ctx.load(d, op.at(arena, lay.drecv_row(s, 0)), &mut data)?;
@@ -542,7 +566,7 @@ fn dispatch_recv(
         // Planted bug: blocks after the first start one row late.
         let shift = u32::from(mutation == ProtocolMutation::LlBeginOffByOne && s > 0);
         for i in 0..n {
-            let m = hdr + i * meta_bytes;
+            let m = i * meta_bytes;
             let (t, cnt) = ll_meta_head_decode(&meta[m..m + 8]);
             let cnt = cnt as usize;
             let row_src = &data[i * row_bytes..(i + 1) * row_bytes];
@@ -585,7 +609,7 @@ fn dispatch_recv(
         }
         routes.msg_start.push(routes.msg_token.len() as u32);
         for l in 0..l_count {
-            let c = get_u32(&meta, 4 * l);
+            let c = get_u32(&counts, 4 * l);
             layout_range.set(l, s, pack_layout_range(begin[l], c));
             begin[l] += c;
         }
@@ -604,6 +628,55 @@ fn dispatch_recv(
         },
         routes,
     ))
+}
+
+/// Waits for every send group's signal of source `s` and loads its header copy (docs/protocol.md
+/// §3.4): the source's message count, with `c(l, s)` in `counts`; `None` when the source was
+/// given up on (shrink). The groups' slot ranges must tile `0..n` and agree on the counts.
+fn recv_headers(
+    ctx: &mut dyn AgentCtx,
+    arena: &LlArena,
+    op: &LlOp,
+    s: usize,
+    copy: &mut [u8],
+    counts: &mut [u8],
+) -> Result<Option<usize>> {
+    let d = ctx.me().rank;
+    let lay = op.layout;
+    let bad = |detail: String| Error::LlInvalidLayout {
+        local_expert: 0,
+        source_rank: s,
+        detail,
+    };
+    let (mut n, mut total) = (0usize, 0u32);
+    for b in 0..SEND_GROUPS {
+        let Some(nb) = wait_signal(ctx, op.shrink, d, op.dsig(arena, s, b), op.call, || {
+            format!("dispatch signal of rank {s}, send group {b}, for call {}", op.call)
+        })?
+        else {
+            return Ok(None);
+        };
+        ctx.load(d, op.at(arena, lay.drecv(s) + b as u64 * lay.header_copy()), copy)?;
+        let (first, t) = (get_u32(copy, 0) as usize, get_u32(copy, 4));
+        if first != n || (b > 0 && t != total) || copy[8..8 + counts.len()] != *counts && b > 0 {
+            return Err(bad(format!(
+                "send group {b}'s header (slots from {first}, {t} messages) disagrees with \
+                 the groups before it (slots from {n}, {total} messages)"
+            )));
+        }
+        if b == 0 {
+            total = t;
+            counts.copy_from_slice(&copy[8..8 + counts.len()]);
+        }
+        n += nb as usize;
+    }
+    if n != total as usize || n > lay.num_max_tokens {
+        return Err(bad(format!(
+            "{n} messages from the groups, {total} announced, N = {}",
+            lay.num_max_tokens
+        )));
+    }
+    Ok(Some(n))
 }
 
 /// Where a combine send half reads expert outputs.
@@ -738,7 +811,7 @@ fn combine_send(
     let mut out = vec![bf16::ZERO; h];
     let mut buf = Vec::new();
     let mut metas = vec![0u8; codec.map_or(0, SlotCodec::meta_bytes)];
-    for s in op.dests(d, 0, 1) {
+    for s in op.dests(d, 0) {
         let m0 = rt.msg_start[s] as usize;
         let n = rt.num_messages(s);
         buf.clear();

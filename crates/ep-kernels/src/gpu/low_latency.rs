@@ -602,6 +602,14 @@ impl LlGroup {
                 (u16::MAX as usize - 1) / MAX_TOPK
             )));
         }
+        let max_groups = ep_core::protocol::layout::LL_MAX_SEND_GROUPS;
+        if cfg.num_sms > max_groups {
+            return Err(Error::Unsupported(format!(
+                "num_sms {}: a low-latency rank runs one send group per block, at most {max_groups} \
+                 (docs/protocol.md §3.3): use at most {max_groups} SMs per rank",
+                cfg.num_sms
+            )));
+        }
         if cfg.num_sms == 0 || r * cfg.num_sms > dev.num_sms() {
             return Err(Error::NotEnoughSms {
                 ranks: r,
@@ -1725,19 +1733,19 @@ fn hook_pending() -> Error {
 
 /// The name of the signal word at `off` in `ll.signals` and the rank that writes it.
 fn signal_name(r: u64, off: u64) -> (String, Option<usize>) {
-    let stride = ep_core::protocol::layout::WORD_STRIDE;
-    let w = off / stride;
-    let (half, rest) = (w / (2 * r), w % (2 * r));
-    if half > 1 {
-        return (format!("ll.signals+{off}"), None);
+    use ep_core::protocol::layout::{
+        LL_MAX_SEND_GROUPS, WORD_STRIDE, ll_dispatch_signal_of, ll_signal_writer,
+    };
+    let r = r as usize;
+    if let Some((half, s, b)) = ll_dispatch_signal_of(r, off) {
+        return (format!("disp_sig[{half}][{s}][{b}]"), Some(s));
     }
-    if rest < r {
-        (format!("disp_sig[{half}][{rest}]"), Some(rest as usize))
-    } else {
-        (
-            format!("comb_sig[{half}][{}]", rest - r),
-            Some((rest - r) as usize),
-        )
+    match ll_signal_writer(r, off) {
+        Some(d) => {
+            let w = off / WORD_STRIDE - 2 * r as u64 * LL_MAX_SEND_GROUPS as u64;
+            (format!("comb_sig[{}][{d}]", w / r as u64), Some(d))
+        }
+        None => (format!("ll.signals+{off}"), None),
     }
 }
 
@@ -1747,13 +1755,15 @@ mod tests {
 
     #[test]
     fn signal_words_are_named_with_their_writer() {
-        let r = 4u64;
-        let s = ep_core::protocol::layout::WORD_STRIDE;
-        assert_eq!(signal_name(r, 0), ("disp_sig[0][0]".into(), Some(0)));
-        assert_eq!(signal_name(r, 3 * s), ("disp_sig[0][3]".into(), Some(3)));
-        assert_eq!(signal_name(r, 5 * s), ("comb_sig[0][1]".into(), Some(1)));
-        assert_eq!(signal_name(r, 9 * s), ("disp_sig[1][1]".into(), Some(1)));
-        assert_eq!(signal_name(r, 15 * s), ("comb_sig[1][3]".into(), Some(3)));
+        use ep_core::protocol::layout::{ll_combine_signal, ll_dispatch_signal, ll_signal_bytes};
+        let r = 4usize;
+        let name = |off| signal_name(r as u64, off);
+        assert_eq!(name(ll_dispatch_signal(r, 0, 0, 0)), ("disp_sig[0][0][0]".into(), Some(0)));
+        assert_eq!(name(ll_dispatch_signal(r, 0, 3, 7)), ("disp_sig[0][3][7]".into(), Some(3)));
+        assert_eq!(name(ll_dispatch_signal(r, 1, 1, 63)), ("disp_sig[1][1][63]".into(), Some(1)));
+        assert_eq!(name(ll_combine_signal(r, 0, 1)), ("comb_sig[0][1]".into(), Some(1)));
+        assert_eq!(name(ll_combine_signal(r, 1, 3)), ("comb_sig[1][3]".into(), Some(3)));
+        assert_eq!(name(ll_signal_bytes(r)).1, None);
     }
 
     #[test]
