@@ -553,7 +553,7 @@ uint64_t ep_shim_row_combine_record(uint64_t h, uint64_t k) { return ep_row_comb
 uint32_t ep_shim_normal_final_row(uint32_t a, uint32_t b, uint32_t c) { return ep_normal_final_row(a, b, c); }
 uint64_t ep_shim_ll_signal_bytes(uint64_t r) { return ep_ll_signal_bytes(r); }
 uint64_t ep_shim_ll_dispatch_signal(uint64_t r, uint64_t h, uint64_t s, uint64_t b) { return ep_ll_dispatch_signal(r, h, s, b); }
-uint64_t ep_shim_ll_combine_signal(uint64_t r, uint64_t h, uint64_t d) { return ep_ll_combine_signal(r, h, d); }
+uint64_t ep_shim_ll_combine_signal(uint64_t r, uint64_t h, uint64_t d, uint64_t b) { return ep_ll_combine_signal(r, h, d, b); }
 uint64_t ep_shim_ll_half(uint64_t op) { return ep_ll_half(op); }
 uint16_t ep_shim_ll_data_qp(uint32_t run, uint16_t nq) { return ep_ll_data_qp(run, nq); }
 uint64_t ep_shim_ll_row(L4) { MK; return ep_ll_row(lay); }

@@ -12,11 +12,13 @@
 // expert rank), summed in ascending rank order by the token's rank.
 //
 // Each op kernel has a send part and a receive part (EP_FLAG_LL_SEND / EP_FLAG_LL_RECV): one
-// launch with both is the plain call, two launches are the hook halves. The send part never
-// waits; its last block (a completion counter, acq_rel) writes the headers and releases the
-// signal of every unmasked destination, so a signal covers every block's stores. The receive
-// part waits (bounded, ep_device.cuh) for the signal of every unmasked source, checks its epoch
-// and count, then reads. Offsets and signal values come from ep_protocol.cuh; the shared-memory
+// launch with both is the plain call, two launches are the hook halves. Block b of every rank is
+// send group b (docs/protocol.md §3.3): its send part never waits; it stores its tokens'
+// messages (the combine: the partials of group b's messages), fences once and releases its own
+// signal on every unmasked peer (disp_sig[h][s][b], comb_sig[h][d][b]), so a signal covers that
+// block's stores and no block waits for another's. Its receive part waits (bounded,
+// ep_device.cuh) for group b's signal of every unmasked source, checks its epoch and count, then
+// reads that group's messages. Offsets and signal values come from ep_protocol.cuh; the shared-memory
 // carve-out comes from the host (Args.sm_*).
 
 #include <stdint.h>
@@ -69,8 +71,6 @@ __device__ __forceinline__ void trace_rec(const Args &a, uint64_t kind, uint64_t
 #define TRACE_FENCE(scope) trace_rec(a, EP_TRACE_FENCE, (scope), 0, 0, 0, 0, 0)
 #define TRACE_RELEASE(rank, off, v) trace_rec(a, EP_TRACE_RELEASE, 0, EP_TRACE_REGION_SIGNALS, (rank), 8, (off), (v))
 #define TRACE_ACQUIRE(rank, off, v) trace_rec(a, EP_TRACE_ACQUIRE, 0, EP_TRACE_REGION_SIGNALS, (rank), 8, (off), (v))
-#define TRACE_COUNTER(id, ticket, last) \
-    trace_rec(a, EP_TRACE_COUNTER, (last) ? EP_TRACE_FLAG_LAST : 0, 0, (id), 0, (ticket), 0)
 // A put with signal: two records of one reservation (the put, then its signal).
 __device__ void trace_put_signal(const Args &a, uint64_t rank, uint64_t dst_off, uint64_t src_off, uint64_t len,
                                  uint64_t sig_off, uint64_t value) {
@@ -93,7 +93,6 @@ __device__ void trace_put_signal(const Args &a, uint64_t rank, uint64_t dst_off,
 #define TRACE_FENCE(scope) ((void)0)
 #define TRACE_RELEASE(rank, off, v) ((void)0)
 #define TRACE_ACQUIRE(rank, off, v) ((void)0)
-#define TRACE_COUNTER(id, ticket, last) ((void)0)
 #define TRACED 0
 #endif
 
@@ -158,15 +157,6 @@ __device__ __forceinline__ void put_warp(const Args &a, uint64_t d, void *dst, c
 }
 #endif
 
-// The send part's completion counter: GPU scope, since the counter is this rank's own and only
-// its own blocks (on one GPU) touch it; what reaches peers on other GPUs is ordered by the
-// fence_for_peers before it and in the last block (system scope there).
-__device__ __forceinline__ uint64_t atomic_add_acq_rel(uint64_t *p, uint64_t v) {
-    uint64_t old;
-    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
-    return old;
-}
-
 __device__ __forceinline__ int4 ld_cg16(const void *p) { return __ldcg((const int4 *)p); }
 
 // Orders this thread's (and, after a barrier, its block's) stores before what follows for the
@@ -180,28 +170,6 @@ __device__ __forceinline__ void fence_for_peers(const Args &a) {
 
 // The scope fence_for_peers orders at, as a trace records it.
 #define PEER_FENCE_SCOPE(a) (((a).flags & EP_FLAG_SAME_GPU) ? EP_TRACE_SCOPE_GPU : EP_TRACE_SCOPE_SYSTEM)
-
-// Whether this block is the last of the grid to finish its part of the send. The counter counts
-// the launch's finished blocks; the last one sets it back to 0 for the next launch on the stream.
-// `id` names the counter in traces (0 dispatch, 1 combine).
-__device__ bool last_block(const Args &a, uint64_t *counter, uint64_t id) {
-    __shared__ int last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        // Traced kernels only: a planted missing fence (the checker must catch it).
-        const bool skip = TRACED && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
-        if (!skip) {
-            fence_for_peers(a);
-            TRACE_FENCE(PEER_FENCE_SCOPE(a));
-        }
-        uint64_t old = atomic_add_acq_rel(counter, 1);
-        last = old == gridDim.x - 1;
-        TRACE_COUNTER(id, old, last);
-        if (last) *(volatile uint64_t *)counter = 0;
-    }
-    __syncthreads();
-    return last != 0;
-}
 
 // One read of this rank's signal word: (a) an acquire load, at GPU scope when every peer is on
 // this GPU (EP_FLAG_SAME_GPU), system scope otherwise; (b) NVSHMEM's signal_fetch (a relaxed
@@ -260,11 +228,12 @@ __device__ uint64_t wait_ge(const Args &a, const uint64_t *word, uint64_t want, 
     }
 }
 
-// Waits for the signal of every unmasked source (thread `src` of warp 0 waits for `src`) and
-// checks its epoch; `count[src]` gets the message count (0 for masked sources). `expect`
-// (optional): the count each source must announce. Returns false if any check failed.
+// Waits for the signal of send group blockIdx.x of every unmasked source (thread `src` waits
+// for `src`: disp_sig[half][src][b], or comb_sig[half][src][b]) and checks its epoch; `count[src]`
+// gets the group's message count (0 for masked sources). `expect` (optional, shared memory): the
+// count each source must announce. Returns false if any check failed.
 __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, uint64_t half, bool combine,
-                             uint32_t *count, const int32_t *expect) {
+                             uint32_t *count, const uint32_t *expect) {
     __shared__ int ok;
     if (threadIdx.x == 0) ok = 1;
     __syncthreads();
@@ -272,7 +241,7 @@ __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, ui
     if (src < a.num_ranks) {
         count[src] = 0;
         if (!masked(a, src)) {
-            uint64_t off = combine ? ep_ll_combine_signal(a.num_ranks, half, src)
+            uint64_t off = combine ? ep_ll_combine_signal(a.num_ranks, half, src, blockIdx.x)
                                    : ep_ll_dispatch_signal(a.num_ranks, half, src, blockIdx.x);
             uint64_t waited = 0;
             uint64_t v = wait_ge(a, signal_of(a, a.rank, off), ep_ll_threshold(call_k), kernel, off, &waited);
@@ -287,7 +256,7 @@ __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, ui
             } else if (ep_ll_epoch(v) != call_k) {
                 ep_fail(err, EP_ERR_EPOCH, a.rank, kernel, a.rank, off, ep_ll_threshold(call_k), v, src);
                 ok = 0;
-            } else if (expect != nullptr && (int32_t)ep_ll_count(v) != __ldcg(&expect[src])) {
+            } else if (expect != nullptr && ep_ll_count(v) != expect[src]) {
                 ep_fail(err, EP_ERR_COUNT, a.rank, kernel, a.rank, off, (uint64_t)expect[src], v, src);
                 ok = 0;
             } else {
@@ -310,14 +279,14 @@ __device__ __forceinline__ uint64_t op_epoch(const Args &a) {
     return ep_block_epoch(a.call, a.epoch, (a.flags & EP_FLAG_LL_SEND) != 0);
 }
 
-// Variant (b): a block whose puts must complete before the kernel ends (every dispatch send
-// block; the combine's last send block, for the whole PE) quiets, so the staging is free when its
-// half comes round again (§3.7); at the end, after the receive part, off the signals' path.
-__device__ __forceinline__ void quiet_at_end(bool last) {
+// Variant (b): every block that ran a send part completes its puts (nvshmem_quiet) before the
+// kernel ends, so the staging is free when its half comes round again (§3.7); at the end, after
+// the receive part, off the signals' path.
+__device__ __forceinline__ void quiet_at_end(bool sent) {
 #ifdef EP_LL_NVSHMEM
-    if (last && threadIdx.x == 0) nvshmem_quiet();
+    if (sent && threadIdx.x == 0) nvshmem_quiet();
 #else
-    (void)last;
+    (void)sent;
 #endif
 }
 
@@ -982,10 +951,11 @@ __device__ __forceinline__ void logfmt_load8(const uint8_t *slot, const uint32_t
 // The send part on the expert's rank d: one BF16 partial per message of the dispatch (read from
 // its meta records, in the dispatch's half), into the source's crecv[d]; then the signals.
 template <bool LOGFMT>
-__device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+__device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, b = blockIdx.x;
     __shared__ uint32_t count[MAXR];
     __shared__ uint32_t first_msg[MAXR + 1];
+    __shared__ uint32_t first_slot[MAXR];
     const ep_ll_layout ly = layout_of(a);
     const uint32_t R = a.num_ranks, L = a.num_local_experts, H = a.hidden;
     const uint32_t N = a.num_max_tokens, rows = R * N;
@@ -996,26 +966,35 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         const uint32_t s = i % R, l = i / R;
         begin[s * L + l] = ep_layout_range_begin(range[l * R + s]);
     }
-    if (threadIdx.x < R) count[threadIdx.x] = masked(a, threadIdx.x) ? 0 : (uint32_t)((const int32_t *)a.recv_counts)[threadIdx.x];
+    const uint8_t *dhalf = half_of(a, a.rank, a.disp_half);
+    // Send group b's slots of each source: from its dispatch header copy to the next group's
+    // first slot (the last group: to the source's messages).
+    if (threadIdx.x < R) {
+        const uint32_t s = threadIdx.x;
+        const uint64_t hc = ep_ll_header_copy(ly);
+        const uint32_t *copy = (const uint32_t *)(dhalf + ep_ll_drecv(ly, s) + (uint64_t)b * hc);
+        const uint32_t first = masked(a, s) ? 0u : __ldcg(copy);
+        const uint32_t end = masked(a, s) ? 0u : b + 1 < gridDim.x ? __ldcg((const uint32_t *)((const uint8_t *)copy + hc)) : __ldcg(copy + 1);
+        first_slot[s] = first;
+        count[s] = end > first ? end - first : 0u;
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         first_msg[0] = 0;
         for (uint32_t s = 0; s < R; ++s) first_msg[s + 1] = first_msg[s] + count[s];
     }
     __syncthreads();
-    const uint8_t *dhalf = half_of(a, a.rank, a.disp_half);
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly);
     const uint32_t total = first_msg[R];
     const __nv_bfloat16 *y = (const __nv_bfloat16 *)a.combine_y;
-    // Units of UNITS x 32 chunks of one message over every warp of the grid: the warp reads the
-    // meta record once (lane j: entry j), then reduces its chunks.
-    const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
+    // Units of UNITS x 32 chunks of one of the group's messages over the block's warps: the warp
+    // reads the meta record once (lane j: entry j), then reduces its chunks.
     const uint32_t C = H * 2 / 16, per_msg = (C + 32 * UNITS - 1) / (32 * UNITS);
-    for (uint32_t u = gw; u < total * per_msg; u += GW) {
+    for (uint32_t u = warp; u < total * per_msg; u += WARPS) {
         const uint32_t q = u / per_msg, c0 = (u % per_msg) * 32 * UNITS;
         uint32_t s = 0;
         while (q >= first_msg[s + 1]) ++s;
-        const uint32_t i = q - first_msg[s];
+        const uint32_t i = first_slot[s] + q - first_msg[s];
         const uint8_t *meta = dhalf + ep_ll_drecv(ly, s) + hdr + (uint64_t)i * meta_bytes;
         const uint64_t head = __ldcg((const unsigned long long *)meta);
         const uint32_t n = min(ep_ll_head_count(head), (uint32_t)MAXK);
@@ -1110,30 +1089,37 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 #endif
     }
     stamp(a, 2);
-    if (!last_block(a, (uint64_t *)a.counter, 1)) return false;
+    __syncthreads();
+    // Traced kernels only: a planted missing fence (the checker must catch it).
+    const bool skip_fence = TRACED && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
 #ifdef EP_LL_NVSHMEM
-    // Thread s: fence (every partial put of this PE first), then the signal (the quiet comes at
-    // the kernel's end).
+    // Thread s: fence (the block's partial puts first), then the group's signal (the quiet comes
+    // at the kernel's end).
     if (threadIdx.x < R && !masked(a, threadIdx.x)) {
         const uint32_t s = threadIdx.x;
-        nvshmem_fence();
-        TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
-        nvshmemx_signal_op(signal_of(a, s, ep_ll_combine_signal(R, a.half, a.rank)), ep_ll_encode(call_k, count[s]),
-                           NVSHMEM_SIGNAL_SET, pe_of(a, s));
-        TRACE_RELEASE(s, ep_ll_combine_signal(R, a.half, a.rank), ep_ll_encode(call_k, count[s]));
+        const uint64_t sig = ep_ll_combine_signal(R, a.half, a.rank, b);
+        if (!skip_fence) {
+            nvshmem_fence();
+            TRACE_FENCE(EP_TRACE_SCOPE_SYSTEM);
+        }
+        nvshmemx_signal_op(signal_of(a, s, sig), ep_ll_encode(call_k, count[s]), NVSHMEM_SIGNAL_SET, pe_of(a, s));
+        TRACE_RELEASE(s, sig, ep_ll_encode(call_k, count[s]));
     }
 #else
     if (threadIdx.x == 0) {
+        if (!skip_fence) {
+            fence_for_peers(a);
+            TRACE_FENCE(PEER_FENCE_SCOPE(a));
+        }
         for (uint32_t s = 0; s < R; ++s) {
             if (masked(a, s)) continue;
-            release_signal(a, signal_of(a, s, ep_ll_combine_signal(R, a.half, a.rank)),
-                          ep_ll_encode(call_k, count[s]));
-            TRACE_RELEASE(s, ep_ll_combine_signal(R, a.half, a.rank), ep_ll_encode(call_k, count[s]));
+            const uint64_t sig = ep_ll_combine_signal(R, a.half, a.rank, b);
+            release_signal(a, signal_of(a, s, sig), ep_ll_encode(call_k, count[s]));
+            TRACE_RELEASE(s, sig, ep_ll_encode(call_k, count[s]));
         }
     }
 #endif
     stamp(a, 3);
-    return true;
 }
 
 // The receive part on the token's rank s: wait for every unmasked expert rank, then
@@ -1141,20 +1127,36 @@ __device__ bool combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 template <bool LOGFMT>
 __device__ void combine_recv(const Args &a, uint64_t call_k) {
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __shared__ uint32_t count[MAXR];
+    __shared__ uint32_t count[MAXR], expect[MAXR];
     const ep_ll_layout ly = layout_of(a);
     const uint32_t R = a.num_ranks, H = a.hidden, T = a.num_tokens;
+    const int32_t *slots = (const int32_t *)a.slots;
+    uint32_t tb, te;
+    {
+        uint64_t gs, ge;
+        ep_ll_send_group(T, gridDim.x, blockIdx.x, &gs, &ge);
+        tb = (uint32_t)gs, te = (uint32_t)ge;
+    }
     stamp(a, 4);
-    if (!wait_sources(a, call_k, EP_KERNEL_LL_COMBINE, a.half, true, count, (const int32_t *)a.send_counts)) return;
+    // The partials each expert rank d returns for this block's send group: its tokens with a
+    // slot on d (warp d counts them).
+    if (warp < R) {
+        uint32_t n = 0;
+        for (uint32_t t0 = tb; t0 < te; t0 += 32) {
+            const uint32_t t = t0 + lane;
+            n += __popc(__ballot_sync(FULL, t < te && __ldcg(&slots[t * R + warp]) >= 0));
+        }
+        if (lane == 0) expect[warp] = n;
+    }
+    __syncthreads();
+    if (!wait_sources(a, call_k, EP_KERNEL_LL_COMBINE, a.half, true, count, expect)) return;
     stamp(a, 5);
     const uint8_t *mine = half_of(a, a.rank, a.half);
-    const int32_t *slots = (const int32_t *)a.slots;
     const uint32_t n16 = H * 2 / 16;
-    // Units of UNITS x 32 chunks of one token over every warp of the grid.
-    const uint32_t gw = blockIdx.x * WARPS + warp, GW = gridDim.x * WARPS;
+    // Units of UNITS x 32 chunks of one of the group's tokens over the block's warps.
     const uint32_t per_tok = (n16 + 32 * UNITS - 1) / (32 * UNITS);
-    for (uint32_t u = gw; u < T * per_tok; u += GW) {
-        const uint32_t t = u / per_tok, c0 = (u % per_tok) * 32 * UNITS;
+    for (uint32_t u = warp; u < (te - tb) * per_tok; u += WARPS) {
+        const uint32_t t = tb + u / per_tok, c0 = (u % per_tok) * 32 * UNITS;
         const int32_t my_slot = lane < R && !masked(a, lane) ? __ldcg(&slots[t * R + lane]) : -1;
         int32_t sl[MAXR];
 #pragma unroll
@@ -1217,9 +1219,10 @@ __device__ __forceinline__ void combine_kernel(const Args &a, uint8_t *smem) {
     const uint64_t call_k = op_epoch(a);
     load_mask(a);
     if (masked(a, a.rank)) return;
-    const bool last = (a.flags & EP_FLAG_LL_SEND) && combine_send<LOGFMT>(a, call_k, smem);
+    const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
+    if (send) combine_send<LOGFMT>(a, call_k, smem);
     if (a.flags & EP_FLAG_LL_RECV) combine_recv<LOGFMT>(a, call_k);
-    quiet_at_end(last);
+    quiet_at_end(send);
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_combine(const Args a) {

@@ -140,15 +140,14 @@ EP_HD uint32_t ep_normal_final_row(uint32_t block_begin, uint32_t channel_start,
 
 /* ---- low-latency (docs/protocol.md §3) ------------------------------------------------------ */
 
-EP_HD uint64_t ep_ll_signal_bytes(uint64_t r) {
-    return ep_align128(EP_WORD_STRIDE * 2u * r * (EP_LL_MAX_SEND_GROUPS + 1u));
-}
+EP_HD uint64_t ep_ll_signal_bytes(uint64_t r) { return ep_align128(EP_WORD_STRIDE * 4u * r * EP_LL_MAX_SEND_GROUPS); }
 /* disp_sig[h][s][b]: send group b of source s. */
 EP_HD uint64_t ep_ll_dispatch_signal(uint64_t r, uint64_t half, uint64_t s, uint64_t b) {
     return EP_WORD_STRIDE * ((half * r + s) * EP_LL_MAX_SEND_GROUPS + b);
 }
-EP_HD uint64_t ep_ll_combine_signal(uint64_t r, uint64_t half, uint64_t d) {
-    return EP_WORD_STRIDE * (2u * r * EP_LL_MAX_SEND_GROUPS + half * r + d);
+/* comb_sig[h][d][b]: the partials of send group b's messages, from expert rank d. */
+EP_HD uint64_t ep_ll_combine_signal(uint64_t r, uint64_t half, uint64_t d, uint64_t b) {
+    return EP_WORD_STRIDE * (2u * r * EP_LL_MAX_SEND_GROUPS + (half * r + d) * EP_LL_MAX_SEND_GROUPS + b);
 }
 EP_HD uint64_t ep_ll_half(uint64_t op) { return op & 1u; }
 /* Tokens [start, end) of send group b of g: the channel split. */

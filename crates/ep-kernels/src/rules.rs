@@ -66,7 +66,7 @@ mod ffi {
         pub(super) fn ep_shim_normal_final_row(a: u32, b: u32, c: u32) -> u32;
         pub(super) fn ep_shim_ll_signal_bytes(r: u64) -> u64;
         pub(super) fn ep_shim_ll_dispatch_signal(r: u64, h: u64, s: u64, b: u64) -> u64;
-        pub(super) fn ep_shim_ll_combine_signal(r: u64, h: u64, d: u64) -> u64;
+        pub(super) fn ep_shim_ll_combine_signal(r: u64, h: u64, d: u64, b: u64) -> u64;
         pub(super) fn ep_shim_ll_half(op: u64) -> u64;
         pub(super) fn ep_shim_ll_data_qp(run: u32, nq: u16) -> u16;
         pub(super) fn ep_shim_ll_row(r: u64, l: u64, h: u64, n: u64) -> u64;
@@ -186,7 +186,7 @@ rule!(/// `ep_ll_signal_bytes`.
 rule!(/// `ep_ll_dispatch_signal`.
     ll_dispatch_signal => ep_shim_ll_dispatch_signal(r: u64, half: u64, s: u64, b: u64) -> u64);
 rule!(/// `ep_ll_combine_signal`.
-    ll_combine_signal => ep_shim_ll_combine_signal(r: u64, half: u64, d: u64) -> u64);
+    ll_combine_signal => ep_shim_ll_combine_signal(r: u64, half: u64, d: u64, b: u64) -> u64);
 rule!(/// `ep_ll_half`.
     ll_half => ep_shim_ll_half(op: u64) -> u64);
 rule!(/// `ep_ll_data_qp`.

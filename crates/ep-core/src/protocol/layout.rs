@@ -322,11 +322,10 @@ pub const fn normal_final_row(block_begin: u32, channel_start: u32, index_in_cha
 
 // ---- low-latency ----------------------------------------------------------------------------------
 
-/// Bytes of the low-latency signal allocation: `a128(16·(2R·G + 2R))`, `G` =
-/// [`LL_MAX_SEND_GROUPS`].
+/// Bytes of the low-latency signal allocation: `a128(16·4R·G)`, `G` = [`LL_MAX_SEND_GROUPS`].
 #[must_use]
 pub fn ll_signal_bytes(num_ranks: usize) -> u64 {
-    align128(WORD_STRIDE * 2 * num_ranks as u64 * (LL_MAX_SEND_GROUPS as u64 + 1))
+    align128(WORD_STRIDE * 4 * num_ranks as u64 * LL_MAX_SEND_GROUPS as u64)
 }
 
 /// `disp_sig[h][s][b]` in the signal allocation: send group `b` of source `s`.
@@ -335,30 +334,31 @@ pub fn ll_dispatch_signal(num_ranks: usize, half: u64, s: usize, b: usize) -> u6
     WORD_STRIDE * ((half * num_ranks as u64 + s as u64) * LL_MAX_SEND_GROUPS as u64 + b as u64)
 }
 
-/// `comb_sig[h][d]` in the signal allocation (after every dispatch signal).
+/// `comb_sig[h][d][b]` in the signal allocation (after every dispatch signal): the partials of
+/// send group `b`'s messages, from expert rank `d`.
 #[must_use]
-pub fn ll_combine_signal(num_ranks: usize, half: u64, d: usize) -> u64 {
-    let r = num_ranks as u64;
-    WORD_STRIDE * (2 * r * LL_MAX_SEND_GROUPS as u64 + half * r + d as u64)
+pub fn ll_combine_signal(num_ranks: usize, half: u64, d: usize, b: usize) -> u64 {
+    let (r, g) = (num_ranks as u64, LL_MAX_SEND_GROUPS as u64);
+    WORD_STRIDE * (2 * r * g + (half * r + d as u64) * g + b as u64)
 }
 
 /// The rank that writes the low-latency signal word at byte offset `off` of the signal
-/// allocation (`disp_sig[h][s][b]`: `s`; `comb_sig[h][d]`: `d`); `None` past the words.
+/// allocation (`disp_sig[h][s][b]`: `s`; `comb_sig[h][d][b]`: `d`); `None` past the words.
 #[must_use]
 pub fn ll_signal_writer(num_ranks: usize, off: u64) -> Option<usize> {
-    let (w, r, g) = (off / WORD_STRIDE, num_ranks as u64, LL_MAX_SEND_GROUPS as u64);
-    if w < 2 * r * g {
-        Some(((w / g) % r) as usize)
-    } else {
-        (w < 2 * r * (g + 1)).then_some(((w - 2 * r * g) % r) as usize)
-    }
+    ll_signal_of(num_ranks, off).map(|(_, _, r, _)| r)
 }
 
-/// `(half, source, group)` of a dispatch signal word at `off`, `None` for any other word.
+/// `(combine, half, writer, group)` of the signal word at `off`: `disp_sig[half][writer][group]`
+/// (`combine` false) or `comb_sig[half][writer][group]`; `None` past the words.
 #[must_use]
-pub fn ll_dispatch_signal_of(num_ranks: usize, off: u64) -> Option<(u64, usize, usize)> {
+pub fn ll_signal_of(num_ranks: usize, off: u64) -> Option<(bool, u64, usize, usize)> {
     let (w, r, g) = (off / WORD_STRIDE, num_ranks as u64, LL_MAX_SEND_GROUPS as u64);
-    (w < 2 * r * g).then_some((w / (r * g), ((w / g) % r) as usize, (w % g) as usize))
+    if w >= 4 * r * g {
+        return None;
+    }
+    let (combine, w) = if w < 2 * r * g { (false, w) } else { (true, w - 2 * r * g) };
+    Some((combine, w / (r * g), ((w / g) % r) as usize, (w % g) as usize))
 }
 
 /// Tokens of send group `b` of `g` on a rank with `num_tokens` tokens (docs/protocol.md §3.3):
@@ -637,14 +637,15 @@ mod tests {
                 for b in [0, 1, LL_MAX_SEND_GROUPS - 1] {
                     let off = ll_dispatch_signal(3, h, s, b);
                     assert_eq!(ll_signal_writer(3, off), Some(s));
-                    assert_eq!(ll_dispatch_signal_of(3, off), Some((h, s, b)));
+                    assert_eq!(ll_signal_of(3, off), Some((false, h, s, b)));
+                    let off = ll_combine_signal(3, h, s, b);
+                    assert_eq!(ll_signal_writer(3, off), Some(s));
+                    assert_eq!(ll_signal_of(3, off), Some((true, h, s, b)));
                 }
-                assert_eq!(ll_signal_writer(3, ll_combine_signal(3, h, s)), Some(s));
-                assert_eq!(ll_dispatch_signal_of(3, ll_combine_signal(3, h, s)), None);
             }
         }
         assert_eq!(c.writer(c.bytes(), 7), None);
-        let words = 2 * 3 * (LL_MAX_SEND_GROUPS as u64 + 1);
+        let words = 4 * 3 * LL_MAX_SEND_GROUPS as u64;
         assert_eq!(ll_signal_writer(3, (words - 1) * WORD_STRIDE), Some(2));
         assert_eq!(ll_signal_writer(3, words * WORD_STRIDE), None);
         assert!(ll_signal_bytes(3) >= words * WORD_STRIDE);

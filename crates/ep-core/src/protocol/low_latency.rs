@@ -6,6 +6,7 @@
     reason = "indices name ranks, experts and channels, as the protocol document does"
 )]
 
+use std::ops::Range;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -70,6 +71,10 @@ impl LlArena {
 pub struct LlRoutes {
     /// `msg_start[s]..msg_start[s + 1]`: the messages received from source `s`.
     msg_start: Vec<u32>,
+    /// `group_start[s][b]..group_start[s][b + 1]`: the slots of source `s`'s send group `b`
+    /// (from its header copies; all zero for a masked source). Combine returns each group's
+    /// partials with the group's own signal (docs/protocol.md §3.5).
+    group_start: Vec<[u32; SEND_GROUPS + 1]>,
     /// Source token of each message.
     msg_token: Vec<u32>,
     /// `entry_start[m]..entry_start[m + 1]`: the entries of message `m`, in top-k order.
@@ -145,10 +150,10 @@ impl LlOp {
             .signals
             .at(ll_dispatch_signal(arena.num_ranks, self.half, s, b))
     }
-    fn csig(&self, arena: &LlArena, d: usize) -> SymAddr {
+    fn csig(&self, arena: &LlArena, d: usize, b: usize) -> SymAddr {
         arena
             .signals
-            .at(ll_combine_signal(arena.num_ranks, self.half, d))
+            .at(ll_combine_signal(arena.num_ranks, self.half, d, b))
     }
     fn live(&self, r: usize) -> bool {
         !self.masked.get(r).copied().unwrap_or(false)
@@ -525,6 +530,7 @@ fn dispatch_recv(
     let mut begin = vec![0u32; l_count];
     let mut routes = LlRoutes {
         msg_start: vec![0],
+        group_start: Vec::new(),
         msg_token: Vec::new(),
         entry_start: vec![0],
         entries: Vec::new(),
@@ -553,8 +559,11 @@ fn dispatch_recv(
                 layout_range.set(l, s, pack_layout_range(begin[l], 0));
             }
             routes.msg_start.push(routes.msg_token.len() as u32);
+            routes.group_start.push([0; SEND_GROUPS + 1]);
             continue;
         };
+        let (n, groups) = n;
+        routes.group_start.push(groups);
         meta.resize(n * meta_bytes, 0);
         if n > 0 {
             ctx.load(d, op.at(arena, lay.drecv(s) + hdr as u64), &mut meta)?;
@@ -631,7 +640,8 @@ fn dispatch_recv(
 }
 
 /// Waits for every send group's signal of source `s` and loads its header copy (docs/protocol.md
-/// §3.4): the source's message count, with `c(l, s)` in `counts`; `None` when the source was
+/// §3.4): the source's message count and its groups' slot ranges, with `c(l, s)` in `counts`;
+/// `None` when the source was
 /// given up on (shrink). The groups' slot ranges must tile `0..n` and agree on the counts.
 fn recv_headers(
     ctx: &mut dyn AgentCtx,
@@ -640,9 +650,10 @@ fn recv_headers(
     s: usize,
     copy: &mut [u8],
     counts: &mut [u8],
-) -> Result<Option<usize>> {
+) -> Result<Option<(usize, [u32; SEND_GROUPS + 1])>> {
     let d = ctx.me().rank;
     let lay = op.layout;
+    let mut groups = [0u32; SEND_GROUPS + 1];
     let bad = |detail: String| Error::LlInvalidLayout {
         local_expert: 0,
         source_rank: s,
@@ -669,6 +680,7 @@ fn recv_headers(
             counts.copy_from_slice(&copy[8..8 + counts.len()]);
         }
         n += nb as usize;
+        groups[b + 1] = n as u32;
     }
     if n != total as usize || n > lay.num_max_tokens {
         return Err(bad(format!(
@@ -676,7 +688,7 @@ fn recv_headers(
             lay.num_max_tokens
         )));
     }
-    Ok(Some(n))
+    Ok(Some((n, groups)))
 }
 
 /// Where a combine send half reads expert outputs.
@@ -813,72 +825,80 @@ fn combine_send(
     let mut metas = vec![0u8; codec.map_or(0, SlotCodec::meta_bytes)];
     for s in op.dests(d, 0) {
         let m0 = rt.msg_start[s] as usize;
-        let n = rt.num_messages(s);
+        let groups = rt.group_start[s];
         buf.clear();
-        buf.resize(n * row_bytes, 0);
+        buf.resize(rt.num_messages(s) * row_bytes, 0);
         let mut run = 0u32;
-        for i in 0..n {
-            let m = m0 + i;
-            let ents = &rt.entries[rt.entry_start[m] as usize..rt.entry_start[m + 1] as usize];
-            acc.iter_mut().for_each(|a| *a = 0.0);
-            for (j, &(l, _, w)) in ents.iter().enumerate() {
-                // A token naming one expert twice reads the row of its first entry (spec §2.5).
-                let row = ents[..=j].iter().find(|e| e.0 == l).map_or(0, |e| e.1) as usize;
-                let yr: &[bf16] = match y {
-                    ExpertOut::ZeroCopy => {
-                        ctx.load(d, op.at(arena, lay.cy(l as usize, row)), &mut ybytes)?;
-                        get_bf16_row(&ybytes, &mut yrow);
-                        &yrow
-                    }
-                    ExpertOut::Host(t) => t[d]
-                        .as_ref()
-                        .filter(|t| (l as usize) < t.matrices() && row < t.rows())
-                        .map(|t| t.row(l as usize, row))
-                        .ok_or(Error::ShapeMismatch {
-                            what: "low-latency combine expert outputs",
-                            expected: format!("[L, R*N, H] on rank {d}"),
-                            found: "missing rows".into(),
-                        })?,
-                };
-                fma_row(&mut acc, yr, w);
+        for b in 0..SEND_GROUPS {
+            let slots = groups[b] as usize..groups[b + 1] as usize;
+            for i in slots.clone() {
+                let m = m0 + i;
+                let ents = &rt.entries[rt.entry_start[m] as usize..rt.entry_start[m + 1] as usize];
+                acc.iter_mut().for_each(|a| *a = 0.0);
+                for (j, &(l, _, w)) in ents.iter().enumerate() {
+                    // A token naming one expert twice reads the row of its first entry (spec §2.5).
+                    let row = ents[..=j].iter().find(|e| e.0 == l).map_or(0, |e| e.1) as usize;
+                    let yr: &[bf16] = match y {
+                        ExpertOut::ZeroCopy => {
+                            ctx.load(d, op.at(arena, lay.cy(l as usize, row)), &mut ybytes)?;
+                            get_bf16_row(&ybytes, &mut yrow);
+                            &yrow
+                        }
+                        ExpertOut::Host(t) => t[d]
+                            .as_ref()
+                            .filter(|t| (l as usize) < t.matrices() && row < t.rows())
+                            .map(|t| t.row(l as usize, row))
+                            .ok_or(Error::ShapeMismatch {
+                                what: "low-latency combine expert outputs",
+                                expected: format!("[L, R*N, H] on rank {d}"),
+                                found: "missing rows".into(),
+                            })?,
+                    };
+                    fma_row(&mut acc, yr, w);
+                }
+                for (o, &a) in out.iter_mut().zip(&acc) {
+                    *o = crate::numerics::bf16::round(a);
+                }
+                let slot = &mut buf[i * row_bytes..(i + 1) * row_bytes];
+                match codec {
+                    None => put_bf16_row(slot, &out),
+                    Some(c) => put_logfmt_partial(
+                        ctx,
+                        arena,
+                        op,
+                        c,
+                        (s, i),
+                        &out,
+                        (slot, &mut metas),
+                        &mut run,
+                    )?,
+                }
             }
-            for (o, &a) in out.iter_mut().zip(&acc) {
-                *o = crate::numerics::bf16::round(a);
+            // BF16: the group's partials in one store and one put with its signal. LogFMT: the
+            // pieces are out on the data QPs; a fence orders them before the signal.
+            let data = if codec.is_none() { slots.len() * row_bytes } else { 0 };
+            let first = slots.start;
+            if data > 0 {
+                ctx.store(
+                    d,
+                    op.at(arena, lay.csend(s, first)),
+                    &buf[first * row_bytes..first * row_bytes + data],
+                )?;
             }
-            let slot = &mut buf[i * row_bytes..(i + 1) * row_bytes];
-            match codec {
-                None => put_bf16_row(slot, &out),
-                Some(c) => put_logfmt_partial(
-                    ctx,
-                    arena,
-                    op,
-                    c,
-                    (s, i),
-                    &out,
-                    (slot, &mut metas),
-                    &mut run,
-                )?,
+            if codec.is_some() {
+                ctx.fence()?;
             }
+            ctx.put_signal(
+                s,
+                QpIndex(LL_SIGNAL_QP),
+                op.at(arena, lay.crecv(d, first)),
+                op.at(arena, lay.csend(s, first)),
+                data as u64,
+                op.csig(arena, d, b),
+                SignalOp::Set,
+                ll_encode(op.call, slots.len() as u32),
+            )?;
         }
-        // BF16: the partials in one store and one put with the signal. LogFMT: the pieces are
-        // out on the data QPs; a fence orders them before the signal.
-        let data = if codec.is_none() { n * row_bytes } else { 0 };
-        if data > 0 {
-            ctx.store(d, op.at(arena, lay.csend(s, 0)), &buf)?;
-        }
-        if codec.is_some() {
-            ctx.fence()?;
-        }
-        ctx.put_signal(
-            s,
-            QpIndex(LL_SIGNAL_QP),
-            op.at(arena, lay.crecv(d, 0)),
-            op.at(arena, lay.csend(s, 0)),
-            data as u64,
-            op.csig(arena, d),
-            SignalOp::Set,
-            ll_encode(op.call, n as u32),
-        )?;
     }
     ctx.quiet()
 }
@@ -904,7 +924,7 @@ pub(crate) fn combine_recv_phase<'a>(
     phase
 }
 
-/// Loads and decodes the `n` LogFMT partials rank `d` sent to this rank (docs/protocol.md
+/// Loads and decodes the LogFMT partials of `slots` rank `d` sent to this rank (docs/protocol.md
 /// §3.12): each one's meta words, then only its pieces (the bytes past a cast chunk are not
 /// the message's). `H` f32 per partial, in slot order.
 fn load_logfmt_partials(
@@ -913,14 +933,14 @@ fn load_logfmt_partials(
     op: &LlOp,
     codec: &SlotCodec,
     d: usize,
-    n: usize,
+    slots: Range<usize>,
 ) -> Result<Vec<f32>> {
     let s = ctx.me().rank;
     let lay = op.layout;
     let mut metas = vec![0u8; codec.meta_bytes()];
     let mut slot = vec![0u8; lay.row() as usize];
-    let mut out = Vec::with_capacity(n * lay.hidden);
-    for i in 0..n {
+    let mut out = Vec::with_capacity(slots.len() * lay.hidden);
+    for i in slots {
         ctx.load(s, op.at(arena, lay.crecv_meta(d, i)), &mut metas)?;
         for p in codec.pieces(&codec.meta_words(&metas)) {
             ctx.load(
@@ -967,35 +987,47 @@ fn combine_recv(
     let mut decoded: Vec<Vec<f32>> = vec![Vec::new(); r];
     // Ranks whose partials count: unmasked, and not given up on (shrink).
     let mut live: Vec<bool> = (0..r).map(|d| op.live(d)).collect();
-    for d in (0..r).filter(|&d| op.live(d)) {
-        let Some(n) = wait_signal(ctx, op.shrink, s, op.csig(arena, d), op.call, || {
-            format!("combine signal of rank {d} for call {}", op.call)
-        })?
-        else {
-            expired.mark(d);
-            live[d] = false;
-            continue;
-        };
-        let n = n as usize;
-        if n != expected[d] {
-            return Err(Error::LlInvalidLayout {
-                local_expert: usize::MAX,
-                source_rank: d,
-                detail: format!(
-                    "rank {d} returned {n} partial rows, rank {s} sent it {} tokens",
-                    expected[d]
-                ),
-            });
-        }
-        match codec {
-            None => {
-                parts[d].resize(n * row_bytes, 0);
-                if n > 0 {
-                    ctx.load(s, op.at(arena, lay.crecv(d, 0)), &mut parts[d])?;
-                }
+    'ranks: for d in (0..r).filter(|&d| op.live(d)) {
+        let mut n = 0usize;
+        for b in 0..SEND_GROUPS {
+            let Some(nb) = wait_signal(ctx, op.shrink, s, op.csig(arena, d, b), op.call, || {
+                format!("combine signal of rank {d}, send group {b}, for call {}", op.call)
+            })?
+            else {
+                expired.mark(d);
+                live[d] = false;
+                continue 'ranks;
+            };
+            // The group's tokens with an expert on d: the slots it returns, from n on.
+            let want = ll_send_group(t_count, SEND_GROUPS, b)
+                .filter(|&t| has[t * r + d])
+                .count();
+            let nb = nb as usize;
+            if nb != want {
+                return Err(Error::LlInvalidLayout {
+                    local_expert: usize::MAX,
+                    source_rank: d,
+                    detail: format!(
+                        "rank {d} returned {nb} partial rows for send group {b}, rank {s} sent it {want} tokens there"
+                    ),
+                });
             }
-            Some(c) => decoded[d] = load_logfmt_partials(ctx, arena, op, c, d, n)?,
+            match codec {
+                None => {
+                    parts[d].resize((n + nb) * row_bytes, 0);
+                    if nb > 0 {
+                        ctx.load(
+                            s,
+                            op.at(arena, lay.crecv(d, n)),
+                            &mut parts[d][n * row_bytes..],
+                        )?;
+                    }
+                }
+                Some(c) => decoded[d].extend(load_logfmt_partials(ctx, arena, op, c, d, n..n + nb)?),
+            }
+            n += nb;
         }
+        debug_assert_eq!(n, expected[d]);
     }
     let mut out = Tensor2::zeros(t_count, h);
     let mut acc = vec![0f32; h];

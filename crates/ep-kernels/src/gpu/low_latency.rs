@@ -200,8 +200,6 @@ struct LlRank {
     stream: Arc<CudaStream>,
     signals: Arc<DevBuf>,
     data: Arc<DevBuf>,
-    /// Two u64 completion counters (dispatch send, combine send).
-    counters: Arc<DevBuf>,
     /// `int32[R]` shrink mask.
     mask: Arc<DevBuf>,
     /// `[num_sms]` u64: each block's last call number (the device-resident epoch a captured
@@ -663,7 +661,6 @@ impl LlGroup {
                 stream,
                 signals,
                 data,
-                counters: Arc::new(DevBuf::zeroed(&ctx, 16)?),
                 mask: Arc::new(DevBuf::zeroed(&ctx, 4 * r)?),
                 epoch: Arc::new(DevBuf::zeroed(&ctx, 8 * cfg.num_sms)?),
                 recv_stats: Arc::new(DevBuf::zeroed(&ctx, 4 * l)?),
@@ -894,8 +891,8 @@ impl LlGroup {
 
     /// Protocol traces (docs/protocol.md §3.13): with `Some(capacity)` every following
     /// operation runs the traced kernels (`EP_TRACE`), each block of each local rank recording up
-    /// to `capacity` protocol events (stores, loads, fences, releases, acquires, counter
-    /// arrivals); [`LlGroup::trace`] returns the last operation's, for ep-sim's memory-model
+    /// to `capacity` protocol events (stores, loads, fences, releases, acquires);
+    /// [`LlGroup::trace`] returns the last operation's, for ep-sim's memory-model
     /// checker (`ep_sim::device_trace`). `None` turns it off. For debugging and tests: each traced
     /// operation waits for the previous one. Both variants (variant (b)'s traced build is linked
     /// at run time when tracing is first turned on).
@@ -928,7 +925,7 @@ impl LlGroup {
     }
 
     /// Test switch of traced kernels (docs/protocol.md §6): the send parts' blocks skip their
-    /// fence before the completion counter — a planted missing fence, which the trace checker
+    /// fence before their signals — a planted missing fence, which the trace checker
     /// must report. [`Error::Unsupported`] unless tracing is on.
     #[doc(hidden)]
     pub fn plant_missing_fence_for_test(&mut self, on: bool) -> Result<()> {
@@ -995,7 +992,7 @@ impl LlGroup {
     }
 
     /// Collective reset after a failure (docs/protocol.md §7.2): waits for every rank, zeroes
-    /// the signals and completion counters, clears the error record and any pending hook;
+    /// the signals, clears the error record and any pending hook;
     /// earlier handles become invalid.
     pub fn reset(&mut self) -> Result<()> {
         self.not_capturing("reset")?;
@@ -1004,7 +1001,6 @@ impl LlGroup {
         self.barrier_processes()?;
         for r in &self.ranks {
             r.signals.memset_async(&r.stream, 0, 0, r.signals.len())?;
-            r.counters.memset_async(&r.stream, 0, 0, r.counters.len())?;
         }
         self.sync_streams()?;
         self.barrier_processes()?;
@@ -1424,7 +1420,6 @@ impl LlGroup {
             a.x = inp.x.ptr();
             a.topk_idx = inp.topk_idx.ptr();
             a.topk_weights = inp.topk_weights.ptr();
-            a.counter = self.ranks[s].counters.ptr();
             a.slots = hb.slots.ptr();
             a.send_counts = hb.send_counts.ptr();
             a.recv_counts = hb.recv_counts.ptr();
@@ -1651,7 +1646,6 @@ impl LlGroup {
                 a.flags |= abi::EP_FLAG_LOGFMT;
             }
             a.disp_half = dhalf;
-            a.counter = self.ranks[s].counters.ptr() + 8;
             a.slots = db.slots.ptr();
             a.send_counts = db.send_counts.ptr();
             a.recv_counts = db.recv_counts.ptr();
@@ -1733,17 +1727,10 @@ fn hook_pending() -> Error {
 
 /// The name of the signal word at `off` in `ll.signals` and the rank that writes it.
 fn signal_name(r: u64, off: u64) -> (String, Option<usize>) {
-    use ep_core::protocol::layout::{
-        LL_MAX_SEND_GROUPS, WORD_STRIDE, ll_dispatch_signal_of, ll_signal_writer,
-    };
-    let r = r as usize;
-    if let Some((half, s, b)) = ll_dispatch_signal_of(r, off) {
-        return (format!("disp_sig[{half}][{s}][{b}]"), Some(s));
-    }
-    match ll_signal_writer(r, off) {
-        Some(d) => {
-            let w = off / WORD_STRIDE - 2 * r as u64 * LL_MAX_SEND_GROUPS as u64;
-            (format!("comb_sig[{}][{d}]", w / r as u64), Some(d))
+    match ep_core::protocol::layout::ll_signal_of(r as usize, off) {
+        Some((combine, half, w, b)) => {
+            let name = if combine { "comb_sig" } else { "disp_sig" };
+            (format!("{name}[{half}][{w}][{b}]"), Some(w))
         }
         None => (format!("ll.signals+{off}"), None),
     }
@@ -1761,8 +1748,8 @@ mod tests {
         assert_eq!(name(ll_dispatch_signal(r, 0, 0, 0)), ("disp_sig[0][0][0]".into(), Some(0)));
         assert_eq!(name(ll_dispatch_signal(r, 0, 3, 7)), ("disp_sig[0][3][7]".into(), Some(3)));
         assert_eq!(name(ll_dispatch_signal(r, 1, 1, 63)), ("disp_sig[1][1][63]".into(), Some(1)));
-        assert_eq!(name(ll_combine_signal(r, 0, 1)), ("comb_sig[0][1]".into(), Some(1)));
-        assert_eq!(name(ll_combine_signal(r, 1, 3)), ("comb_sig[1][3]".into(), Some(3)));
+        assert_eq!(name(ll_combine_signal(r, 0, 1, 0)), ("comb_sig[0][1][0]".into(), Some(1)));
+        assert_eq!(name(ll_combine_signal(r, 1, 3, 9)), ("comb_sig[1][3][9]".into(), Some(3)));
         assert_eq!(name(ll_signal_bytes(r)).1, None);
     }
 
