@@ -301,7 +301,9 @@ fn correct_shapes_pass_under_many_seeds() {
 fn writer_of(v: &Violation) -> String {
     match v {
         Violation::DataRace { writer, .. } => writer.clone(),
-        Violation::StoreNotPublished { writer, .. } => format!("rank{}/{}", writer.rank, writer.role),
+        Violation::StoreNotPublished { writer, .. } => {
+            format!("rank{}/{}", writer.rank, writer.role)
+        }
         other => panic!("expected a race or an unpublished store, got {other}"),
     }
 }
@@ -316,7 +318,10 @@ fn missing_fence_of_a_send_group_is_caught_naming_its_store() {
         let msg = e.to_string();
         let (v, place) = expect_violation(e);
         let writer = writer_of(&v);
-        assert!(writer.starts_with("rank0") && writer.contains("block2"), "{msg}");
+        assert!(
+            writer.starts_with("rank0") && writer.contains("block2"),
+            "{msg}"
+        );
         // The bytes are group 2's rows, meta records (token 4) or header copy, on one of the ranks.
         assert_eq!(place.region, TraceRegion::Data, "{msg}");
         let owned = [row(0, 4), meta(0, 4), header_copy(0, 2)]
@@ -366,7 +371,10 @@ fn missing_fence_in_the_combine_direction_is_caught() {
     drop_fence(&mut t, 1, 0, 0);
     let (v, place) = expect_violation(check(R, arenas(), &t).unwrap_err());
     let writer = writer_of(&v);
-    assert!(writer.starts_with("rank1") && writer.contains("block0"), "{v}");
+    assert!(
+        writer.starts_with("rank1") && writer.contains("block0"),
+        "{v}"
+    );
     assert!([crecv(1, 0), crecv(1, 1)].contains(&place.offset), "{v}");
 }
 
@@ -377,7 +385,10 @@ fn variant_b_puts_need_the_fence_before_the_put_signal() {
     drop_fence(&mut t, 0, 2, 0);
     let (v, place) = expect_violation(check(R, arenas(), &t).unwrap_err());
     let writer = writer_of(&v);
-    assert!(writer.starts_with("rank0") && writer.contains("block2"), "{v}");
+    assert!(
+        writer.starts_with("rank0") && writer.contains("block2"),
+        "{v}"
+    );
     assert_eq!(place.offset, row(0, 4), "{v}");
 }
 

@@ -353,12 +353,25 @@ pub fn ll_signal_writer(num_ranks: usize, off: u64) -> Option<usize> {
 /// (`combine` false) or `comb_sig[half][writer][group]`; `None` past the words.
 #[must_use]
 pub fn ll_signal_of(num_ranks: usize, off: u64) -> Option<(bool, u64, usize, usize)> {
-    let (w, r, g) = (off / WORD_STRIDE, num_ranks as u64, LL_MAX_SEND_GROUPS as u64);
+    let (w, r, g) = (
+        off / WORD_STRIDE,
+        num_ranks as u64,
+        LL_MAX_SEND_GROUPS as u64,
+    );
     if w >= 4 * r * g {
         return None;
     }
-    let (combine, w) = if w < 2 * r * g { (false, w) } else { (true, w - 2 * r * g) };
-    Some((combine, w / (r * g), ((w / g) % r) as usize, (w % g) as usize))
+    let (combine, w) = if w < 2 * r * g {
+        (false, w)
+    } else {
+        (true, w - 2 * r * g)
+    };
+    Some((
+        combine,
+        w / (r * g),
+        ((w / g) % r) as usize,
+        (w % g) as usize,
+    ))
 }
 
 /// Tokens of send group `b` of `g` on a rank with `num_tokens` tokens (docs/protocol.md §3.3):

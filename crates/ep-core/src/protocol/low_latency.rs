@@ -300,7 +300,11 @@ fn dispatch_send(
             rec[..8].copy_from_slice(&ll_meta_head(t as u32, ent.len() as u32));
             for (j, &(k, l)) in ent.iter().enumerate() {
                 let o = 8 + j * LL_META_ENTRY_BYTES as usize;
-                rec[o..o + 8].copy_from_slice(&ll_meta_entry(l as u16, pos[l] as u16, weights.get(t, k)));
+                rec[o..o + 8].copy_from_slice(&ll_meta_entry(
+                    l as u16,
+                    pos[l] as u16,
+                    weights.get(t, k),
+                ));
                 pos[l] += 1;
             }
             meta.extend_from_slice(&rec);
@@ -662,12 +666,19 @@ fn recv_headers(
     let (mut n, mut total) = (0usize, 0u32);
     for b in 0..SEND_GROUPS {
         let Some(nb) = wait_signal(ctx, op.shrink, d, op.dsig(arena, s, b), op.call, || {
-            format!("dispatch signal of rank {s}, send group {b}, for call {}", op.call)
+            format!(
+                "dispatch signal of rank {s}, send group {b}, for call {}",
+                op.call
+            )
         })?
         else {
             return Ok(None);
         };
-        ctx.load(d, op.at(arena, lay.drecv(s) + b as u64 * lay.header_copy()), copy)?;
+        ctx.load(
+            d,
+            op.at(arena, lay.drecv(s) + b as u64 * lay.header_copy()),
+            copy,
+        )?;
         let (first, t) = (get_u32(copy, 0) as usize, get_u32(copy, 4));
         if first != n || (b > 0 && t != total) || copy[8..8 + counts.len()] != *counts && b > 0 {
             return Err(bad(format!(
@@ -876,7 +887,11 @@ fn combine_send(
             }
             // BF16: the group's partials in one store and one put with its signal. LogFMT: the
             // pieces are out on the data QPs; a fence orders them before the signal.
-            let data = if codec.is_none() { slots.len() * row_bytes } else { 0 };
+            let data = if codec.is_none() {
+                slots.len() * row_bytes
+            } else {
+                0
+            };
             let first = slots.start;
             if data > 0 {
                 ctx.store(
@@ -991,7 +1006,10 @@ fn combine_recv(
         let mut n = 0usize;
         for b in 0..SEND_GROUPS {
             let Some(nb) = wait_signal(ctx, op.shrink, s, op.csig(arena, d, b), op.call, || {
-                format!("combine signal of rank {d}, send group {b}, for call {}", op.call)
+                format!(
+                    "combine signal of rank {d}, send group {b}, for call {}",
+                    op.call
+                )
             })?
             else {
                 expired.mark(d);
@@ -1023,7 +1041,9 @@ fn combine_recv(
                         )?;
                     }
                 }
-                Some(c) => decoded[d].extend(load_logfmt_partials(ctx, arena, op, c, d, n..n + nb)?),
+                Some(c) => {
+                    decoded[d].extend(load_logfmt_partials(ctx, arena, op, c, d, n..n + nb)?)
+                }
             }
             n += nb;
         }
