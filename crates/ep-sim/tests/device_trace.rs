@@ -91,6 +91,22 @@ const FENCE: DeviceEvent = DeviceEvent::Fence {
 fn value(n: u64) -> u64 {
     (K << 32) | n
 }
+/// The releases of the signal word at `offset` on every rank, value `n`.
+fn release_on_all(ev: &mut Vec<DeviceEvent>, offset: u64, n: u64) {
+    ev.extend((0..R).map(|rank| DeviceEvent::Release {
+        rank,
+        offset,
+        value: value(n),
+    }));
+}
+/// `rank`'s acquires of the words `offset(s)` of every writer `s`, value `n`.
+fn acquire_from_all(ev: &mut Vec<DeviceEvent>, rank: usize, offset: impl Fn(usize) -> u64, n: u64) {
+    ev.extend((0..R).map(|s| DeviceEvent::Acquire {
+        rank,
+        offset: offset(s),
+        value: value(n),
+    }));
+}
 
 /// LL dispatch, variant (a) (§3.10): block `b` of rank `s` is send group `b`: it stores its
 /// tokens' rows and meta records and its header copy straight into each destination's
@@ -113,21 +129,9 @@ fn dispatch_a() -> Vec<AgentEvents> {
             }
             ev.push(FENCE);
             let n = group(b).count() as u64;
-            for d in 0..R {
-                ev.push(DeviceEvent::Release {
-                    rank: d,
-                    offset: disp_sig(rank, b),
-                    value: value(n),
-                });
-            }
+            release_on_all(&mut ev, disp_sig(rank, b), n);
             // Receive part.
-            for s in 0..R {
-                ev.push(DeviceEvent::Acquire {
-                    rank,
-                    offset: disp_sig(s, b),
-                    value: value(n),
-                });
-            }
+            acquire_from_all(&mut ev, rank, |s| disp_sig(s, b), n);
             for s in 0..R {
                 ev.push(load(rank, header_copy(s, b), HC));
                 for i in group(b) {
@@ -160,20 +164,8 @@ fn combine_a() -> Vec<AgentEvents> {
             }
             ev.push(FENCE);
             let n = group(b).count() as u64;
-            for s in 0..R {
-                ev.push(DeviceEvent::Release {
-                    rank: s,
-                    offset: comb_sig(rank, b),
-                    value: value(n),
-                });
-            }
-            for d in 0..R {
-                ev.push(DeviceEvent::Acquire {
-                    rank,
-                    offset: comb_sig(d, b),
-                    value: value(n),
-                });
-            }
+            release_on_all(&mut ev, comb_sig(rank, b), n);
+            acquire_from_all(&mut ev, rank, |d| comb_sig(d, b), n);
             for i in group(b) {
                 for d in 0..R {
                     ev.push(load(rank, crecv(d, i), ROW));
@@ -221,13 +213,7 @@ fn dispatch_b() -> Vec<AgentEvents> {
                     value: value(n),
                 });
             }
-            for s in 0..R {
-                ev.push(DeviceEvent::Acquire {
-                    rank,
-                    offset: disp_sig(s, b),
-                    value: value(n),
-                });
-            }
+            acquire_from_all(&mut ev, rank, |s| disp_sig(s, b), n);
             for s in 0..R {
                 ev.push(load(rank, header_copy(s, b), HC));
                 for i in group(b) {

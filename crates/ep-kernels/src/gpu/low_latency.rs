@@ -1745,26 +1745,15 @@ mod tests {
         use ep_core::protocol::layout::{ll_combine_signal, ll_dispatch_signal, ll_signal_bytes};
         let r = 4usize;
         let name = |off| signal_name(r as u64, off);
-        assert_eq!(
-            name(ll_dispatch_signal(r, 0, 0, 0)),
-            ("disp_sig[0][0][0]".into(), Some(0))
-        );
-        assert_eq!(
-            name(ll_dispatch_signal(r, 0, 3, 7)),
-            ("disp_sig[0][3][7]".into(), Some(3))
-        );
-        assert_eq!(
-            name(ll_dispatch_signal(r, 1, 1, 63)),
-            ("disp_sig[1][1][63]".into(), Some(1))
-        );
-        assert_eq!(
-            name(ll_combine_signal(r, 0, 1, 0)),
-            ("comb_sig[0][1][0]".into(), Some(1))
-        );
-        assert_eq!(
-            name(ll_combine_signal(r, 1, 3, 9)),
-            ("comb_sig[1][3][9]".into(), Some(3))
-        );
+        for (off, want, writer) in [
+            (ll_dispatch_signal(r, 0, 0, 0), "disp_sig[0][0][0]", 0),
+            (ll_dispatch_signal(r, 0, 3, 7), "disp_sig[0][3][7]", 3),
+            (ll_dispatch_signal(r, 1, 1, 63), "disp_sig[1][1][63]", 1),
+            (ll_combine_signal(r, 0, 1, 0), "comb_sig[0][1][0]", 1),
+            (ll_combine_signal(r, 1, 3, 9), "comb_sig[1][3][9]", 3),
+        ] {
+            assert_eq!(name(off), (want.into(), Some(writer)));
+        }
         assert_eq!(name(ll_signal_bytes(r)).1, None);
     }
 
