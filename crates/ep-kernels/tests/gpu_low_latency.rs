@@ -1243,7 +1243,7 @@ fn shrink_mode_masks_a_rank_that_never_arrives() {
 /// The traced kernels' protocol events (docs/protocol.md §3.13), judged by ep-sim's
 /// memory-model checker: a dispatch and a combine (BF16 and FP8, plain and hook halves) pass,
 /// with outputs still equal to the plan; with the planted missing fence (the send blocks skip
-/// their fence before the completion counter) the checker reports the unpublished stores. On the
+/// their fence before their signals) the checker reports the unpublished stores. On the
 /// variant EP_LL_VARIANT names (variant (b): its traced build, linked at run time).
 #[test]
 #[ignore = "needs a GPU: run with scripts/gpu-run.sh"]

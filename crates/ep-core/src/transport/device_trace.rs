@@ -103,9 +103,10 @@ pub enum DeviceEvent {
         /// Value seen.
         value: u64,
     },
-    /// An arrival at the rank's acq_rel completion counter `counter` (docs/protocol.md §3.10):
-    /// the atomic returned `ticket` (arrivals so far); it publishes like a release and acquires
-    /// every earlier arrival. `last`: this block saw every other block's arrival and continues.
+    /// An arrival at a rank's acq_rel completion counter `counter`: the atomic returned
+    /// `ticket` (arrivals so far); it publishes like a release and acquires every earlier
+    /// arrival. `last`: this block saw every other block's arrival and continues. (The checker's
+    /// vocabulary; the low-latency kernels signal per send group since docs/protocol.md §3.3.)
     CounterArrive {
         /// Which counter of the rank (0: the send part's).
         counter: u32,

@@ -1229,7 +1229,7 @@ impl LlGroup {
 
     /// The stamps since [`LlGroup::measure_phases`]: per rank, per block, `EP_PHASE_SLOTS`
     /// `%globaltimer` values (ns; 0 = not reached): send start, routing known, rows stored,
-    /// signals released (last block), receive start, sources acquired, end.
+    /// signals released (each block its own), receive start, sources acquired, end.
     pub fn phase_times(&mut self) -> Result<Vec<Vec<Vec<u64>>>> {
         self.not_capturing("phase_times")?;
         self.sync()?;

@@ -26,11 +26,12 @@
 //! - Offsets are relative to the rank's `ll.signals` / `ll.data` base (`peer_signals[r]`,
 //!   `peer_data[r]`), so half bases are included.
 //! - What to record: each warp's stores of a row unit or meta record to a destination (lane 0,
-//!   after `__syncwarp`, one `STORE` per contiguous range); the last block's header stores
+//!   after `__syncwarp`, one `STORE` per contiguous range); each block's header-copy stores
 //!   (thread 0 after the `__syncthreads` that follows them, one `STORE` per destination); every
-//!   fence with its scope (`last_block`'s `fence_for_peers`, the one before the signals,
-//!   `nvshmem_fence` as system scope); the counter's `atom.acq_rel` (`COUNTER`, ticket = the old
-//!   value, `EP_TRACE_FLAG_LAST` when last); each `st.release` / `signal_op` SET (`RELEASE`);
+//!   fence with its scope (each send block's `fence_for_peers` before its signals,
+//!   `nvshmem_fence` as system scope); a completion counter's `atom.acq_rel` (`COUNTER`, ticket
+//!   = the old value, `EP_TRACE_FLAG_LAST` when last; no kernel uses one since the send groups
+//!   of docs/protocol.md §3.3); each `st.release` / `signal_op` SET (`RELEASE`);
 //!   each successful wait (`ACQUIRE` with the value seen, after `signal_seen`'s fence in variant
 //!   (b)); each unit, header and meta load of the receive part (`LOAD`, lane 0 after the loads);
 //!   each `putmem_nbi_warp` (`PUT`) and `putmem_signal_nbi_warp` (`PUT_SIGNAL` + `SIGNAL`).
