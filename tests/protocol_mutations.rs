@@ -286,6 +286,11 @@ fn table() -> Vec<Row> {
             &["oracle", "invalid low-latency layout"],
         ),
         (
+            ProtocolMutation::LlGroupFirstOffByOne,
+            ll_scenario,
+            &["invalid low-latency layout"],
+        ),
+        (
             ProtocolMutation::SkipHookCheck,
             hook_scenario,
             &["hook after next call", "carries call"],

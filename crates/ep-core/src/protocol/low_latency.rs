@@ -338,7 +338,9 @@ fn dispatch_send(
         if let Some(r0) = run {
             put_run(ctx, arena, op, d, r0, runs)?;
         }
-        put_u32(&mut header, 0, first as u32);
+        // Planted bug: the group's header copy names the slot after its first.
+        let shift = u32::from(mutation == ProtocolMutation::LlGroupFirstOffByOne && b > 0);
+        put_u32(&mut header, 0, first as u32 + shift);
         put_u32(&mut header, 4, total);
         for (l, &p) in pos.iter().enumerate() {
             put_u32(&mut header, 8 + 4 * l, p);

@@ -30,6 +30,9 @@ pub enum ProtocolMutation {
     LlStagingReuse,
     /// Low-latency dispatch hook: `begin(l, s)` one too large for `s > 0`.
     LlBeginOffByOne,
+    /// Low-latency dispatch: a send group `b > 0` names a first slot one too large in its
+    /// header copy (its messages land where the receiver does not look).
+    LlGroupFirstOffByOne,
     /// `Buffer`: a low-latency send is allowed while a hook is pending.
     SkipHookCheck,
     /// `Buffer`: a low-latency operation is allowed on memory that needs a clean.
