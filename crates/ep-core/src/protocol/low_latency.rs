@@ -682,7 +682,9 @@ fn recv_headers(
             copy,
         )?;
         let (first, t) = (get_u32(copy, 0) as usize, get_u32(copy, 4));
-        if first != n || (b > 0 && t != total) || copy[8..8 + counts.len()] != *counts && b > 0 {
+        // Every copy carries the source's totals: the later ones must repeat group 0's.
+        let differs = b > 0 && (t != total || copy[8..8 + counts.len()] != *counts);
+        if first != n || differs {
             return Err(bad(format!(
                 "send group {b}'s header (slots from {first}, {t} messages) disagrees with \
                  the groups before it (slots from {n}, {total} messages)"
