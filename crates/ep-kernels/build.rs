@@ -481,7 +481,8 @@ fn protocol_rules(out: &Path, manifest: &Path) {
          #define EP_LL_MAX_TOPK {}u\n#define EP_LL_META_ENTRY_BYTES {}u\n#define EP_REGION_ALIGN {}u\n\
          #define EP_LL_SIGNAL_QP {}u\n#define EP_ROW_META_PAIR_BYTES {}u\n\
          #define EP_ROW_TOPK_ID_BYTES {}u\n#define EP_ROW_TOPK_WEIGHT_BYTES {}u\n\
-         #define EP_LL_MAX_SEND_GROUPS {}u\n#endif\n",
+         #define EP_LL_MAX_SEND_GROUPS {}u\n#define EP_LL_HEADER_FIRST_WORD {}u\n\
+         #define EP_LL_HEADER_MESSAGES_WORD {}u\n#define EP_LL_HEADER_COUNTS_WORD {}u\n#endif\n",
         l::WORD_STRIDE,
         l::MAX_CHANNELS,
         l::MAX_LOCAL_EXPERTS,
@@ -493,6 +494,9 @@ fn protocol_rules(out: &Path, manifest: &Path) {
         l::ROW_TOPK_ID_BYTES,
         l::ROW_TOPK_WEIGHT_BYTES,
         l::LL_MAX_SEND_GROUPS,
+        l::LL_HEADER_FIRST_WORD,
+        l::LL_HEADER_MESSAGES_WORD,
+        l::LL_HEADER_COUNTS_WORD,
     );
     std::fs::write(out.join("ep_protocol_constants.h"), constants).expect("write constants header");
     let shim = out.join("ep_protocol_shim.cc");
@@ -560,6 +564,7 @@ uint64_t ep_shim_ll_row(L4) { MK; return ep_ll_row(lay); }
 uint64_t ep_shim_ll_meta(L4) { MK; return ep_ll_meta(lay); }
 uint64_t ep_shim_ll_header_copy(L4) { MK; return ep_ll_header_copy(lay); }
 uint64_t ep_shim_ll_header(L4) { MK; return ep_ll_header(lay); }
+uint64_t ep_shim_ll_header_copy_at(L4, uint64_t b) { MK; return ep_ll_header_copy_at(lay, b); }
 uint64_t ep_shim_ll_dsend_row(L4, uint64_t t) { MK; return ep_ll_dsend_row(lay, t); }
 uint64_t ep_shim_ll_dsend_meta(L4, uint64_t d) { MK; return ep_ll_dsend_meta(lay, d); }
 uint64_t ep_shim_ll_drecv(L4, uint64_t s) { MK; return ep_ll_drecv(lay, s); }

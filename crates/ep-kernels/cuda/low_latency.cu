@@ -493,6 +493,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         if (threadIdx.x < R) ((int32_t *)a.send_counts)[threadIdx.x] = (int32_t)ncnt[threadIdx.x];
     }
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly), hc = ep_ll_header_copy(ly);
+    const uint64_t copy_at = ep_ll_header_copy_at(ly, b);
     const float *weights = (const float *)a.topk_weights;
     const uint32_t nt = te - tb;
     // Rows: units of UNITS x 32 chunks of one of the group's tokens over the block's warps, the
@@ -628,11 +629,14 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     }
     // The group's header copy b on every unmasked destination: [first slot, the rank's messages
     // to d, c(l, s) for l < L].
-    for (uint32_t i = threadIdx.x; i < R * (L + 2); i += NT) {
-        const uint32_t d = i / (L + 2), j = i % (L + 2);
+    const uint32_t words = EP_LL_HEADER_COUNTS_WORD + L;
+    for (uint32_t i = threadIdx.x; i < R * words; i += NT) {
+        const uint32_t d = i / words, j = i % words;
         if (masked(a, d)) continue;
-        uint32_t *copy = (uint32_t *)(meta_block_out(a, ly, d) + (uint64_t)b * hc);
-        copy[j] = j == 0 ? gfirst[d] : j == 1 ? ncnt[d] : sm.tot[d * L + j - 2];
+        uint32_t *copy = (uint32_t *)(meta_block_out(a, ly, d) + copy_at);
+        copy[j] = j == EP_LL_HEADER_FIRST_WORD      ? gfirst[d]
+                  : j == EP_LL_HEADER_MESSAGES_WORD ? ncnt[d]
+                                                    : sm.tot[d * L + j - EP_LL_HEADER_COUNTS_WORD];
     }
     stamp(a, 2);
     __syncthreads();
@@ -645,8 +649,8 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     if (warp < R && !masked(a, warp)) {
         const uint32_t d = warp;
         const uint64_t sig = ep_ll_dispatch_signal(R, a.half, a.rank, b);
-        uint8_t *copy = meta_block_out(a, ly, d) + (uint64_t)b * hc;
-        uint8_t *dst = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + (uint64_t)b * hc;
+        uint8_t *copy = meta_block_out(a, ly, d) + copy_at;
+        uint8_t *dst = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + copy_at;
         if (lane == 0) {
             if (!skip_fence) {
                 nvshmem_fence();
@@ -665,7 +669,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 #else
     if (threadIdx.x == 0) {
         for (uint32_t d = 0; d < R; ++d)
-            if (!masked(a, d)) TRACE_STORE(d, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, a.rank) + (uint64_t)b * hc, hc);
+            if (!masked(a, d)) TRACE_STORE(d, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, a.rank) + copy_at, hc);
         if (!skip_fence) {
             fence_for_peers(a);
             TRACE_FENCE(PEER_FENCE_SCOPE(a));
@@ -695,7 +699,7 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint32_t N = a.num_max_tokens, rows = R * N;
     const bool fp8 = (a.flags & EP_FLAG_FP8) != 0, ue8m0 = (a.flags & EP_FLAG_UE8M0) != 0;
     uint32_t *begin = (uint32_t *)(smem + a.sm_begin); // [R][L]
-    const uint64_t hc = ep_ll_header_copy(ly);
+    const uint64_t hc = ep_ll_header_copy(ly), copy_at = ep_ll_header_copy_at(ly, b);
     stamp(a, 4);
     if (!wait_sources(a, call_k, EP_KERNEL_LL_DISPATCH, a.half, false, count, nullptr)) return;
     stamp(a, 5);
@@ -703,13 +707,14 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
     if (threadIdx.x == 0) bad = 0;
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
         const uint32_t s = i / L, l = i % L;
-        begin[i] = masked(a, s) ? 0u : __ldcg((const uint32_t *)(mine + ep_ll_drecv(ly, s) + b * hc) + 2 + l);
+        begin[i] = masked(a, s) ? 0u
+                                : __ldcg((const uint32_t *)(mine + ep_ll_drecv(ly, s) + copy_at) + EP_LL_HEADER_COUNTS_WORD + l);
     }
     if (threadIdx.x < R) {
         const uint32_t s = threadIdx.x;
-        const uint32_t *copy = (const uint32_t *)(mine + ep_ll_drecv(ly, s) + b * hc);
-        first_slot[s] = masked(a, s) ? 0u : __ldcg(copy);
-        from[s] = masked(a, s) ? 0u : __ldcg(copy + 1);
+        const uint32_t *copy = (const uint32_t *)(mine + ep_ll_drecv(ly, s) + copy_at);
+        first_slot[s] = masked(a, s) ? 0u : __ldcg(copy + EP_LL_HEADER_FIRST_WORD);
+        from[s] = masked(a, s) ? 0u : __ldcg(copy + EP_LL_HEADER_MESSAGES_WORD);
         // The group's slots must lie within the source's messages, and those within N.
         if (!masked(a, s) && (from[s] > N || first_slot[s] + count[s] > from[s])) {
             ep_fail((ep_err_block *)a.err, EP_ERR_COUNT, a.rank, EP_KERNEL_LL_DISPATCH, a.rank,
@@ -725,7 +730,7 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
     if (bad) return;
     if (TRACED && threadIdx.x == 0)
         for (uint32_t s = 0; s < R; ++s)
-            if (!masked(a, s)) TRACE_LOAD(a.rank, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, s) + b * hc, hc);
+            if (!masked(a, s)) TRACE_LOAD(a.rank, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, s) + copy_at, hc);
     // Counts → running begin per expert (ascending source), and the handle outputs.
     for (uint32_t l = threadIdx.x; l < L; l += NT) {
         uint32_t run = 0;
@@ -971,10 +976,13 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     // first slot (the last group: to the source's messages).
     if (threadIdx.x < R) {
         const uint32_t s = threadIdx.x;
-        const uint64_t hc = ep_ll_header_copy(ly);
-        const uint32_t *copy = (const uint32_t *)(dhalf + ep_ll_drecv(ly, s) + (uint64_t)b * hc);
-        const uint32_t first = masked(a, s) ? 0u : __ldcg(copy);
-        const uint32_t end = masked(a, s) ? 0u : b + 1 < gridDim.x ? __ldcg((const uint32_t *)((const uint8_t *)copy + hc)) : __ldcg(copy + 1);
+        const uint8_t *block = dhalf + ep_ll_drecv(ly, s);
+        const uint32_t *copy = (const uint32_t *)(block + ep_ll_header_copy_at(ly, b));
+        const uint32_t *next = (const uint32_t *)(block + ep_ll_header_copy_at(ly, b + 1));
+        const uint32_t first = masked(a, s) ? 0u : __ldcg(copy + EP_LL_HEADER_FIRST_WORD);
+        const uint32_t end = masked(a, s)           ? 0u
+                             : b + 1 < gridDim.x    ? __ldcg(next + EP_LL_HEADER_FIRST_WORD)
+                                                    : __ldcg(copy + EP_LL_HEADER_MESSAGES_WORD);
         first_slot[s] = first;
         count[s] = end > first ? end - first : 0u;
     }

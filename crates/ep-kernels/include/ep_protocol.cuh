@@ -170,7 +170,11 @@ EP_HD uint64_t ep_ll_row(ep_ll_layout l) { return ep_align16(2u * l.hidden); }
 EP_HD uint64_t ep_ll_fp8_scales_offset(ep_ll_layout l) { return ep_align16(l.hidden); }
 /* One send group's header copy [first slot u32][messages from the source u32][c(l) u32 x L]; the header holds
    EP_LL_MAX_SEND_GROUPS of them, group b's at b * ep_ll_header_copy. */
-EP_HD uint64_t ep_ll_header_copy(ep_ll_layout l) { return ep_align16(8u + 4u * l.num_local_experts); }
+EP_HD uint64_t ep_ll_header_copy(ep_ll_layout l) {
+    return ep_align16(4u * (EP_LL_HEADER_COUNTS_WORD + l.num_local_experts));
+}
+/* Offset of send group b's header copy in a per-peer block (drecv[s], dsend_meta[d]). */
+EP_HD uint64_t ep_ll_header_copy_at(ep_ll_layout l, uint64_t b) { return b * ep_ll_header_copy(l); }
 EP_HD uint64_t ep_ll_header(ep_ll_layout l) { return EP_LL_MAX_SEND_GROUPS * ep_ll_header_copy(l); }
 EP_HD uint64_t ep_ll_meta(ep_ll_layout l) {
     (void)l;

@@ -73,6 +73,7 @@ mod ffi {
         pub(super) fn ep_shim_ll_meta(r: u64, l: u64, h: u64, n: u64) -> u64;
         pub(super) fn ep_shim_ll_header_copy(r: u64, l: u64, h: u64, n: u64) -> u64;
         pub(super) fn ep_shim_ll_header(r: u64, l: u64, h: u64, n: u64) -> u64;
+        pub(super) fn ep_shim_ll_header_copy_at(r: u64, l: u64, h: u64, n: u64, b: u64) -> u64;
         pub(super) fn ep_shim_ll_dsend_row(r: u64, l: u64, h: u64, n: u64, t: u64) -> u64;
         pub(super) fn ep_shim_ll_dsend_meta(r: u64, l: u64, h: u64, n: u64, d: u64) -> u64;
         pub(super) fn ep_shim_ll_drecv(r: u64, l: u64, h: u64, n: u64, s: u64) -> u64;
@@ -264,6 +265,8 @@ ll_rule!(/// `ep_ll_header_copy`.
     ll_header_copy => ep_shim_ll_header_copy());
 ll_rule!(/// `ep_ll_header`.
     ll_header => ep_shim_ll_header());
+ll_rule!(/// `ep_ll_header_copy_at`.
+    ll_header_copy_at => ep_shim_ll_header_copy_at(b));
 ll_rule!(/// `ep_ll_dsend_row`.
     ll_dsend_row => ep_shim_ll_dsend_row(t));
 ll_rule!(/// `ep_ll_dsend_meta`.

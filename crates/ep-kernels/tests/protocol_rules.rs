@@ -100,6 +100,7 @@ proptest! {
         prop_assert_eq!(c::ll_dispatch_signal(r as u64, half, su, g as u64), l::ll_dispatch_signal(r, half, s, g));
         prop_assert_eq!(c::ll_header_copy(dims), lay.header_copy());
         prop_assert_eq!(c::ll_header(dims), lay.header());
+        prop_assert_eq!(c::ll_header_copy_at(dims, g as u64), lay.header_copy_at(g));
         prop_assert_eq!(c::ll_combine_signal(r as u64, half, su, g as u64), l::ll_combine_signal(r, half, s, g));
         prop_assert_eq!(c::ll_half(op), l::ll_half(op));
         prop_assert_eq!(c::ll_data_qp(run, nq), l::ll_data_qp(run, nq));

@@ -17,6 +17,13 @@ pub const LL_MAX_TOPK: usize = 11;
 /// Most send groups a low-latency dispatch may have (docs/protocol.md §3.3: a GPU rank's
 /// blocks, `num_sms`); sizes the dispatch signals and the header copies.
 pub const LL_MAX_SEND_GROUPS: usize = 160;
+/// u32 words of a send group's header copy (docs/protocol.md §3.2): its first slot, the source's
+/// messages to the destination, then `c(l, s)` for `l < L` from word `LL_HEADER_COUNTS_WORD`.
+pub const LL_HEADER_FIRST_WORD: usize = 0;
+/// See [`LL_HEADER_FIRST_WORD`].
+pub const LL_HEADER_MESSAGES_WORD: usize = 1;
+/// See [`LL_HEADER_FIRST_WORD`].
+pub const LL_HEADER_COUNTS_WORD: usize = 2;
 /// Bytes of one low-latency meta entry `(l u16, pos u16, w f32)`.
 pub const LL_META_ENTRY_BYTES: u64 = 8;
 /// Alignment of allocations and regions.
@@ -434,7 +441,12 @@ impl LlLayout {
     /// (docs/protocol.md §3.2).
     #[must_use]
     pub fn header_copy(self) -> u64 {
-        align16(8 + 4 * self.num_local_experts as u64)
+        align16(4 * (LL_HEADER_COUNTS_WORD + self.num_local_experts) as u64)
+    }
+    /// Offset of send group `b`'s header copy in a per-peer block (`drecv[s]`, `dsend_meta[d]`).
+    #[must_use]
+    pub fn header_copy_at(self, b: usize) -> u64 {
+        b as u64 * self.header_copy()
     }
     /// Header bytes: [`LL_MAX_SEND_GROUPS`] copies, group `b`'s at `b·header_copy()`.
     #[must_use]

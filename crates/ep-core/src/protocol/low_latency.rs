@@ -15,8 +15,9 @@ use half::bf16;
 use super::ProtocolMutation;
 use super::bytes::{get_bf16_row, get_f32s, get_u32, put_bf16_row, put_f32s, put_u32};
 use super::layout::{
-    LL_META_ENTRY_BYTES, LL_SIGNAL_QP, LlLayout, ll_combine_signal, ll_data_qp, ll_dispatch_signal,
-    ll_meta_entry, ll_meta_entry_decode, ll_meta_head, ll_meta_head_decode, ll_send_group,
+    LL_HEADER_COUNTS_WORD, LL_HEADER_FIRST_WORD, LL_HEADER_MESSAGES_WORD, LL_META_ENTRY_BYTES,
+    LL_SIGNAL_QP, LlLayout, ll_combine_signal, ll_data_qp, ll_dispatch_signal, ll_meta_entry,
+    ll_meta_entry_decode, ll_meta_head, ll_meta_head_decode, ll_send_group,
 };
 use super::logfmt_slot::SlotCodec;
 use super::normal::put_slot;
@@ -296,7 +297,9 @@ fn dispatch_send(
                 ent.iter().for_each(|&(_, l)| pos[l] += 1);
                 continue;
             }
-            let mut rec = vec![0u8; meta_bytes];
+            let m = meta.len();
+            meta.resize(m + meta_bytes, 0);
+            let rec = &mut meta[m..];
             rec[..8].copy_from_slice(&ll_meta_head(t as u32, ent.len() as u32));
             for (j, &(k, l)) in ent.iter().enumerate() {
                 let o = 8 + j * LL_META_ENTRY_BYTES as usize;
@@ -307,7 +310,6 @@ fn dispatch_send(
                 ));
                 pos[l] += 1;
             }
-            meta.extend_from_slice(&rec);
             let slot = first + n;
             n += 1;
             if reuse {
@@ -340,13 +342,13 @@ fn dispatch_send(
         }
         // Planted bug: the group's header copy names the slot after its first.
         let shift = u32::from(mutation == ProtocolMutation::LlGroupFirstOffByOne && b > 0);
-        put_u32(&mut header, 0, first as u32 + shift);
-        put_u32(&mut header, 4, total);
+        put_u32(&mut header, 4 * LL_HEADER_FIRST_WORD, first as u32 + shift);
+        put_u32(&mut header, 4 * LL_HEADER_MESSAGES_WORD, total);
         for (l, &p) in pos.iter().enumerate() {
-            put_u32(&mut header, 8 + 4 * l, p);
+            put_u32(&mut header, 4 * (LL_HEADER_COUNTS_WORD + l), p);
         }
         let meta_at = lay.header() + (first * meta_bytes) as u64;
-        let copy_at = b as u64 * lay.header_copy();
+        let copy_at = lay.header_copy_at(b);
         if n > 0 {
             ctx.store(s, op.at(arena, lay.dsend_meta(d) + meta_at), &meta)?;
             ctx.put(
@@ -676,14 +678,12 @@ fn recv_headers(
         else {
             return Ok(None);
         };
-        ctx.load(
-            d,
-            op.at(arena, lay.drecv(s) + b as u64 * lay.header_copy()),
-            copy,
-        )?;
-        let (first, t) = (get_u32(copy, 0) as usize, get_u32(copy, 4));
+        ctx.load(d, op.at(arena, lay.drecv(s) + lay.header_copy_at(b)), copy)?;
+        let first = get_u32(copy, 4 * LL_HEADER_FIRST_WORD) as usize;
+        let t = get_u32(copy, 4 * LL_HEADER_MESSAGES_WORD);
         // Every copy carries the source's totals: the later ones must repeat group 0's.
-        let differs = b > 0 && (t != total || copy[8..8 + counts.len()] != *counts);
+        let copied = &copy[4 * LL_HEADER_COUNTS_WORD..4 * LL_HEADER_COUNTS_WORD + counts.len()];
+        let differs = b > 0 && (t != total || copied != counts);
         if first != n || differs {
             return Err(bad(format!(
                 "send group {b}'s header (slots from {first}, {t} messages) disagrees with \
@@ -692,7 +692,7 @@ fn recv_headers(
         }
         if b == 0 {
             total = t;
-            counts.copy_from_slice(&copy[8..8 + counts.len()]);
+            counts.copy_from_slice(copied);
         }
         n += nb as usize;
         groups[b + 1] = n as u32;
