@@ -295,8 +295,8 @@ __device__ __forceinline__ void quiet_at_end(bool sent) {
 // Shared-memory arrays of the dispatch send part (offsets from the host, Args.sm_*).
 struct SendSmem {
     int16_t *expert; // [T*K] expert id; -1: masked entry or masked destination
-    uint16_t *pos;   // [T*K] row of the entry within its (local expert, source) block (the group's entries)
-    uint32_t *before; // [E] entries per expert of the tokens before the group, then a running count
+    uint16_t *pos;   // [T*K] row of the entry within its (local expert, source) block
+    uint16_t *wcnt;  // [WARPS][E] per-warp-segment counts, then their exclusive prefix over warps
     uint32_t *tot;   // [E] entries of this rank per expert
     uint8_t *dmask;  // [T] destination ranks of the token (bit d)
     uint16_t *slot;  // [T][R] slot of the token in d's drecv[s] (0xffff: none)
@@ -306,7 +306,7 @@ __device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
     SendSmem s;
     s.expert = (int16_t *)(base + a.sm_expert);
     s.pos = (uint16_t *)(base + a.sm_pos);
-    s.before = (uint32_t *)(base + a.sm_before);
+    s.wcnt = (uint16_t *)(base + a.sm_wcnt);
     s.tot = (uint32_t *)(base + a.sm_tot);
     s.dmask = (uint8_t *)(base + a.sm_dmask);
     s.slot = (uint16_t *)(base + a.sm_slot);
@@ -315,8 +315,7 @@ __device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
 
 // Routing of this rank's tokens, computed by every block (T*K entries: small), in two steps so
 // that the rows can go out between them. `send_slots`: expert ids (validated), each token's
-// destination ranks and its slot on each, the entries per expert (`tot`) and those of the
-// tokens before the group (`before`, for group_positions); `ncnt[d]` gets the messages to d. An expert id
+// destination ranks and its slot on each; `ncnt[d]` gets the messages to d. An expert id
 // outside [-1, E) is recorded (EP_ERR_EXPERT) and treated as -1, so the protocol still completes
 // and the group stays usable.
 // `gfirst[d]` / `gcnt[d]`: the first slot and the messages to d of this block's send group,
@@ -326,8 +325,7 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t 
     const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, L = a.num_local_experts;
     const uint32_t R = a.num_ranks;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (uint32_t i = threadIdx.x; i < E; i += NT) sm.tot[i] = 0, sm.before[i] = 0;
-    __syncthreads();
+    for (uint32_t i = threadIdx.x; i < WARPS * E; i += NT) sm.wcnt[i] = 0;
     const int64_t *idx = (const int64_t *)a.topk_idx;
     for (uint32_t t = threadIdx.x; t < T; t += NT) {
         int64_t ids[MAXK];
@@ -346,11 +344,7 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t 
             }
             if (e >= 0 && masked(a, (uint64_t)e / L)) e = -1;
             sm.expert[t * K + k] = (int16_t)e;
-            if (e >= 0) {
-                m |= 1u << ((uint32_t)e / L);
-                atomicAdd(&sm.tot[e], 1u);
-                if (t < tb) atomicAdd(&sm.before[e], 1u);
-            }
+            if (e >= 0) m |= 1u << ((uint32_t)e / L);
         }
         sm.dmask[t] = (uint8_t)m;
     }
@@ -374,27 +368,41 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t 
     __syncthreads();
 }
 
-// `group_positions`: the row of each entry of the group's tokens [tb, te) within its (local
-// expert, source) block, in (t, k) order: the entries of the rank's earlier tokens with that
-// expert (`before`, counted by send_slots) plus its rank among the group's entries before it.
-// Warp 0 walks the group's entries 32 at a time (lanes with one expert ranked by
-// __match_any_sync); the per-expert totals `tot` for the header copy come from send_slots.
-__device__ void group_positions(const Args &a, SendSmem sm, uint32_t tb, uint32_t te) {
-    const uint32_t K = a.num_topk, lane = threadIdx.x % 32;
-    if (threadIdx.x < 32) {
-        for (uint32_t j0 = tb * K; j0 < te * K; j0 += 32) {
-            const uint32_t j = j0 + lane;
-            const int32_t e = j < te * K ? sm.expert[j] : -1;
-            const uint32_t same = __match_any_sync(FULL, e);
-            const uint32_t run = e >= 0 ? sm.before[e] : 0;
-            __syncwarp();
-            if (e >= 0) {
-                const uint32_t rank_in = __popc(same & lanemask_lt());
-                sm.pos[j] = (uint16_t)(run + rank_in);
-                if (rank_in == 0) sm.before[e] = run + __popc(same);
-            }
-            __syncwarp();
+// `send_positions`: each entry's row within its (expert, source) block, in (t, k) order, and the
+// entries per expert (the headers): each warp counts its contiguous segment, lanes of one chunk
+// with the same expert ranked by __match_any_sync; then a prefix over the warps.
+__device__ void send_positions(const Args &a, SendSmem sm) {
+    const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, TK = T * K;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t seg = (TK + WARPS * 32 - 1) / (WARPS * 32) * 32;
+    const uint32_t lo = warp * seg, hi = min(TK, lo + seg);
+    for (uint32_t b = lo; b < hi; b += 32) {
+        uint32_t j = b + lane;
+        int32_t e = j < hi ? sm.expert[j] : -1;
+        uint32_t same = __match_any_sync(FULL, e);
+        uint32_t before = e >= 0 ? sm.wcnt[warp * E + e] : 0;
+        __syncwarp();
+        if (e >= 0) {
+            uint32_t rank_in = __popc(same & lanemask_lt());
+            sm.pos[j] = (uint16_t)(before + rank_in);
+            if (rank_in == 0) sm.wcnt[warp * E + e] = (uint16_t)(before + __popc(same));
         }
+        __syncwarp();
+    }
+    __syncthreads();
+    for (uint32_t e = threadIdx.x; e < E; e += NT) {
+        uint32_t run = 0;
+        for (uint32_t w = 0; w < WARPS; ++w) {
+            uint32_t c = sm.wcnt[w * E + e];
+            sm.wcnt[w * E + e] = (uint16_t)run;
+            run += c;
+        }
+        sm.tot[e] = run;
+    }
+    __syncthreads();
+    for (uint32_t j = threadIdx.x; j < TK; j += NT) {
+        int32_t e = sm.expert[j];
+        if (e >= 0) sm.pos[j] = (uint16_t)(sm.pos[j] + sm.wcnt[(j / seg) * E + e]);
     }
     __syncthreads();
 }
@@ -455,20 +463,6 @@ __device__ __forceinline__ uint8_t *meta_block_out(const Args &a, const ep_ll_la
 #endif
 }
 
-// The loads of rows unit `w` of token `t`'s row (docs: the rows loop below): BF16, chunks
-// w * 32 * UNITS + k * 32 + lane; FP8, the 128-channel blocks w * 2 * UNITS + 2k + lane / 16,
-// 16 bytes each per lane of the half warp. Beyond the row: zeros.
-__device__ __forceinline__ void load_unit(const Args &a, bool fp8, uint32_t t, uint32_t w, int4 (&v)[UNITS]) {
-    const uint32_t H = a.hidden, lane = threadIdx.x % 32;
-    const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
-#pragma unroll
-    for (uint32_t k = 0; k < UNITS; ++k) {
-        const uint32_t c = fp8 ? (w * 2 * UNITS + 2 * k + lane / 16) * 16 + lane % 16 : w * 32 * UNITS + k * 32 + lane;
-        const bool in = fp8 ? c / 16 < H / 128 : c < H * 2 / 16;
-        v[k] = in ? ep_ld_nc(src + c) : make_int4(0, 0, 0, 0);
-    }
-}
-
 // The send part of send group b = blockIdx.x (docs/protocol.md §3.3, §3.10): the messages of the
 // block's tokens [tb, te) (ep_ll_send_group) into their destinations' drecv[s], their meta
 // records, and on each destination the group's header copy, then one fence and the group's
@@ -490,15 +484,6 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         tb = (uint32_t)gs, te = (uint32_t)ge;
     }
     stamp(a, 0);
-    const float *weights = (const float *)a.topk_weights;
-    const uint32_t nt = te - tb;
-    const uint32_t per_row = fp8 ? (H / 128 + 2 * UNITS - 1) / (2 * UNITS) : (H * 2 / 16 + 32 * UNITS - 1) / (32 * UNITS);
-    // Before the routing, which they do not depend on: the loads of this warp's first rows unit
-    // and of the weights of its first meta records' token (below), so that their latency is
-    // spent under the routing's.
-    int4 first[UNITS];
-    if (warp < nt * per_row) load_unit(a, fp8, tb + warp / per_row, warp % per_row, first);
-    const float first_w = tb + warp < te && lane < K ? weights[(tb + warp) * K + lane] : 0.0f;
     send_slots(a, sm, ncnt, tb, te, gfirst, gcnt);
     stamp(a, 1);
     if (blockIdx.x == 0) {
@@ -509,21 +494,23 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     }
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly), hc = ep_ll_header_copy(ly);
     const uint64_t copy_at = ep_ll_header_copy_at(ly, b);
+    const float *weights = (const float *)a.topk_weights;
+    const uint32_t nt = te - tb;
     // Rows: units of UNITS x 32 chunks of one of the group's tokens over the block's warps, the
     // unit's loads issued before its stores (short dependency chains); each row loaded once,
     // cast once, stored to each destination.
     if (!fp8) {
-        const uint32_t C = H * 2 / 16;
+        const uint32_t C = H * 2 / 16, per_row = (C + 32 * UNITS - 1) / (32 * UNITS);
         for (uint32_t u = warp; u < nt * per_row; u += WARPS) {
             const uint32_t t = tb + u / per_row, c0 = (u % per_row) * 32 * UNITS;
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
+            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
             int4 v[UNITS];
-            if (u == warp) {
 #pragma unroll
-                for (uint32_t k = 0; k < UNITS; ++k) v[k] = first[k];
-            } else {
-                load_unit(a, false, t, u % per_row, v);
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t c = c0 + k * 32 + lane;
+                if (c < C) v[k] = ep_ld_nc(src + c);
             }
 #ifdef EP_LL_NVSHMEM
             // Staged once in dsend_rows[t], then put to each destination.
@@ -553,19 +540,19 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         }
     } else {
         // A half warp per 128-channel block: a unit is 2 x UNITS blocks of one token.
-        const uint32_t S = H / 128;
+        const uint32_t S = H / 128, per_row = (S + 2 * UNITS - 1) / (2 * UNITS);
         const uint64_t soff = ep_ll_fp8_scales_offset(ly);
         const uint32_t half_id = lane / 16, sub = lane % 16;
         for (uint32_t u = warp; u < nt * per_row; u += WARPS) {
             const uint32_t t = tb + u / per_row, b0 = (u % per_row) * 2 * UNITS;
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
+            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
             int4 raw[UNITS];
-            if (u == warp) {
 #pragma unroll
-                for (uint32_t k = 0; k < UNITS; ++k) raw[k] = first[k];
-            } else {
-                load_unit(a, true, t, u % per_row, raw);
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t blk = b0 + 2 * k + half_id;
+                raw[k] = blk < S ? ep_ld_nc(src + blk * 16 + sub) : make_int4(0, 0, 0, 0);
             }
 #pragma unroll
             for (uint32_t k = 0; k < UNITS; ++k) {
@@ -614,12 +601,11 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     // after the signal). Warp w writes those of tokens tb + w, tb + w + WARPS, ... (lane k = top-k
     // slot k).
     stamp(a, 9);
-    group_positions(a, sm, tb, te);
+    send_positions(a, sm);
     stamp(a, 10);
     for (uint32_t t = tb + warp; t < te; t += WARPS) {
         const uint32_t dm = sm.dmask[t];
         const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
-        const float wt = t == tb + warp ? first_w : lane < K ? weights[t * K + lane] : 0.0f;
         for (uint32_t d = 0; d < R; ++d) {
             if (!((dm >> d) & 1u)) continue;
             uint8_t *meta = meta_block_out(a, ly, d) + hdr + (uint64_t)sm.slot[t * R + d] * meta_bytes;
@@ -628,7 +614,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             if (on_d) {
                 const uint32_t i = __popc(bal & lanemask_lt());
                 const uint32_t l = (uint32_t)e - d * L;
-                const uint32_t w = __float_as_uint(wt);
+                const uint32_t w = __float_as_uint(weights[t * K + lane]);
                 *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
             }
             if (lane == 0) *(uint64_t *)meta = ep_ll_meta_head(t, __popc(bal));
@@ -785,10 +771,7 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
             const uint32_t c = c0 + k * 32 + lane;
             if (c < C) v[k] = ld_cg16(row + 16ull * c);
         }
-        // The head and the record's entries in one round trip (an entry past the head's count is
-        // read but not used: the record has room for MAXK).
         const uint64_t head = __ldcg((const unsigned long long *)meta);
-        const uint64_t ent = lane < MAXK ? __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane)) : 0;
         const uint32_t t = ep_ll_head_token(head), n = min(ep_ll_head_count(head), (uint32_t)MAXK);
         if (TRACED && lane == 0) {
             const uint64_t base = ep_ll_half_base(ly, a.half);
@@ -797,6 +780,7 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
         }
         uint32_t my_l = 0, my_row = 0;
         if (lane < n) {
+            const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
             my_l = ep_ll_entry_expert(ent);
             my_row = begin[s * L + my_l] + ep_ll_entry_pos(ent);
             if (c0 == 0) ((int32_t *)a.recv_src_info)[(uint64_t)my_l * rows + my_row] = (int32_t)t;
@@ -1021,10 +1005,10 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         const uint32_t i = first_slot[s] + q - first_msg[s];
         const uint8_t *meta = dhalf + ep_ll_drecv(ly, s) + hdr + (uint64_t)i * meta_bytes;
         const uint64_t head = __ldcg((const unsigned long long *)meta);
-        const uint64_t ent = lane < MAXK ? __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane)) : 0;
         const uint32_t n = min(ep_ll_head_count(head), (uint32_t)MAXK);
         uint32_t my_l = 0xffffffffu, my_row = 0, my_w = 0;
         if (lane < n) {
+            const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
             my_l = ep_ll_entry_expert(ent);
             my_row = begin[s * L + my_l] + ep_ll_entry_pos(ent);
             my_w = ep_ll_entry_weight_bits(ent);

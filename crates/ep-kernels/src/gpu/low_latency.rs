@@ -44,6 +44,7 @@ pub const MAX_RANKS: usize = abi::EP_GPU_MAX_RANKS as usize;
 /// Top-k the meta record holds.
 pub const MAX_TOPK: usize = ep_core::protocol::layout::LL_MAX_TOPK;
 const THREADS: u32 = abi::EP_GPU_THREADS as u32;
+const WARPS: u64 = abi::EP_GPU_THREADS / 32;
 
 /// The shape a group is built for (DeepEP's `Buffer` + `num_max_dispatch_tokens_per_rank`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -301,7 +302,7 @@ pub struct LlGroup {
 struct Smem {
     expert: u64,
     pos: u64,
-    before: u64,
+    wcnt: u64,
     tot: u64,
     dmask: u64,
     slot: u64,
@@ -326,7 +327,7 @@ impl Smem {
         let mut s = Smem {
             expert: take(2 * t * k),
             pos: take(2 * t * k),
-            before: take(4 * e),
+            wcnt: take(2 * WARPS * e),
             tot: take(4 * e),
             dmask: take(t),
             slot: take(2 * t * r),
@@ -1277,7 +1278,7 @@ impl LlGroup {
         let s = Smem::new(&self.cfg, a.num_tokens, a.num_topk.max(1));
         a.sm_expert = s.expert;
         a.sm_pos = s.pos;
-        a.sm_before = s.before;
+        a.sm_wcnt = s.wcnt;
         a.sm_tot = s.tot;
         a.sm_dmask = s.dmask;
         a.sm_slot = s.slot;
@@ -1769,7 +1770,7 @@ mod tests {
         let spans = [
             (s.expert, 2 * 1000 * 11),
             (s.pos, 2 * 1000 * 11),
-            (s.before, 4 * 288),
+            (s.wcnt, 2 * WARPS * 288),
             (s.tot, 4 * 288),
             (s.dmask, 1000),
             (s.slot, 2 * 1000 * 8),
