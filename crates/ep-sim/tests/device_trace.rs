@@ -108,126 +108,116 @@ fn acquire_from_all(ev: &mut Vec<DeviceEvent>, rank: usize, offset: impl Fn(usiz
     }));
 }
 
+/// One agent per block `b` of every rank, its events from `events(rank, b)`.
+fn per_block(events: impl Fn(usize, usize) -> Vec<DeviceEvent>) -> Vec<AgentEvents> {
+    let events = &events;
+    (0..R)
+        .flat_map(|rank| {
+            (0..B).map(move |b| AgentEvents {
+                rank,
+                agent: b,
+                events: events(rank, b),
+            })
+        })
+        .collect()
+}
+
 /// LL dispatch, variant (a) (§3.10): block `b` of rank `s` is send group `b`: it stores its
 /// tokens' rows and meta records and its header copy straight into each destination's
 /// `drecv[s]`, fences and releases `disp_sig[h][s][b]` on every destination. Its receive part
 /// acquires group `b`'s signal of every source, loads the header copies, then that group's meta
 /// records and rows.
 fn dispatch_a() -> Vec<AgentEvents> {
-    let mut agents = Vec::new();
-    for rank in 0..R {
-        for b in 0..B {
-            let mut ev = Vec::new();
-            for t in group(b) {
-                for d in 0..R {
-                    ev.push(store(d, row(rank, t), ROW));
-                    ev.push(store(d, meta(rank, t), META));
-                }
-            }
+    per_block(|rank, b| {
+        let mut ev = Vec::new();
+        for t in group(b) {
             for d in 0..R {
-                ev.push(store(d, header_copy(rank, b), HC));
+                ev.push(store(d, row(rank, t), ROW));
+                ev.push(store(d, meta(rank, t), META));
             }
-            ev.push(FENCE);
-            let n = group(b).count() as u64;
-            release_on_all(&mut ev, disp_sig(rank, b), n);
-            // Receive part.
-            acquire_from_all(&mut ev, rank, |s| disp_sig(s, b), n);
-            for s in 0..R {
-                ev.push(load(rank, header_copy(s, b), HC));
-                for i in group(b) {
-                    ev.push(load(rank, meta(s, i), META));
-                    ev.push(load(rank, row(s, i), ROW));
-                }
-            }
-            agents.push(AgentEvents {
-                rank,
-                agent: b,
-                events: ev,
-            });
         }
-    }
-    agents
+        for d in 0..R {
+            ev.push(store(d, header_copy(rank, b), HC));
+        }
+        ev.push(FENCE);
+        let n = group(b).count() as u64;
+        release_on_all(&mut ev, disp_sig(rank, b), n);
+        // Receive part.
+        acquire_from_all(&mut ev, rank, |s| disp_sig(s, b), n);
+        for s in 0..R {
+            ev.push(load(rank, header_copy(s, b), HC));
+            for i in group(b) {
+                ev.push(load(rank, meta(s, i), META));
+                ev.push(load(rank, row(s, i), ROW));
+            }
+        }
+        ev
+    })
 }
 
 /// LL combine, variant (a): block `b` of expert rank `d` stores the partials of send group `b`'s
 /// messages into each token rank's `crecv[d]`, fences and releases `comb_sig[h][d][b]`. Block
 /// `b` of the token rank acquires group `b`'s signal of every expert rank and loads its partials.
 fn combine_a() -> Vec<AgentEvents> {
-    let mut agents = Vec::new();
-    for rank in 0..R {
-        for b in 0..B {
-            let mut ev = Vec::new();
-            for i in group(b) {
-                for s in 0..R {
-                    ev.push(store(s, crecv(rank, i), ROW));
-                }
+    per_block(|rank, b| {
+        let mut ev = Vec::new();
+        for i in group(b) {
+            for s in 0..R {
+                ev.push(store(s, crecv(rank, i), ROW));
             }
-            ev.push(FENCE);
-            let n = group(b).count() as u64;
-            release_on_all(&mut ev, comb_sig(rank, b), n);
-            acquire_from_all(&mut ev, rank, |d| comb_sig(d, b), n);
-            for i in group(b) {
-                for d in 0..R {
-                    ev.push(load(rank, crecv(d, i), ROW));
-                }
-            }
-            agents.push(AgentEvents {
-                rank,
-                agent: b,
-                events: ev,
-            });
         }
-    }
-    agents
+        ev.push(FENCE);
+        let n = group(b).count() as u64;
+        release_on_all(&mut ev, comb_sig(rank, b), n);
+        acquire_from_all(&mut ev, rank, |d| comb_sig(d, b), n);
+        for i in group(b) {
+            for d in 0..R {
+                ev.push(load(rank, crecv(d, i), ROW));
+            }
+        }
+        ev
+    })
 }
 
 /// LL dispatch, variant (b) (§3.11): send group `b` stages its tokens' rows in the sender's
 /// `dsend` and puts them to each destination, stages its header copy, fences, then puts the
 /// header copy with `disp_sig[h][s][b]` per destination.
 fn dispatch_b() -> Vec<AgentEvents> {
-    let mut agents = Vec::new();
-    for rank in 0..R {
-        for b in 0..B {
-            let mut ev = Vec::new();
-            for t in group(b) {
-                ev.push(store(rank, dsend(t), ROW));
-                for d in 0..R {
-                    ev.push(DeviceEvent::Put {
-                        dst_rank: d,
-                        dst_offset: row(rank, t),
-                        src_offset: dsend(t),
-                        len: ROW,
-                    });
-                }
-            }
-            ev.push(store(rank, header_stage(b), HC));
-            ev.push(FENCE);
-            let n = group(b).count() as u64;
+    per_block(|rank, b| {
+        let mut ev = Vec::new();
+        for t in group(b) {
+            ev.push(store(rank, dsend(t), ROW));
             for d in 0..R {
-                ev.push(DeviceEvent::PutSignal {
+                ev.push(DeviceEvent::Put {
                     dst_rank: d,
-                    dst_offset: header_copy(rank, b),
-                    src_offset: header_stage(b),
-                    len: HC,
-                    signal_offset: disp_sig(rank, b),
-                    value: value(n),
+                    dst_offset: row(rank, t),
+                    src_offset: dsend(t),
+                    len: ROW,
                 });
             }
-            acquire_from_all(&mut ev, rank, |s| disp_sig(s, b), n);
-            for s in 0..R {
-                ev.push(load(rank, header_copy(s, b), HC));
-                for i in group(b) {
-                    ev.push(load(rank, row(s, i), ROW));
-                }
-            }
-            agents.push(AgentEvents {
-                rank,
-                agent: b,
-                events: ev,
+        }
+        ev.push(store(rank, header_stage(b), HC));
+        ev.push(FENCE);
+        let n = group(b).count() as u64;
+        for d in 0..R {
+            ev.push(DeviceEvent::PutSignal {
+                dst_rank: d,
+                dst_offset: header_copy(rank, b),
+                src_offset: header_stage(b),
+                len: HC,
+                signal_offset: disp_sig(rank, b),
+                value: value(n),
             });
         }
-    }
-    agents
+        acquire_from_all(&mut ev, rank, |s| disp_sig(s, b), n);
+        for s in 0..R {
+            ev.push(load(rank, header_copy(s, b), HC));
+            for i in group(b) {
+                ev.push(load(rank, row(s, i), ROW));
+            }
+        }
+        ev
+    })
 }
 
 fn seeds(seeds: u64) -> impl Iterator<Item = CheckConfig> {
