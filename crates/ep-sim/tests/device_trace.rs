@@ -108,6 +108,19 @@ fn acquire_from_all(ev: &mut Vec<DeviceEvent>, rank: usize, offset: impl Fn(usiz
     }));
 }
 
+/// A send group's publication and its receive part's wait (variant (a)): one fence, `rank`'s
+/// word `word(rank)` released on every rank, then the words `word(w)` of every writer acquired.
+fn fence_release_acquire(
+    ev: &mut Vec<DeviceEvent>,
+    rank: usize,
+    word: impl Fn(usize) -> u64,
+    n: u64,
+) {
+    ev.push(FENCE);
+    release_on_all(ev, word(rank), n);
+    acquire_from_all(ev, rank, word, n);
+}
+
 /// One agent per block `b` of every rank, its events from `events(rank, b)`.
 fn per_block(events: impl Fn(usize, usize) -> Vec<DeviceEvent>) -> Vec<AgentEvents> {
     let events = &events;
@@ -139,11 +152,8 @@ fn dispatch_a() -> Vec<AgentEvents> {
         for d in 0..R {
             ev.push(store(d, header_copy(rank, b), HC));
         }
-        ev.push(FENCE);
-        let n = group(b).count() as u64;
-        release_on_all(&mut ev, disp_sig(rank, b), n);
+        fence_release_acquire(&mut ev, rank, |s| disp_sig(s, b), group(b).count() as u64);
         // Receive part.
-        acquire_from_all(&mut ev, rank, |s| disp_sig(s, b), n);
         for s in 0..R {
             ev.push(load(rank, header_copy(s, b), HC));
             for i in group(b) {
@@ -166,10 +176,7 @@ fn combine_a() -> Vec<AgentEvents> {
                 ev.push(store(s, crecv(rank, i), ROW));
             }
         }
-        ev.push(FENCE);
-        let n = group(b).count() as u64;
-        release_on_all(&mut ev, comb_sig(rank, b), n);
-        acquire_from_all(&mut ev, rank, |d| comb_sig(d, b), n);
+        fence_release_acquire(&mut ev, rank, |d| comb_sig(d, b), group(b).count() as u64);
         for i in group(b) {
             for d in 0..R {
                 ev.push(load(rank, crecv(d, i), ROW));
