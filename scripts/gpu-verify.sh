@@ -4,7 +4,7 @@
 #   run(command: "bash scripts/gpu-verify.sh [STEP...]", carry: ["bundle"])
 # Steps (default: buffer normal bench): buffer = Buffer<Gpu> against Buffer<Sim>
 # (ep-kernels--gpu_buffer, normal mode; ep-kernels--gpu_buffer_ll, low-latency mode on both
-# kernel variants; buffer-normal: gpu_buffer alone); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
+# kernel variants; buffer-normal / buffer-ll: either half alone); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
 # gpu_normal_procs); ll = the low-latency suite (both kernel variants); bench = `ep bench
 # --backend gpu` R = 2 BF16 and FP8 and R = 8 (bench8: R = 8 alone), each with the canonical digest beside the
 # simulator's for the same flags; mps = gpu_normal_procs and `ep bench --procs 2`, BF16 and FP8 (DeepEP's
@@ -114,6 +114,8 @@ for s in "${steps[@]}"; do
          else table+=("mps|MPS did not start|"); fi
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     buffer-normal) tests gpu_buffer 240 ;;
+    buffer-ll) tests gpu_buffer_ll 200
+               export EP_LL_VARIANT=nvshmem; tests gpu_buffer_ll 150 gpu_buffer_ll-nvshmem; unset EP_LL_VARIANT ;;
     buffer-ll-absent) tests gpu_buffer_ll 60 gpu_buffer_ll-absent an_absent_rank ;;
     llbench) llbench bench-ll-a --graph; llbench bench-ll-b --variant nvshmem --graph ;;
     ab-normal) ab ab-r2 --ranks 2 --sms-sweep 24,8,64; ab ab-r2-fp8 --ranks 2 --sms-sweep 24,8,64 --fp8 ;;
