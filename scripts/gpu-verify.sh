@@ -52,6 +52,10 @@ tests() { # executable name, limit [, step name [, test args...]]
   if [ -x "$t" ]; then step "$nm" "$lim" "$t" --include-ignored --test-threads=1 --nocapture "$@"
   else table+=("$nm|MISSING|"); fi
 }
+buffer_ll() { # gpu_buffer_ll on both kernel variants
+  tests gpu_buffer_ll 200
+  export EP_LL_VARIANT=nvshmem; tests gpu_buffer_ll 150 gpu_buffer_ll-nvshmem; unset EP_LL_VARIANT
+}
 digest_of() { grep -oE "output digest [0-9a-f]+" "$1" | head -1 | awk '{print $3}'; }
 bench() { # name, flags...
   local name="$1"; shift
@@ -92,8 +96,7 @@ ab() { # name, ep bench flags... : bundle/ep-A (an earlier build), bundle/ep-B (
 nvidia-smi -L 2>&1 | sed 's/^/gpu: /'
 for s in "${steps[@]}"; do
   case "$s" in
-    buffer) tests gpu_buffer 240; tests gpu_buffer_ll 200
-            export EP_LL_VARIANT=nvshmem; tests gpu_buffer_ll 150 gpu_buffer_ll-nvshmem; unset EP_LL_VARIANT ;;
+    buffer) tests gpu_buffer 240; buffer_ll ;;
     normal) tests gpu_normal 200; tests gpu_normal_graph 120; tests gpu_normal_procs 120 ;;
     normal-core) tests gpu_normal 200 ;;
     normal-core-fast) tests gpu_normal 240 gpu_normal --skip deepep_shape ;;
@@ -114,8 +117,7 @@ for s in "${steps[@]}"; do
          else table+=("mps|MPS did not start|"); fi
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     buffer-normal) tests gpu_buffer 240 ;;
-    buffer-ll) tests gpu_buffer_ll 200
-               export EP_LL_VARIANT=nvshmem; tests gpu_buffer_ll 150 gpu_buffer_ll-nvshmem; unset EP_LL_VARIANT ;;
+    buffer-ll) buffer_ll ;;
     buffer-ll-absent) tests gpu_buffer_ll 60 gpu_buffer_ll-absent an_absent_rank ;;
     llbench) llbench bench-ll-a --graph; llbench bench-ll-b --variant nvshmem --graph ;;
     ab-normal) ab ab-r2 --ranks 2 --sms-sweep 24,8,64; ab ab-r2-fp8 --ranks 2 --sms-sweep 24,8,64 --fp8 ;;
