@@ -115,8 +115,18 @@ __device__ __forceinline__ void prefetch_l2(const uint8_t *p, uint64_t bytes) {
         asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
 }
 
+// A row's destinations, one per lane: lane d < n holds destination d's record pointer (null:
+// the row does not go to d), the other lanes null. Kept in one register pair per lane instead of
+// MAXR pairs in every lane: with MAXR pointers live across the rows loop the dispatch kernel sat
+// at its register cap and ptxas sank the next pass's loads below the current pass's stores (one
+// pass in flight, not two: BENCHMARKS.md, 2026-12-07). Each store loop takes destination d
+// with a shuffle, in a run-time loop over d < n that no load can be sunk into.
+__device__ __forceinline__ uint8_t *lane_dst(uint8_t *mine, uint32_t d) {
+    return (uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)mine, d);
+}
+
 // Passes of a row copy: 16 bytes x UNROLL per lane (512 x UNROLL bytes per warp), loaded with
-// ld.global.nc (the source rows are read once), stored to every non-null dst[d], d < n.
+// ld.global.nc (the source rows are read once), stored to every non-null destination d < n.
 __device__ __forceinline__ void load_row_pass(int4 (&v)[UNROLL], const uint8_t *src, uint64_t base, uint64_t bytes) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -124,36 +134,37 @@ __device__ __forceinline__ void load_row_pass(int4 (&v)[UNROLL], const uint8_t *
         if (off < bytes) v[u] = ep_ld_nc((const int4 *)(src + off));
     }
 }
-__device__ __forceinline__ void store_row_pass(const int4 (&v)[UNROLL], uint8_t *const (&dst)[MAXR], uint32_t n,
-                                               uint64_t base, uint64_t bytes) {
-#pragma unroll
-    for (uint32_t d = 0; d < MAXR; ++d) {  // constant indices: dst stays in registers
-        uint8_t *out = dst[d];
-        if (d >= n || out == nullptr) continue;
+__device__ __forceinline__ void store_row_pass(const int4 (&v)[UNROLL], uint8_t *mine, uint32_t n, uint64_t base,
+                                               uint64_t bytes) {
+#pragma unroll 1
+    for (uint32_t d = 0; d < n; ++d) {
+        uint8_t *out = lane_dst(mine, d);
+        if (out == nullptr) continue;
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const uint64_t off = base + (uint64_t)u * 32 * 16;
-            if (off < bytes) *(int4 *)(out + off) = v[u];
+            if (off < bytes) ep_st_v4((int4 *)(out + off), v[u]);
         }
     }
 }
 
-// One warp copies `bytes` (a multiple of 16) from src to every non-null dst[d], d < n: each 16
-// bytes loaded once, stored n times. Two passes in flight: pass i + 1's loads are issued before
-// pass i is stored, so the stores overlap the next loads' latency instead of following it.
-__device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *const (&dst)[MAXR],
-                                                 uint32_t n, uint64_t bytes, uint32_t lane) {
+// One warp copies `bytes` (a multiple of 16) from src to every non-null destination d < n
+// (lane_dst): each 16 bytes loaded once, stored n times. Two passes in flight: pass i + 1's
+// loads are issued before pass i is stored, so the stores overlap the next loads' latency
+// instead of following it.
+__device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *mine, uint32_t n, uint64_t bytes,
+                                                 uint32_t lane) {
     const uint64_t step = 32ull * 16 * UNROLL;
     int4 va[UNROLL], vb[UNROLL];
     uint64_t base = (uint64_t)lane * 16;
     load_row_pass(va, src, base, bytes);
     while (base < bytes) {
         load_row_pass(vb, src, base + step, bytes);
-        store_row_pass(va, dst, n, base, bytes);
+        store_row_pass(va, mine, n, base, bytes);
         base += step;
         if (base >= bytes) break;
         load_row_pass(va, src, base + step, bytes);
-        store_row_pass(vb, dst, n, base, bytes);
+        store_row_pass(vb, mine, n, base, bytes);
         base += step;
     }
 }
@@ -233,12 +244,13 @@ __device__ __forceinline__ uint32_t meta_entry(uint32_t m, uint32_t K) {
                                                    : m - META_PAIR_WORDS - META_ID_WORDS * K;
 }
 
-// Stores the tail of token `tok` (loaded by tail_load) to every non-null rec[d]: chunk
-// q = lane + 32i, nch chunks, each lane building its meta words from the lanes holding their
-// entries (shuffles, once per chunk pass, every lane taking part).
+// Stores the tail of token `tok` (loaded by tail_load) to every non-null destination d < n_dst
+// (lane_dst(mine, d)): chunk q = lane + 32i, nch chunks, each lane building its meta words from
+// the lanes holding their entries (shuffles, once per chunk pass, every lane taking part).
 template <TailParts P>
-__device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint8_t *const (&rec)[MAXR], uint64_t tok,
-                                           uint32_t lane, uint64_t scales_off, uint32_t nsc, uint32_t nch, bool vec) {
+__device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint8_t *mine, uint32_t n_dst,
+                                           uint64_t tok, uint32_t lane, uint64_t scales_off, uint32_t nsc,
+                                           uint32_t nch, bool vec) {
     const uint32_t K = (uint32_t)a.num_topk;
     const int64_t L = (int64_t)a.num_local_experts;
     const uint32_t n = P == TAIL_SCALES ? nsc : nch;
@@ -254,10 +266,10 @@ __device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint
             ee[i] = __shfl_sync(0xffffffffu, t.e, j & 31u);
             ww[i] = __shfl_sync(0xffffffffu, t.wt, j & 31u);
         }
-#pragma unroll
-        for (uint32_t d = 0; d < MAXR; ++d) {
-            uint8_t *out = rec[d];
-            if (!out || q >= n) continue;  // null for d >= R too
+#pragma unroll 1
+        for (uint32_t d = 0; d < n_dst; ++d) {
+            uint8_t *out = lane_dst(mine, d);  // every lane shuffles before any skips
+            if (!out || q >= n) continue;
             int4 *dst = (int4 *)(out + scales_off + 16u * q);
             if (q < nsc) {
                 *dst = sv;
@@ -951,20 +963,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
         const uint32_t n_chunk = min(t1 - base, (uint32_t)NT);
         for (uint32_t i = warp; i < n_chunk; i += WARPS) {
             const uint64_t tok = base + i;
-            uint8_t *rec[MAXR];
-#pragma unroll
-            for (uint32_t d = 0; d < MAXR; ++d) {
-                const int32_t row = d < R ? s_rows[i][d] : -1;
-                rec[d] = row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
-            }
+            const int32_t row = lane < R ? s_rows[i][lane] : -1;
+            uint8_t *const mine =
+                row < 0 ? nullptr : data_at(a, lane, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
             // The tail's loads (scales, top-k) are issued before the row's, so their latency
             // hides behind the copy; the tail is stored after it, one 16-byte chunk per lane.
             const TailSrc ts = tail_load(a, tok, lane, nsc, scales_vec, topk);
-            warp_copy_fanout((const uint8_t *)a.x + tok * a.x_bytes, rec, R, a.x_bytes, lane);
+            warp_copy_fanout((const uint8_t *)a.x + tok * a.x_bytes, mine, R, a.x_bytes, lane);
             if (topk)
-                tail_store<TAIL_ALL>(a, ts, rec, tok, lane, scales_off, nsc, nch, scales_vec);
+                tail_store<TAIL_ALL>(a, ts, mine, R, tok, lane, scales_off, nsc, nch, scales_vec);
             else
-                tail_store<TAIL_META>(a, ts, rec, tok, lane, scales_off, nsc, nch, scales_vec);
+                tail_store<TAIL_META>(a, ts, mine, R, tok, lane, scales_off, nsc, nch, scales_vec);
             if (TRACED) {
                 __syncwarp();
                 if (lane == 0)
@@ -1203,15 +1212,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_copy_ceiling(const Args a
     for (uint64_t t = t0 + warp; t < t1; t += WARPS) {
         const int32_t mine = next;
         if (lane < R && t + WARPS < t1) next = dst_rows[(t + WARPS) * R + lane];
-        uint8_t *rec[MAXR];
-#pragma unroll
-        for (uint32_t d = 0; d < MAXR; ++d) {
-            const int32_t row = __shfl_sync(0xffffffffu, mine, d);
-            rec[d] = d >= R || row < 0 ? nullptr : data_at(a, d, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
-        }
+        uint8_t *const dst = mine < 0 ? nullptr : data_at(a, lane, ep_normal_dispatch_row(R, (uint64_t)mine, a.drec));
         const TailSrc ts = tail_load(a, t, lane, nsc, scales_vec, false);
-        warp_copy_fanout((const uint8_t *)a.x + t * a.x_bytes, rec, R, a.x_bytes, lane);
-        if (nsc > 0) tail_store<TAIL_SCALES>(a, ts, rec, t, lane, scales_off, nsc, nsc, scales_vec);
+        warp_copy_fanout((const uint8_t *)a.x + t * a.x_bytes, dst, R, a.x_bytes, lane);
+        if (nsc > 0) tail_store<TAIL_SCALES>(a, ts, dst, R, t, lane, scales_off, nsc, nsc, scales_vec);
     }
 }
 

@@ -164,6 +164,11 @@ __device__ __forceinline__ int4 ep_ld_nc(const int4 *p) {
     return v;
 }
 
+__device__ __forceinline__ void ep_st_v4(int4 *p, int4 v) {
+    asm volatile("st.global.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
 /* A 16-byte load of data another rank wrote (no stale L1 line: .cg caches in L2 only). */
 __device__ __forceinline__ int4 ep_ld_cg(const int4 *p) { return __ldcg(p); }
 
