@@ -95,7 +95,7 @@ pub(crate) const LL_ARGS: Fields = &[
     ("phase_times", 0, "0, or [grid][EP_PHASE_SLOTS] u64 %globaltimer stamps per block."),
     ("sm_expert", 0, "Dynamic shared memory offset: [T*K] i16 expert ids."),
     ("sm_pos", 0, "Offset: [T*K] u16 rows within the (expert, source) blocks."),
-    ("sm_wcnt", 0, "Offset: [warps][E] u16 per-warp counts."),
+    ("sm_before", 0, "Offset: [E] u32 entries of the tokens before the send group."),
     ("sm_tot", 0, "Offset: [E] u32 entries per expert."),
     ("sm_dmask", 0, "Offset: [T] u8 destination ranks of each token."),
     ("sm_slot", 0, "Offset: [T][R] u16 slots."),

@@ -295,8 +295,8 @@ __device__ __forceinline__ void quiet_at_end(bool sent) {
 // Shared-memory arrays of the dispatch send part (offsets from the host, Args.sm_*).
 struct SendSmem {
     int16_t *expert; // [T*K] expert id; -1: masked entry or masked destination
-    uint16_t *pos;   // [T*K] row of the entry within its (local expert, source) block
-    uint16_t *wcnt;  // [WARPS][E] per-warp-segment counts, then their exclusive prefix over warps
+    uint16_t *pos;   // [T*K] row of the entry within its (local expert, source) block (the group's)
+    uint32_t *before; // [E] entries of the tokens before the send group per expert, then a running count
     uint32_t *tot;   // [E] entries of this rank per expert
     uint8_t *dmask;  // [T] destination ranks of the token (bit d)
     uint16_t *slot;  // [T][R] slot of the token in d's drecv[s] (0xffff: none)
@@ -306,7 +306,7 @@ __device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
     SendSmem s;
     s.expert = (int16_t *)(base + a.sm_expert);
     s.pos = (uint16_t *)(base + a.sm_pos);
-    s.wcnt = (uint16_t *)(base + a.sm_wcnt);
+    s.before = (uint32_t *)(base + a.sm_before);
     s.tot = (uint32_t *)(base + a.sm_tot);
     s.dmask = (uint8_t *)(base + a.sm_dmask);
     s.slot = (uint16_t *)(base + a.sm_slot);
@@ -315,9 +315,10 @@ __device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
 
 // Routing of this rank's tokens, computed by every block (T*K entries: small), in two steps so
 // that the rows can go out between them. `send_slots`: expert ids (validated), each token's
-// destination ranks and its slot on each; `ncnt[d]` gets the messages to d. An expert id
-// outside [-1, E) is recorded (EP_ERR_EXPERT) and treated as -1, so the protocol still completes
-// and the group stays usable.
+// destination ranks and its slot on each, and per expert the rank's entries (`tot`, the headers)
+// and those of the tokens before the send group (`before`); `ncnt[d]` gets the messages to d.
+// An expert id outside [-1, E) is recorded (EP_ERR_EXPERT) and treated as -1, so the protocol
+// still completes and the group stays usable.
 // `gfirst[d]` / `gcnt[d]`: the first slot and the messages to d of this block's send group,
 // tokens [tb, te) (docs/protocol.md §3.3).
 __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t tb, uint32_t te, uint32_t *gfirst,
@@ -325,12 +326,19 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t 
     const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, L = a.num_local_experts;
     const uint32_t R = a.num_ranks;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (uint32_t i = threadIdx.x; i < WARPS * E; i += NT) sm.wcnt[i] = 0;
+    for (uint32_t i = threadIdx.x; i < E; i += NT) sm.tot[i] = 0, sm.before[i] = 0;
     const int64_t *idx = (const int64_t *)a.topk_idx;
-    for (uint32_t t = threadIdx.x; t < T; t += NT) {
-        int64_t ids[MAXK];
+    // The ids are loaded before the counters' barrier, so their latency runs under it.
+    const uint32_t t0 = threadIdx.x;
+    int64_t ids[MAXK];
 #pragma unroll
-        for (uint32_t k = 0; k < MAXK; ++k) ids[k] = k < K ? idx[t * K + k] : -1;
+    for (uint32_t k = 0; k < MAXK; ++k) ids[k] = t0 < T && k < K ? idx[t0 * K + k] : -1;
+    __syncthreads();
+    for (uint32_t t = t0; t < T; t += NT) {
+        if (t != t0) {
+#pragma unroll
+            for (uint32_t k = 0; k < MAXK; ++k) ids[k] = k < K ? idx[t * K + k] : -1;
+        }
         uint32_t m = 0;
 #pragma unroll
         for (uint32_t k = 0; k < MAXK; ++k) {
@@ -342,9 +350,15 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t 
                             E, (uint64_t)e, t * K + k);
                 e = -1;
             }
-            if (e >= 0 && masked(a, (uint64_t)e / L)) e = -1;
+            // e in [-1, E): one 32-bit division for the destination and its mask bit.
+            const uint32_t d = e >= 0 ? (uint32_t)e / L : 0u;
+            if (e >= 0 && masked(a, d)) e = -1;
             sm.expert[t * K + k] = (int16_t)e;
-            if (e >= 0) m |= 1u << ((uint32_t)e / L);
+            if (e >= 0) {
+                m |= 1u << d;
+                atomicAdd(&sm.tot[e], 1u);
+                if (t < tb) atomicAdd(&sm.before[e], 1u);
+            }
         }
         sm.dmask[t] = (uint8_t)m;
     }
@@ -368,41 +382,26 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t 
     __syncthreads();
 }
 
-// `send_positions`: each entry's row within its (expert, source) block, in (t, k) order, and the
-// entries per expert (the headers): each warp counts its contiguous segment, lanes of one chunk
-// with the same expert ranked by __match_any_sync; then a prefix over the warps.
-__device__ void send_positions(const Args &a, SendSmem sm) {
-    const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, TK = T * K;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const uint32_t seg = (TK + WARPS * 32 - 1) / (WARPS * 32) * 32;
-    const uint32_t lo = warp * seg, hi = min(TK, lo + seg);
-    for (uint32_t b = lo; b < hi; b += 32) {
-        uint32_t j = b + lane;
-        int32_t e = j < hi ? sm.expert[j] : -1;
-        uint32_t same = __match_any_sync(FULL, e);
-        uint32_t before = e >= 0 ? sm.wcnt[warp * E + e] : 0;
-        __syncwarp();
-        if (e >= 0) {
-            uint32_t rank_in = __popc(same & lanemask_lt());
-            sm.pos[j] = (uint16_t)(before + rank_in);
-            if (rank_in == 0) sm.wcnt[warp * E + e] = (uint16_t)(before + __popc(same));
+// `send_positions`: the row of each entry of the send group's tokens [tb, te) within its
+// (expert, source) block: `before[e]` (the entries of earlier tokens) plus its rank among the
+// group's entries of e in (t, k) order — the numbers a rank-wide ranking in (t, k) order gives.
+// Warp 0 ranks them (lanes with the same expert by __match_any_sync), 32 entries a step.
+__device__ void send_positions(const Args &a, SendSmem sm, uint32_t tb, uint32_t te) {
+    const uint32_t K = a.num_topk, lane = threadIdx.x % 32;
+    if (threadIdx.x < 32) {
+        for (uint32_t j0 = tb * K; j0 < te * K; j0 += 32) {
+            const uint32_t j = j0 + lane;
+            const int32_t e = j < te * K ? sm.expert[j] : -1;
+            const uint32_t same = __match_any_sync(FULL, e);
+            const uint32_t rank_in = __popc(same & lanemask_lt());
+            const uint32_t base = e >= 0 ? sm.before[e] : 0u;
+            __syncwarp();
+            if (e >= 0) {
+                sm.pos[j] = (uint16_t)(base + rank_in);
+                if (rank_in == 0) sm.before[e] = base + __popc(same);
+            }
+            __syncwarp();
         }
-        __syncwarp();
-    }
-    __syncthreads();
-    for (uint32_t e = threadIdx.x; e < E; e += NT) {
-        uint32_t run = 0;
-        for (uint32_t w = 0; w < WARPS; ++w) {
-            uint32_t c = sm.wcnt[w * E + e];
-            sm.wcnt[w * E + e] = (uint16_t)run;
-            run += c;
-        }
-        sm.tot[e] = run;
-    }
-    __syncthreads();
-    for (uint32_t j = threadIdx.x; j < TK; j += NT) {
-        int32_t e = sm.expert[j];
-        if (e >= 0) sm.pos[j] = (uint16_t)(sm.pos[j] + sm.wcnt[(j / seg) * E + e]);
     }
     __syncthreads();
 }
@@ -445,6 +444,31 @@ __device__ __forceinline__ uint2 cast8(int4 raw, bool round_scale, float *scale_
     return make_uint2(lo, hi);
 }
 
+// The loads of one rows unit of token `t` (unit i of its row): BF16, UNITS x 32 chunks of 16
+// bytes from chunk i x 32 x UNITS; FP8, the 2 x UNITS 128-channel blocks from block i x 2 x UNITS
+// (a half warp each, zero past the row). Loaded once: the row is cast (FP8) and stored to each
+// destination from these registers.
+__device__ __forceinline__ void load_unit(const Args &a, bool fp8, uint32_t t, uint32_t i, uint32_t lane,
+                                          int4 (&v)[UNITS]) {
+    const uint32_t H = a.hidden;
+    const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
+    if (!fp8) {
+        const uint32_t C = H * 2 / 16, c0 = i * 32 * UNITS;
+#pragma unroll
+        for (uint32_t k = 0; k < UNITS; ++k) {
+            const uint32_t c = c0 + k * 32 + lane;
+            if (c < C) v[k] = ep_ld_nc(src + c);
+        }
+    } else {
+        const uint32_t S = H / 128, b0 = i * 2 * UNITS;
+#pragma unroll
+        for (uint32_t k = 0; k < UNITS; ++k) {
+            const uint32_t blk = b0 + 2 * k + lane / 16;
+            v[k] = blk < S ? ep_ld_nc(src + blk * 16 + lane % 16) : make_int4(0, 0, 0, 0);
+        }
+    }
+}
+
 // Where this rank's message of token `t` lands on destination `d`: its row in d's drecv[rank].
 __device__ __forceinline__ uint8_t *message_row(const Args &a, const ep_ll_layout &ly,
                                                 const SendSmem &sm, uint32_t R, uint32_t t,
@@ -483,6 +507,14 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         ep_ll_send_group(T, gridDim.x, b, &gs, &ge);
         tb = (uint32_t)gs, te = (uint32_t)ge;
     }
+    const uint32_t nt = te - tb;
+    const uint32_t per_row = fp8 ? (H / 128 + 2 * UNITS - 1) / (2 * UNITS) : (H * 2 / 16 + 32 * UNITS - 1) / (32 * UNITS);
+    const float *weights = (const float *)a.topk_weights;
+    // This warp's first rows unit and the weights of its first meta token, loaded before the
+    // routing (neither depends on it), so their latency runs under the routing's.
+    int4 v[UNITS];
+    if (warp < nt * per_row) load_unit(a, fp8, tb + warp / per_row, warp % per_row, lane, v);
+    const float w_first = tb + warp < te && lane < K ? weights[(uint64_t)(tb + warp) * K + lane] : 0.0f;
     stamp(a, 0);
     send_slots(a, sm, ncnt, tb, te, gfirst, gcnt);
     stamp(a, 1);
@@ -494,24 +526,16 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     }
     const uint64_t meta_bytes = ep_ll_meta(ly), hdr = ep_ll_header(ly), hc = ep_ll_header_copy(ly);
     const uint64_t copy_at = ep_ll_header_copy_at(ly, b);
-    const float *weights = (const float *)a.topk_weights;
-    const uint32_t nt = te - tb;
-    // Rows: units of UNITS x 32 chunks of one of the group's tokens over the block's warps, the
-    // unit's loads issued before its stores (short dependency chains); each row loaded once,
-    // cast once, stored to each destination.
+    // Rows: units of one of the group's tokens (load_unit) over the block's warps, the unit's
+    // loads issued before its stores (short dependency chains; the first unit's before the
+    // routing); each row loaded once, cast once, stored to each destination.
     if (!fp8) {
-        const uint32_t C = H * 2 / 16, per_row = (C + 32 * UNITS - 1) / (32 * UNITS);
+        const uint32_t C = H * 2 / 16;
         for (uint32_t u = warp; u < nt * per_row; u += WARPS) {
             const uint32_t t = tb + u / per_row, c0 = (u % per_row) * 32 * UNITS;
+            if (u != warp) load_unit(a, false, t, u % per_row, lane, v);
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
-            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
-            int4 v[UNITS];
-#pragma unroll
-            for (uint32_t k = 0; k < UNITS; ++k) {
-                const uint32_t c = c0 + k * 32 + lane;
-                if (c < C) v[k] = ep_ld_nc(src + c);
-            }
 #ifdef EP_LL_NVSHMEM
             // Staged once in dsend_rows[t], then put to each destination.
             int4 *stage = (int4 *)(half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t));
@@ -540,25 +564,19 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         }
     } else {
         // A half warp per 128-channel block: a unit is 2 x UNITS blocks of one token.
-        const uint32_t S = H / 128, per_row = (S + 2 * UNITS - 1) / (2 * UNITS);
+        const uint32_t S = H / 128;
         const uint64_t soff = ep_ll_fp8_scales_offset(ly);
         const uint32_t half_id = lane / 16, sub = lane % 16;
         for (uint32_t u = warp; u < nt * per_row; u += WARPS) {
             const uint32_t t = tb + u / per_row, b0 = (u % per_row) * 2 * UNITS;
+            if (u != warp) load_unit(a, true, t, u % per_row, lane, v);
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
-            const int4 *src = (const int4 *)((const uint8_t *)a.x + (uint64_t)t * H * 2);
-            int4 raw[UNITS];
-#pragma unroll
-            for (uint32_t k = 0; k < UNITS; ++k) {
-                const uint32_t blk = b0 + 2 * k + half_id;
-                raw[k] = blk < S ? ep_ld_nc(src + blk * 16 + sub) : make_int4(0, 0, 0, 0);
-            }
 #pragma unroll
             for (uint32_t k = 0; k < UNITS; ++k) {
                 const uint32_t blk = b0 + 2 * k + half_id;
                 float sinv;
-                const uint2 q = cast8(raw[k], round_scale, &sinv); // every lane: it shuffles
+                const uint2 q = cast8(v[k], round_scale, &sinv); // every lane: it shuffles
                 if (blk >= S) continue;
 #ifdef EP_LL_NVSHMEM
                 uint8_t *stage = half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
@@ -601,7 +619,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     // after the signal). Warp w writes those of tokens tb + w, tb + w + WARPS, ... (lane k = top-k
     // slot k).
     stamp(a, 9);
-    send_positions(a, sm);
+    send_positions(a, sm, tb, te);
     stamp(a, 10);
     for (uint32_t t = tb + warp; t < te; t += WARPS) {
         const uint32_t dm = sm.dmask[t];
@@ -614,7 +632,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             if (on_d) {
                 const uint32_t i = __popc(bal & lanemask_lt());
                 const uint32_t l = (uint32_t)e - d * L;
-                const uint32_t w = __float_as_uint(weights[t * K + lane]);
+                const uint32_t w = __float_as_uint(t == tb + warp ? w_first : weights[t * K + lane]);
                 *(uint64_t *)(meta + 8 + 8ull * i) = ep_ll_meta_entry((uint16_t)l, sm.pos[t * K + lane], w);
             }
             if (lane == 0) *(uint64_t *)meta = ep_ll_meta_head(t, __popc(bal));
@@ -683,6 +701,14 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     }
 #endif
     stamp(a, 3);
+}
+
+// A message's meta record (§3.3: a head word, then up to MAXK entries) in one round trip: every
+// lane loads the head, lane j < MAXK entry j (past the head's count: whatever the record held,
+// not to be used), both before either is used. Returns the head, *ent lane's entry.
+__device__ __forceinline__ uint64_t meta_record(const uint8_t *meta, uint32_t lane, uint64_t *ent) {
+    *ent = lane < MAXK ? __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane)) : 0ull;
+    return __ldcg((const unsigned long long *)meta);
 }
 
 // The receive part of block b on rank d (docs/protocol.md §3.4, §3.10): wait for send group b of
@@ -764,14 +790,21 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
         const uint8_t *recv = mine + ep_ll_drecv(ly, s);
         const uint8_t *meta = recv + hdr + (uint64_t)i * meta_bytes;
         const uint8_t *row = mine + ep_ll_drecv_row(ly, s, i);
-        // The row's loads go first: they do not depend on the meta record.
+        // One round trip: the row's loads, the meta record (meta_record) and, for an FP8
+        // message's first unit, its first 64 scales (lane j: scales j and 32 + j) are all issued
+        // before any is used.
         int4 v[UNITS];
 #pragma unroll
         for (uint32_t k = 0; k < UNITS; ++k) {
             const uint32_t c = c0 + k * 32 + lane;
             if (c < C) v[k] = ld_cg16(row + 16ull * c);
         }
-        const uint64_t head = __ldcg((const unsigned long long *)meta);
+        uint64_t ent;
+        const uint64_t head = meta_record(meta, lane, &ent);
+        const float *sc = (const float *)(row + ep_ll_fp8_scales_offset(ly));
+        const bool first_sc = fp8 && c0 == 0; // warp-uniform
+        const float sc_lo = first_sc && lane < S ? __ldcg(sc + lane) : 0.0f;
+        const float sc_hi = first_sc && 32 + lane < S ? __ldcg(sc + 32 + lane) : 0.0f;
         const uint32_t t = ep_ll_head_token(head), n = min(ep_ll_head_count(head), (uint32_t)MAXK);
         if (TRACED && lane == 0) {
             const uint64_t base = ep_ll_half_base(ly, a.half);
@@ -780,7 +813,6 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
         }
         uint32_t my_l = 0, my_row = 0;
         if (lane < n) {
-            const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
             my_l = ep_ll_entry_expert(ent);
             my_row = begin[s * L + my_l] + ep_ll_entry_pos(ent);
             if (c0 == 0) ((int32_t *)a.recv_src_info)[(uint64_t)my_l * rows + my_row] = (int32_t)t;
@@ -803,19 +835,32 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
         }
         if (fp8 && c0 == 0) {
             // Scales, in DeepEP's memory order [L][S][R*N] (f32) or [L][S/4][R*N] (UE8M0 words).
-            const float *sc = (const float *)(row + ep_ll_fp8_scales_offset(ly));
             if (!ue8m0) {
                 for (uint32_t k = lane; k < S; k += 32) {
-                    const float x = __ldcg(sc + k);
+                    const float x = k < 32 ? sc_lo : k < 64 ? sc_hi : __ldcg(sc + k);
 #pragma unroll
                     for (uint32_t j = 0; j < MAXK; ++j)
                         if (j < n) ((float *)a.recv_scales)[((uint64_t)el[j] * S + k) * rows + er[j]] = x;
                 }
             } else {
-                for (uint32_t k = lane; k < S4; k += 32) {
+                // Word k packs scales 4k..4k+3; those below 64 come from the lanes holding them.
+                for (uint32_t k0 = 0; k0 < S4; k0 += 32) {
+                    const uint32_t k = k0 + lane;
                     uint32_t word = 0;
-                    for (uint32_t b = 0; b < 4 && 4 * k + b < S; ++b)
-                        word |= ((__float_as_uint(__ldcg(sc + 4 * k + b)) >> 23) & 0xffu) << (8 * b);
+#pragma unroll
+                    for (uint32_t b = 0; b < 4; ++b) {
+                        const uint32_t idx = 4 * k + b;
+                        float x;
+                        if (k0 == 0 && S <= 64) { // warp-uniform: every lane shuffles
+                            const float lo = __shfl_sync(FULL, sc_lo, idx & 31u);
+                            const float hi = __shfl_sync(FULL, sc_hi, idx & 31u);
+                            x = idx < 32 ? lo : hi;
+                        } else {
+                            x = k < S4 && idx < S ? __ldcg(sc + idx) : 0.0f;
+                        }
+                        if (k < S4 && idx < S) word |= ((__float_as_uint(x) >> 23) & 0xffu) << (8 * b);
+                    }
+                    if (k >= S4) continue;
 #pragma unroll
                     for (uint32_t j = 0; j < MAXK; ++j)
                         if (j < n) ((uint32_t *)a.recv_scales)[((uint64_t)el[j] * S4 + k) * rows + er[j]] = word;
@@ -1004,11 +1049,11 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         while (q >= first_msg[s + 1]) ++s;
         const uint32_t i = first_slot[s] + q - first_msg[s];
         const uint8_t *meta = dhalf + ep_ll_drecv(ly, s) + hdr + (uint64_t)i * meta_bytes;
-        const uint64_t head = __ldcg((const unsigned long long *)meta);
+        uint64_t ent;
+        const uint64_t head = meta_record(meta, lane, &ent);
         const uint32_t n = min(ep_ll_head_count(head), (uint32_t)MAXK);
         uint32_t my_l = 0xffffffffu, my_row = 0, my_w = 0;
         if (lane < n) {
-            const uint64_t ent = __ldcg((const unsigned long long *)(meta + 8 + 8ull * lane));
             my_l = ep_ll_entry_expert(ent);
             my_row = begin[s * L + my_l] + ep_ll_entry_pos(ent);
             my_w = ep_ll_entry_weight_bits(ent);

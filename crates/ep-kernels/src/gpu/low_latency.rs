@@ -302,7 +302,7 @@ pub struct LlGroup {
 struct Smem {
     expert: u64,
     pos: u64,
-    wcnt: u64,
+    before: u64,
     tot: u64,
     dmask: u64,
     slot: u64,
@@ -327,7 +327,7 @@ impl Smem {
         let mut s = Smem {
             expert: take(2 * t * k),
             pos: take(2 * t * k),
-            wcnt: take(2 * WARPS * e),
+            before: take(4 * e),
             tot: take(4 * e),
             dmask: take(t),
             slot: take(2 * t * r),
@@ -1278,7 +1278,7 @@ impl LlGroup {
         let s = Smem::new(&self.cfg, a.num_tokens, a.num_topk.max(1));
         a.sm_expert = s.expert;
         a.sm_pos = s.pos;
-        a.sm_wcnt = s.wcnt;
+        a.sm_before = s.before;
         a.sm_tot = s.tot;
         a.sm_dmask = s.dmask;
         a.sm_slot = s.slot;
@@ -1770,7 +1770,7 @@ mod tests {
         let spans = [
             (s.expert, 2 * 1000 * 11),
             (s.pos, 2 * 1000 * 11),
-            (s.wcnt, 2 * WARPS * 288),
+            (s.before, 4 * 288),
             (s.tot, 4 * 288),
             (s.dmask, 1000),
             (s.slot, 2 * 1000 * 8),
