@@ -262,7 +262,10 @@ mod tests {
                     "{function}: store run {i} ({n} stores) follows {before} loads, not >= {want}: \
                      a pass's loads were sunk below the stores (runs {runs:?})"
                 );
-                assert_eq!(n, UNROLL, "{function}: a pass stores {UNROLL} chunks per destination");
+                assert_eq!(
+                    n, UNROLL,
+                    "{function}: a pass stores {UNROLL} chunks per destination"
+                );
             }
         }
     }

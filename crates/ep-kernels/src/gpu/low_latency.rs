@@ -44,7 +44,6 @@ pub const MAX_RANKS: usize = abi::EP_GPU_MAX_RANKS as usize;
 /// Top-k the meta record holds.
 pub const MAX_TOPK: usize = ep_core::protocol::layout::LL_MAX_TOPK;
 const THREADS: u32 = abi::EP_GPU_THREADS as u32;
-const WARPS: u64 = abi::EP_GPU_THREADS / 32;
 
 /// The shape a group is built for (DeepEP's `Buffer` + `num_max_dispatch_tokens_per_rank`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
