@@ -126,6 +126,7 @@ pub(crate) const MAILBOX: Fields = &[
 pub(crate) const CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_GPU_MAX_RANKS", 8, "Ranks a normal-mode kernel addresses (peer tables)."),
     ("EP_GPU_THREADS", 512, "Threads per block of the normal-mode kernels."),
+    ("EP_NORMAL_ROW_UNROLL", 4, "16-byte chunks per lane in one pass of the normal dispatch's row copy (the SASS-shape test reads it too)."),
     ("EP_FLAG_TOPK", 1, "Top-k is dispatched / weights are combined."),
     ("EP_FLAG_CACHED", 2, "Cached dispatch: offsets from the handle, ready handshake."),
     ("EP_FLAG_FP8", 4, "Rows are e4m3 with f32 scales."),

@@ -444,10 +444,15 @@ __device__ __forceinline__ uint2 cast8(int4 raw, bool round_scale, float *scale_
     return make_uint2(lo, hi);
 }
 
-// The loads of one rows unit of token `t` (unit i of its row): BF16, UNITS x 32 chunks of 16
-// bytes from chunk i x 32 x UNITS; FP8, the 2 x UNITS 128-channel blocks from block i x 2 x UNITS
-// (a half warp each, zero past the row). Loaded once: the row is cast (FP8) and stored to each
-// destination from these registers.
+// Rows units of a token's row: BF16, UNITS x 32 chunks of 16 bytes; FP8, 2 x UNITS 128-channel
+// blocks (a half warp each).
+__device__ __forceinline__ uint32_t units_per_row(uint32_t H, bool fp8) {
+    return fp8 ? (H / 128 + 2 * UNITS - 1) / (2 * UNITS) : (H * 2 / 16 + 32 * UNITS - 1) / (32 * UNITS);
+}
+
+// The loads of rows unit i of token `t` (units_per_row): BF16, chunks from i x 32 x UNITS; FP8,
+// blocks from i x 2 x UNITS (zero past the row). Loaded once: the row is cast (FP8) and stored
+// to each destination from these registers.
 __device__ __forceinline__ void load_unit(const Args &a, bool fp8, uint32_t t, uint32_t i, uint32_t lane,
                                           int4 (&v)[UNITS]) {
     const uint32_t H = a.hidden;
@@ -508,7 +513,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         tb = (uint32_t)gs, te = (uint32_t)ge;
     }
     const uint32_t nt = te - tb;
-    const uint32_t per_row = fp8 ? (H / 128 + 2 * UNITS - 1) / (2 * UNITS) : (H * 2 / 16 + 32 * UNITS - 1) / (32 * UNITS);
+    const uint32_t per_row = units_per_row(H, fp8);
     const float *weights = (const float *)a.topk_weights;
     // This warp's first rows unit and the weights of its first meta token, loaded before the
     // routing (neither depends on it), so their latency runs under the routing's.
@@ -833,7 +838,7 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
                 if (c < C) dst[c] = v[k];
             }
         }
-        if (fp8 && c0 == 0) {
+        if (first_sc) {
             // Scales, in DeepEP's memory order [L][S][R*N] (f32) or [L][S/4][R*N] (UE8M0 words).
             if (!ue8m0) {
                 for (uint32_t k = lane; k < S; k += 32) {

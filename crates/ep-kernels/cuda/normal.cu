@@ -24,7 +24,7 @@
 #define NT EP_GPU_THREADS
 #define WARPS (EP_GPU_THREADS / 32)
 #define MAXR EP_GPU_MAX_RANKS
-#define UNROLL 4
+#define UNROLL EP_NORMAL_ROW_UNROLL
 
 typedef ep_normal_args Args;
 

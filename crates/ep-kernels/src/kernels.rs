@@ -235,7 +235,7 @@ mod tests {
     /// no correctness test sees: this reads the order in the SASS of both kernels that copy rows.
     #[test]
     fn the_rows_loop_keeps_two_passes_in_flight() {
-        const UNROLL: usize = 4; // normal.cu
+        const UNROLL: usize = crate::gpu::abi::EP_NORMAL_ROW_UNROLL as usize;
         let Ok(cubin) = normal_cubin() else {
             eprintln!("skipped: normal.cu not built: {:?}", built::NORMAL.err());
             return;
