@@ -286,13 +286,15 @@ __device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint
             uint8_t *out = lane_dst(mine, d);  // every lane shuffles before any skips
             if (!out || q >= n) continue;
             int4 *dst = (int4 *)(out + scales_off + 16u * q);
+            // Plain stores, not ep_st_v4: the SASS-shape test tells the row passes' stores by
+            // their st.global (kernels.rs, the_rows_loop_keeps_two_passes_in_flight).
             if (q < nsc) {
-                ep_st_v4(dst, sv);
+                *dst = sv;
             } else if (P == TAIL_ALL) {
                 const int32_t dd = (int32_t)d;
-                ep_st_v4(dst, make_int4(meta_at(w[0], dd), meta_at(w[1], dd), meta_at(w[2], dd), meta_at(w[3], dd)));
+                *dst = make_int4(meta_at(w[0], dd), meta_at(w[1], dd), meta_at(w[2], dd), meta_at(w[3], dd));
             } else if (q == nsc) {
-                ep_st_v2((int2 *)dst, make_int2((int32_t)tok, 0));
+                *(int2 *)dst = make_int2((int32_t)tok, 0);
             }
         }
     }

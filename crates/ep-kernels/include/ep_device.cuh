@@ -169,10 +169,6 @@ __device__ __forceinline__ void ep_st_v4(int4 *p, int4 v) {
                  : "memory");
 }
 
-__device__ __forceinline__ void ep_st_v2(int2 *p, int2 v) {
-    asm volatile("st.global.v2.s32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
-}
-
 /* A 16-byte load of data another rank wrote (no stale L1 line: .cg caches in L2 only). */
 __device__ __forceinline__ int4 ep_ld_cg(const int4 *p) { return __ldcg(p); }
 
