@@ -482,8 +482,8 @@ __device__ __forceinline__ uint8_t *message_row(const Args &a, const ep_ll_layou
 }
 
 // Where this rank writes the header and meta records of its messages to `d`: (a) d's
-// `drecv[rank]` itself; (b) this rank's `dsend_meta[d]` (each meta record is put by the warp
-// that wrote it, the header with the signal).
+// `drecv[rank]` itself; (b) this rank's `dsend_meta[d]` (a send group's records in one put, the
+// header with the signal).
 __device__ __forceinline__ uint8_t *meta_block_out(const Args &a, const ep_ll_layout &ly, uint32_t d) {
 #ifdef EP_LL_NVSHMEM
     return half_of(a, a.rank, a.half) + ep_ll_dsend_meta(ly, d);
@@ -608,14 +608,14 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             }
 #endif
 #ifdef EP_LL_NVSHMEM
-            // The unit's e4m3 blocks and their scales, staged, then put to each destination.
+            // The unit's e4m3 blocks, staged, then put to each destination (its scales, staged
+            // too, go with the row's others in one put: below, after the positions' barrier).
             const uint8_t *stage = half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
             const uint32_t b1 = min(b0 + 2 * UNITS, S);
             for (uint32_t d = 0; d < R; ++d) {
                 if (!((dm >> d) & 1u)) continue;
                 uint8_t *dst = message_row(a, ly, sm, R, t, d);
                 put_warp(a, d, dst + 128ull * b0, stage + 128ull * b0, 128ull * (b1 - b0));
-                put_warp(a, d, dst + soff + 4ull * b0, stage + soff + 4ull * b0, 4ull * (b1 - b0));
             }
 #endif
         }
@@ -626,6 +626,20 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     stamp(a, 9);
     send_positions(a, sm, tb, te);
     stamp(a, 10);
+#ifdef EP_LL_NVSHMEM
+    // Variant (b), FP8: each row's scales, staged by its units' warps (in the block's view since
+    // the positions' barrier), in one put per (token, destination), on the warps counted from the
+    // last while the first ones write the meta records (one put where a row's units took one each).
+    if (fp8) {
+        const uint64_t soff = ep_ll_fp8_scales_offset(ly);
+        for (uint32_t i = WARPS - 1 - warp; i < nt * R; i += WARPS) {
+            const uint32_t t = tb + i / R, d = i % R;
+            if (!((sm.dmask[t] >> d) & 1u)) continue;
+            const uint8_t *stage = half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
+            put_warp(a, d, message_row(a, ly, sm, R, t, d) + soff, stage + soff, 4ull * (H / 128));
+        }
+    }
+#endif
     for (uint32_t t = tb + warp; t < te; t += WARPS) {
         const uint32_t dm = sm.dmask[t];
         const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
@@ -644,10 +658,6 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             if (TRACED && lane == 0)
                 TRACE_STORE(d, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, a.rank) + hdr + (uint64_t)sm.slot[t * R + d] * meta_bytes,
                             8ull + 8ull * __popc(bal));
-#ifdef EP_LL_NVSHMEM
-            put_warp(a, d, half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + hdr + (uint64_t)sm.slot[t * R + d] * meta_bytes,
-                     meta, 8ull + 8ull * __popc(bal));
-#endif
         }
     }
     // The group's header copy b on every unmasked destination: [first slot, the rank's messages
@@ -666,14 +676,21 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     // Traced kernels only: a planted missing fence (the checker must catch it).
     const bool skip_fence = TRACED && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
 #ifdef EP_LL_NVSHMEM
-    // Warp d: fence (every row and meta put of this block before what follows), then one
-    // put_signal of the header copy carrying disp_sig[h][rank][b]. The quiet that frees the
-    // staging (§3.7) comes at the kernel's end, off the signals' path.
+    // Warp d: the group's meta records to d (slots gfirst[d] .. + gcnt[d], contiguous on both
+    // sides) in one put (§3.3), then fence (every row, scale and meta put of this block before
+    // what follows), then one put_signal of the header copy carrying disp_sig[h][rank][b]. The
+    // quiet that frees the staging (§3.7) comes at the kernel's end, off the signals' path.
     if (warp < R && !masked(a, warp)) {
         const uint32_t d = warp;
         const uint64_t sig = ep_ll_dispatch_signal(R, a.half, a.rank, b);
         uint8_t *copy = meta_block_out(a, ly, d) + copy_at;
         uint8_t *dst = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + copy_at;
+        if (gcnt[d] > 0) {
+            const uint64_t at = hdr + (uint64_t)gfirst[d] * meta_bytes;
+            put_warp(a, d, half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + at, meta_block_out(a, ly, d) + at,
+                     (uint64_t)gcnt[d] * meta_bytes);
+            __syncwarp();  // every lane's part of that put, before lane 0's fence
+        }
         if (lane == 0) {
             if (!skip_fence) {
                 nvshmem_fence();
