@@ -5,7 +5,7 @@
 # Steps (default: buffer normal bench): buffer = Buffer<Gpu> against Buffer<Sim>
 # (ep-kernels--gpu_buffer, normal mode; ep-kernels--gpu_buffer_ll, low-latency mode on both
 # kernel variants; buffer-normal / buffer-ll: either half alone); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
-# gpu_normal_procs); ll = the low-latency suite (both kernel variants); bench = `ep bench
+# gpu_normal_procs); ll = the low-latency suite (both kernel variants; ll-nvshmem: variant (b) alone); bench = `ep bench
 # --backend gpu` R = 2 BF16 and FP8 and R = 8 (bench8: R = 8 alone), each with the canonical digest beside the
 # simulator's for the same flags; mps = gpu_normal_procs and `ep bench --procs 2`, BF16 and FP8 (DeepEP's
 # one-GPU configuration: 2 rank processes, 24 SMs each) under MPS, started for that step only;
@@ -106,6 +106,7 @@ for s in "${steps[@]}"; do
     normal-more) tests gpu_normal_graph 120; tests gpu_normal_procs 120 ;;
     ll) tests gpu_low_latency 240
         export EP_LL_VARIANT=nvshmem; tests gpu_low_latency 200 gpu_low_latency-nvshmem --skip variant_b_; unset EP_LL_VARIANT ;;
+    ll-nvshmem) export EP_LL_VARIANT=nvshmem; tests gpu_low_latency 200 gpu_low_latency-nvshmem --skip variant_b_; unset EP_LL_VARIANT ;;
     bench) bench bench-r2 --ranks 2 --sms-sweep 24,8,64
            bench bench-r2-fp8 --ranks 2 --sms-sweep 24,8,64 --fp8
            bench bench-r8 --ranks 8 --sms-sweep 16,8 --gpu-iters 20 ;;
