@@ -179,9 +179,8 @@ __device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *mi
 // not its bytes, at few SMs). Chunks [0, nsc) are scales (words past S zero), the rest meta words.
 struct TailSrc {
     int4 sc;        // scale chunk `lane` (chunks 32 and up are loaded at store time)
-    int32_t r;      // lane j < K: the rank whose experts hold the token's top-k id j (-1: none)
-    int32_t lid;    // ... the id local to that rank
-    int32_t wt;     // ... and the weight's bits
+    int64_t e;      // lane j < K: the token's top-k id j (else -1)
+    int32_t wt;     // ... and its weight's bits
 };
 
 // Scale chunk q of token `tok`: words 4q..4q+3 of its S scales, zero past S; one 16-byte load
@@ -196,26 +195,32 @@ __device__ __forceinline__ int4 scale_chunk(const Args &a, uint64_t tok, uint32_
     return make_int4(w[0], w[1], w[2], w[3]);
 }
 
-// The lane's loads of the tail (issued before the row's). An id's rank and local id are found
-// here, once per row (one 32-bit division in lanes < K); an id outside [0, R * L) — masked, -1 —
-// is local to no rank.
+// The lane's loads of the tail, issued before the row's and not used before the row's stores:
+// nothing here may wait for them (a division of the id here held every row's loads back by a
+// load's latency: BENCHMARKS.md, 2026-12-07).
 __device__ __forceinline__ TailSrc tail_load(const Args &a, uint64_t tok, uint32_t lane, uint32_t nsc, bool vec,
                                              bool topk) {
     TailSrc t;
     t.sc = lane < nsc ? scale_chunk(a, tok, lane, vec) : make_int4(0, 0, 0, 0);
-    t.r = -1;
-    t.lid = -1;
+    t.e = -1;
     t.wt = 0;
     if (topk && lane < (uint32_t)a.num_topk) {
-        const int64_t e = ((const int64_t *)a.topk_idx)[tok * a.num_topk + lane];
+        t.e = ((const int64_t *)a.topk_idx)[tok * a.num_topk + lane];
         t.wt = __float_as_int(((const float *)a.topk_weights)[tok * a.num_topk + lane]);
-        const uint32_t L = (uint32_t)a.num_local_experts;
-        if (e >= 0 && (uint64_t)e < (uint64_t)L * (uint64_t)a.num_ranks) {
-            t.r = (int32_t)((uint32_t)e / L);
-            t.lid = (int32_t)((uint32_t)e - (uint32_t)t.r * L);
-        }
     }
     return t;
+}
+
+// The rank whose experts hold id e (-1: none; an id outside [0, R * L), masked -1 included, is
+// local to no rank) and the id local to it: once per row in lanes < K, one 32-bit division.
+struct EntryAt {
+    int32_t r, lid;
+};
+__device__ __forceinline__ EntryAt entry_at(const Args &a, int64_t e) {
+    const uint32_t L = (uint32_t)a.num_local_experts;
+    if (e < 0 || (uint64_t)e >= (uint64_t)L * (uint64_t)a.num_ranks) return {-1, -1};
+    const uint32_t r = (uint32_t)e / L;
+    return {(int32_t)r, (int32_t)((uint32_t)e - r * L)};
 }
 
 // Which tail a kernel stores: the ceiling the scales only (the bytes DeepEP counts), a dispatch
@@ -249,11 +254,11 @@ __device__ __forceinline__ uint32_t meta_entry(uint32_t m, uint32_t K) {
 // Word m, from the tail loads of lane meta_entry(m) (every lane shuffles): the pair (src_idx,
 // 0), an id's low and high words (its local id on its rank, -1 elsewhere), a weight (its bits on
 // its rank, 0 elsewhere), padding 0.
-__device__ __forceinline__ MetaWord meta_word(const TailSrc &t, uint32_t m, uint32_t K, int32_t tok) {
+__device__ __forceinline__ MetaWord meta_word(const EntryAt &at, int32_t wt_j, uint32_t m, uint32_t K, int32_t tok) {
     const uint32_t j = meta_entry(m, K) & 31u;
-    const int32_t r = __shfl_sync(0xffffffffu, t.r, j);
-    const int32_t lid = __shfl_sync(0xffffffffu, t.lid, j);
-    const int32_t wt = __shfl_sync(0xffffffffu, t.wt, j);
+    const int32_t r = __shfl_sync(0xffffffffu, at.r, j);
+    const int32_t lid = __shfl_sync(0xffffffffu, at.lid, j);
+    const int32_t wt = __shfl_sync(0xffffffffu, wt_j, j);
     if (m == 0) return {-1, tok, tok};
     if (m < META_PAIR_WORDS) return {-1, 0, 0};
     if (m < META_PAIR_WORDS + META_ID_WORDS * K)
@@ -278,8 +283,10 @@ __device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint
         const int4 sv = q0 == 0 ? t.sc : q < nsc ? scale_chunk(a, tok, q, vec) : make_int4(0, 0, 0, 0);
         MetaWord w[4];
         if (P == TAIL_ALL) {
+            const EntryAt at = entry_at(a, t.e);
 #pragma unroll
-            for (uint32_t i = 0; i < 4; ++i) w[i] = meta_word(t, q >= nsc ? 4u * (q - nsc) + i : 0u, K, (int32_t)tok);
+            for (uint32_t i = 0; i < 4; ++i)
+                w[i] = meta_word(at, t.wt, q >= nsc ? 4u * (q - nsc) + i : 0u, K, (int32_t)tok);
         }
 #pragma unroll 1
         for (uint32_t d = 0; d < n_dst; ++d) {
