@@ -124,6 +124,9 @@ impl BringupKernels {
 }
 
 #[cfg(test)]
+mod sass_shape;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -172,102 +175,6 @@ mod tests {
             "variant (a) is a linked cubin (ET_EXEC)"
         );
         assert_ne!(rdc, plain);
-    }
-
-    /// The SASS of `function` in `cubin`, from the cuobjdump beside the nvcc that built it;
-    /// `None` (a skip, said why) where that tool is missing, a failure under
-    /// `EP_REQUIRE_KERNELS=1` (CI installs it: .ci/run).
-    fn sass(cubin: &[u8], function: &str) -> Option<String> {
-        let nvcc = std::path::Path::new(built::NVCC?);
-        let tool = nvcc.with_file_name("cuobjdump");
-        if !tool.exists() {
-            assert!(
-                std::env::var_os("EP_REQUIRE_KERNELS").is_none_or(|v| v != "1"),
-                "EP_REQUIRE_KERNELS=1 but {} is missing (pip nvidia-cuda-cuobjdump, .ci/run)",
-                tool.display()
-            );
-            eprintln!("skipped: no cuobjdump beside {}", nvcc.display());
-            return None;
-        }
-        let dir = std::env::temp_dir().join(format!("ep-sass-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join(format!("{function}.cubin"));
-        std::fs::write(&file, cubin).unwrap();
-        let out = std::process::Command::new(&tool)
-            .args(["-sass", "-fun", function])
-            .arg(&file)
-            .output()
-            .unwrap_or_else(|e| panic!("{}: {e}", tool.display()));
-        let _ = std::fs::remove_dir_all(&dir);
-        assert!(
-            out.status.success(),
-            "{} failed: {}",
-            tool.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Some(String::from_utf8(out.stdout).unwrap())
-    }
-
-    /// The rows loop of a dispatch-shaped kernel as runs of (is_store, count) in program order:
-    /// its loads are `ld.global.nc` (`LDG.E.NA.128.CONSTANT`, ep_ld_nc, used by load_row_pass
-    /// only), its stores `st.global.v4` (`STG.E.128`, ep_st_v4, used by store_row_pass only).
-    fn row_runs(sass: &str) -> Vec<(bool, usize)> {
-        let mut runs: Vec<(bool, usize)> = Vec::new();
-        for line in sass.lines() {
-            let store = if line.contains("LDG.E.NA.128.CONSTANT") {
-                false
-            } else if line.contains("STG.E.128") {
-                true
-            } else {
-                continue;
-            };
-            match runs.last_mut() {
-                Some((s, n)) if *s == store => *n += 1,
-                _ => runs.push((store, 1)),
-            }
-        }
-        runs
-    }
-
-    /// warp_copy_fanout keeps two passes in flight: pass i + 1's loads are issued before pass
-    /// i's stores. ptxas is free to sink loads below stores, and did in the dispatch kernel at
-    /// its register cap (one pass in flight, BENCHMARKS.md 2026-12-07), which no CPU test and
-    /// no correctness test sees: this reads the order in the SASS of both kernels that copy rows.
-    #[test]
-    fn the_rows_loop_keeps_two_passes_in_flight() {
-        const UNROLL: usize = crate::gpu::abi::EP_NORMAL_ROW_UNROLL as usize;
-        let Ok(cubin) = normal_cubin() else {
-            eprintln!("skipped: normal.cu not built: {:?}", built::NORMAL.err());
-            return;
-        };
-        for function in ["ep_normal_dispatch", "ep_copy_ceiling"] {
-            let Some(sass) = sass(cubin, function) else {
-                return;
-            };
-            let runs = row_runs(&sass);
-            assert!(
-                runs.iter().any(|r| r.0),
-                "{function}: no st.global.v4 row stores in its SASS"
-            );
-            for (i, &(store, n)) in runs.iter().enumerate() {
-                if !store {
-                    continue;
-                }
-                // The first pass's stores follow both passes' loads, every later one the
-                // loads of the pass after it.
-                let want = if i == 1 { 2 * UNROLL } else { UNROLL };
-                let before = if i == 0 { 0 } else { runs[i - 1].1 };
-                assert!(
-                    before >= want,
-                    "{function}: store run {i} ({n} stores) follows {before} loads, not >= {want}: \
-                     a pass's loads were sunk below the stores (runs {runs:?})"
-                );
-                assert_eq!(
-                    n, UNROLL,
-                    "{function}: a pass stores {UNROLL} chunks per destination"
-                );
-            }
-        }
     }
 
     #[test]
