@@ -40,6 +40,19 @@ fn sass(cubin: &[u8], function: &str) -> Option<String> {
     Some(String::from_utf8(out.stdout).unwrap())
 }
 
+/// The SASS of both kernels that copy rows (the dispatch and its ceiling), or `None` (a skip,
+/// said why) where normal.cu or cuobjdump is missing.
+fn row_kernels() -> Option<Vec<(&'static str, String)>> {
+    let Ok(cubin) = normal_cubin() else {
+        eprintln!("skipped: normal.cu not built: {:?}", built::NORMAL.err());
+        return None;
+    };
+    ["ep_normal_dispatch", "ep_copy_ceiling"]
+        .into_iter()
+        .map(|f| Some((f, sass(cubin, f)?)))
+        .collect()
+}
+
 /// The rows loop of a dispatch-shaped kernel as runs of (is_store, count) in program order:
 /// its loads are `ld.global.nc` (`LDG.E.NA.128.CONSTANT`, ep_ld_nc, used by load_row_pass
 /// only), its stores `st.global.v4` (`STG.E.128`, ep_st_v4, used by store_row_pass only).
@@ -68,14 +81,10 @@ fn row_runs(sass: &str) -> Vec<(bool, usize)> {
 #[test]
 fn the_rows_loop_keeps_two_passes_in_flight() {
     const UNROLL: usize = crate::gpu::abi::EP_NORMAL_ROW_UNROLL as usize;
-    let Ok(cubin) = normal_cubin() else {
-        eprintln!("skipped: normal.cu not built: {:?}", built::NORMAL.err());
+    let Some(kernels) = row_kernels() else {
         return;
     };
-    for function in ["ep_normal_dispatch", "ep_copy_ceiling"] {
-        let Some(sass) = sass(cubin, function) else {
-            return;
-        };
+    for (function, sass) in kernels {
         let runs = row_runs(&sass);
         assert!(
             runs.iter().any(|r| r.0),
@@ -198,17 +207,14 @@ fn access_width(op: &str) -> u32 {
 /// loads go out, once per row. Found in the SASS of 398b38f (the id's division in tail_load):
 /// the FP8 dispatch at 8 SMs lost 18% (179 -> 212 us, BENCHMARKS.md 2026-12-07 12:34). Checks,
 /// from the head of the rows loop to the first row load, that no instruction reads a register
-/// a global load there wrote (straight-line reading: a conservative one across branches).
+/// a global load there wrote (forward branches followed; nothing falls through an unconditional
+/// one).
 #[test]
 fn no_row_start_waits_for_a_load_before_the_row_loads() {
-    let Ok(cubin) = normal_cubin() else {
-        eprintln!("skipped: normal.cu not built: {:?}", built::NORMAL.err());
+    let Some(kernels) = row_kernels() else {
         return;
     };
-    for function in ["ep_normal_dispatch", "ep_copy_ceiling"] {
-        let Some(sass) = sass(cubin, function) else {
-            return;
-        };
+    for (function, sass) in kernels {
         let insns = instructions(&sass);
         let row_load = |i: &Insn<'_>| i.op.starts_with("LDG.E.NA.128.CONSTANT");
         let first = insns
