@@ -59,6 +59,9 @@ buffer_ll() { # gpu_buffer_ll on both kernel variants
   tests gpu_buffer_ll 200
   export EP_LL_VARIANT=nvshmem; tests gpu_buffer_ll 150 gpu_buffer_ll-nvshmem; unset EP_LL_VARIANT
 }
+ll_nvshmem() { # gpu_low_latency on variant (b) (its three variant-(a)-only tests filtered)
+  export EP_LL_VARIANT=nvshmem; tests gpu_low_latency 200 gpu_low_latency-nvshmem --skip variant_b_; unset EP_LL_VARIANT
+}
 digest_of() { grep -oE "output digest [0-9a-f]+" "$1" | head -1 | awk '{print $3}'; }
 bench() { # name, flags...
   local name="$1"; shift
@@ -104,9 +107,8 @@ for s in "${steps[@]}"; do
     normal-core) tests gpu_normal 200 ;;
     normal-core-fast) tests gpu_normal 240 gpu_normal --skip deepep_shape ;;
     normal-more) tests gpu_normal_graph 120; tests gpu_normal_procs 120 ;;
-    ll) tests gpu_low_latency 240
-        export EP_LL_VARIANT=nvshmem; tests gpu_low_latency 200 gpu_low_latency-nvshmem --skip variant_b_; unset EP_LL_VARIANT ;;
-    ll-nvshmem) export EP_LL_VARIANT=nvshmem; tests gpu_low_latency 200 gpu_low_latency-nvshmem --skip variant_b_; unset EP_LL_VARIANT ;;
+    ll) tests gpu_low_latency 240; ll_nvshmem ;;
+    ll-nvshmem) ll_nvshmem ;;
     bench) bench bench-r2 --ranks 2 --sms-sweep 24,8,64
            bench bench-r2-fp8 --ranks 2 --sms-sweep 24,8,64 --fp8
            bench bench-r8 --ranks 8 --sms-sweep 16,8 --gpu-iters 20 ;;

@@ -683,12 +683,11 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     if (warp < R && !masked(a, warp)) {
         const uint32_t d = warp;
         const uint64_t sig = ep_ll_dispatch_signal(R, a.half, a.rank, b);
-        uint8_t *copy = meta_block_out(a, ly, d) + copy_at;
-        uint8_t *dst = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + copy_at;
+        uint8_t *staged = meta_block_out(a, ly, d), *remote = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank);
+        uint8_t *copy = staged + copy_at, *dst = remote + copy_at;
         if (gcnt[d] > 0) {
             const uint64_t at = hdr + (uint64_t)gfirst[d] * meta_bytes;
-            put_warp(a, d, half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank) + at, meta_block_out(a, ly, d) + at,
-                     (uint64_t)gcnt[d] * meta_bytes);
+            put_warp(a, d, remote + at, staged + at, (uint64_t)gcnt[d] * meta_bytes);
             __syncwarp();  // every lane's part of that put, before lane 0's fence
         }
         if (lane == 0) {
