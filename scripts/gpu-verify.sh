@@ -4,7 +4,7 @@
 #   run(command: "bash scripts/gpu-verify.sh [STEP...]", carry: ["bundle"])
 # Steps (default: buffer normal bench): buffer = Buffer<Gpu> against Buffer<Sim>
 # (ep-kernels--gpu_buffer, normal mode; ep-kernels--gpu_buffer_ll, low-latency mode on both
-# kernel variants; buffer-normal / buffer-ll: either half alone); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
+# kernel variants; buffer-normal / buffer-ll: either half alone; buffer-ll-nvshmem: variant (b) alone); normal = the NormalGroup suites (gpu_normal, gpu_normal_graph,
 # gpu_normal_procs); ll = the low-latency suite (both kernel variants; ll-nvshmem: variant (b) alone); bench = `ep bench
 # --backend gpu` R = 2 BF16 and FP8 and R = 8 (bench8: R = 8 alone), each with the canonical digest beside the
 # simulator's for the same flags; mps = gpu_normal_procs and `ep bench --procs 2`, BF16 and FP8 (DeepEP's
@@ -57,7 +57,10 @@ tests() { # executable name, limit [, step name [, test args...]]
 }
 buffer_ll() { # gpu_buffer_ll on both kernel variants
   tests gpu_buffer_ll 200
-  export EP_LL_VARIANT=nvshmem; tests gpu_buffer_ll 150 gpu_buffer_ll-nvshmem; unset EP_LL_VARIANT
+  buffer_ll_nvshmem
+}
+buffer_ll_nvshmem() { # gpu_buffer_ll on variant (b)
+  export EP_LL_VARIANT=nvshmem; tests gpu_buffer_ll 200 gpu_buffer_ll-nvshmem; unset EP_LL_VARIANT
 }
 ll_nvshmem() { # gpu_low_latency on variant (b) (its three variant-(a)-only tests filtered)
   export EP_LL_VARIANT=nvshmem; tests gpu_low_latency 200 gpu_low_latency-nvshmem --skip variant_b_; unset EP_LL_VARIANT
@@ -124,6 +127,7 @@ for s in "${steps[@]}"; do
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     buffer-normal) tests gpu_buffer 240 ;;
     buffer-ll) buffer_ll ;;
+    buffer-ll-nvshmem) buffer_ll_nvshmem ;;
     buffer-ll-absent) tests gpu_buffer_ll 60 gpu_buffer_ll-absent an_absent_rank ;;
     llbench) llbench bench-ll-a --graph; llbench bench-ll-b --variant nvshmem --graph ;;
     ab-normal) ab ab-r2 --ranks 2 --sms-sweep 24,8,64; ab ab-r2-fp8 --ranks 2 --sms-sweep 24,8,64 --fp8 ;;

@@ -279,14 +279,17 @@ __device__ __forceinline__ uint64_t op_epoch(const Args &a) {
     return ep_block_epoch(a.call, a.epoch, (a.flags & EP_FLAG_LL_SEND) != 0);
 }
 
-// Variant (b): every block that ran a send part completes its puts (nvshmem_quiet) before the
-// kernel ends, so the staging is free when its half comes round again (§3.7); at the end, after
-// the receive part, off the signals' path.
-__device__ __forceinline__ void quiet_at_end(bool sent) {
+// Variant (b): quiet-before-reuse (docs/protocol.md §3.7). A send part's first staging store
+// comes after one `nvshmem_quiet` in its block, which completes every put this PE issued before
+// (NVSHMEM's device quiet is per PE: over IBGDA it drains every QP, over P2P it is a system-scope
+// fence), so a half's staging is free when operation m + 2 writes it again. It runs on one
+// thread of the last warp while the block routes (the caller puts it between the routing's
+// barriers), not at the kernel's end where every block waited for it before the kernel could
+// finish. The host completes the last operations' puts before it writes or frees the arenas
+// (LlGroup::complete_puts).
+__device__ __forceinline__ void quiet_before_staging() {
 #ifdef EP_LL_NVSHMEM
-    if (sent && threadIdx.x == 0) nvshmem_quiet();
-#else
-    (void)sent;
+    if (threadIdx.x == NT - 32) nvshmem_quiet();
 #endif
 }
 
@@ -334,6 +337,9 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t 
 #pragma unroll
     for (uint32_t k = 0; k < MAXK; ++k) ids[k] = t0 < T && k < K ? idx[t0 * K + k] : -1;
     __syncthreads();
+    // Under the tokens' loop (the last warp has no token while T <= NT - 32); the rows' staging
+    // stores come after this function's last barrier.
+    quiet_before_staging();
     for (uint32_t t = t0; t < T; t += NT) {
         if (t != t0) {
 #pragma unroll
@@ -679,7 +685,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     // Warp d: the group's meta records to d (slots gfirst[d] .. + gcnt[d], contiguous on both
     // sides) in one put (§3.3), then fence (every row, scale and meta put of this block before
     // what follows), then one put_signal of the header copy carrying disp_sig[h][rank][b]. The
-    // quiet that frees the staging (§3.7) comes at the kernel's end, off the signals' path.
+    // quiet that frees the staging (§3.7) is the next send part's (quiet_before_staging).
     if (warp < R && !masked(a, warp)) {
         const uint32_t d = warp;
         const uint64_t sig = ep_ll_dispatch_signal(R, a.half, a.rank, b);
@@ -903,8 +909,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a)
     const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
     if (send) dispatch_send(a, call_k, smem);
     if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, call_k, smem);
-    // Variant (b): every send block completes its puts before the kernel ends (§3.7).
-    quiet_at_end(send);
 }
 
 // ---- LogFMT-10 (use_logfmt: combine partials, ep_logfmt.cuh's codec) -----------------------------
@@ -1032,6 +1036,8 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint32_t N = a.num_max_tokens, rows = R * N;
     uint32_t *begin = (uint32_t *)(smem + a.sm_begin); // [R][L]
     stamp(a, 0);
+    // Before the units' staging stores (after the barriers below), under the slot loads.
+    quiet_before_staging();
     const int64_t *range = (const int64_t *)a.recv_layout_range;
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
         const uint32_t s = i % R, l = i / R;
@@ -1167,8 +1173,8 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     // Traced kernels only: a planted missing fence (the checker must catch it).
     const bool skip_fence = TRACED && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
 #ifdef EP_LL_NVSHMEM
-    // Thread s: fence (the block's partial puts first), then the group's signal (the quiet comes
-    // at the kernel's end).
+    // Thread s: fence (the block's partial puts first), then the group's signal (the quiet that
+    // frees the staging is the next send part's, quiet_before_staging).
     if (threadIdx.x < R && !masked(a, threadIdx.x)) {
         const uint32_t s = threadIdx.x;
         const uint64_t sig = ep_ll_combine_signal(R, a.half, a.rank, b);
@@ -1296,7 +1302,6 @@ __device__ __forceinline__ void combine_kernel(const Args &a, uint8_t *smem) {
     const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
     if (send) combine_send<LOGFMT>(a, call_k, smem);
     if (a.flags & EP_FLAG_LL_RECV) combine_recv<LOGFMT>(a, call_k);
-    quiet_at_end(send);
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_combine(const Args a) {

@@ -760,7 +760,9 @@ impl LlGroup {
     #[doc(hidden)]
     pub fn poison_for_test(&mut self, what: LlPoison, byte: u8) -> Result<()> {
         self.not_capturing("poison_for_test")?;
-        // Other processes' kernels may still be writing into these arenas (collective).
+        // Other processes' kernels may still be writing into these arenas (collective), and
+        // variant (b)'s last puts may still read the staging.
+        self.complete_puts();
         self.barrier_processes()?;
         for r in &self.ranks {
             let mut bufs: Vec<&Arc<DevBuf>> = Vec::new();
@@ -815,6 +817,18 @@ impl LlGroup {
             self.poison = Some(err.to_string());
         }
         Err(err)
+    }
+
+    /// Variant (b): completes the puts the last operations left in flight — their quiet is the
+    /// next send part's (docs/protocol.md §3.7) — before the host writes or frees the arenas:
+    /// `nvshmemx_quiet_on_stream` on each local rank's stream, ahead of what the caller
+    /// enqueues or waits for there.
+    fn complete_puts(&self) {
+        if let Peers::Nvshmem(n) = &self.peers {
+            for r in &self.ranks {
+                n.session.quiet_on_stream(&r.stream);
+            }
+        }
     }
 
     fn sync_streams(&self) -> Result<()> {
@@ -995,6 +1009,7 @@ impl LlGroup {
     /// earlier handles become invalid.
     pub fn reset(&mut self) -> Result<()> {
         self.not_capturing("reset")?;
+        self.complete_puts();
         self.sync_streams()?;
         // Every process's kernels have stopped before any zeroes a word the others may write.
         self.barrier_processes()?;
@@ -1025,6 +1040,9 @@ impl LlGroup {
         if self.pending.is_some() {
             return Err(hook_pending());
         }
+        // Every process's puts complete before any zeroes a signal word they may still set.
+        self.complete_puts();
+        self.sync_streams()?;
         self.barrier_processes()?;
         for r in &self.ranks {
             r.signals.memset_async(&r.stream, 0, 0, r.signals.len())?;
@@ -1711,7 +1729,11 @@ impl LlGroup {
 
 impl Drop for LlGroup {
     fn drop(&mut self) {
-        // The arenas may be NVSHMEM symmetric memory, whose free does not wait for kernels.
+        // The arenas may be NVSHMEM symmetric memory, whose free does not wait for kernels, nor
+        // for variant (b)'s last puts (a capture being recorded cannot take the quiet).
+        if self.capture.is_none() {
+            self.complete_puts();
+        }
         let _ = self.sync_streams();
     }
 }

@@ -427,6 +427,13 @@ impl NvshmemSession {
         unsafe { self.inner.lib.barrier_all() }
     }
 
+    /// `nvshmemx_quiet_on_stream`: on `stream`, completes every put this PE's device code issued
+    /// before (not collective).
+    pub fn quiet_on_stream(&self, stream: &CudaStream) {
+        // SAFETY: initialised; `stream` belongs to this session's context and outlives the call.
+        unsafe { self.inner.lib.quiet_on_stream(stream.cu_stream() as _) }
+    }
+
     /// `nvshmemx_barrier_all_on_stream` (collective).
     pub fn barrier_all_on_stream(&self, stream: &CudaStream) {
         // SAFETY: initialised; `stream` belongs to this session's context and outlives the call.
