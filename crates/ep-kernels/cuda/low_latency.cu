@@ -198,6 +198,29 @@ __device__ __forceinline__ void signal_seen() {
 // Returned by wait_ge when a wait ran out in shrink mode (no error recorded).
 #define EP_LL_GAVE_UP 0xffffffffffffffffull
 
+// Variant (b): quiet-before-reuse (docs/protocol.md §3.7). NVSHMEM's device quiet completes
+// every put of the PE (over IBGDA it drains every QP, over P2P it is a system-scope fence), and
+// the hook contract puts a receive part between any two send parts of a rank, so one quiet in
+// each block's receive part — on a thread the signal waits leave idle (wait_sources), hidden
+// under them — completes operation m's puts before operation m + 2 writes half m mod 2's
+// staging again. Not at the kernel's end, where every block waited for it before the kernel
+// could finish, nor at the send part's start, where it held the routing's barriers. The host
+// completes the last operations' puts before it writes or frees the arenas
+// (LlGroup::complete_puts).
+__device__ __forceinline__ bool quiets_here() {
+#ifdef EP_LL_NVSHMEM
+    static_assert(MAXR <= NT - 32, "the quieting thread is never a waiter (thread src < R waits)");
+    return threadIdx.x == NT - 32;
+#else
+    return false;
+#endif
+}
+__device__ __forceinline__ void quiet_puts() {
+#ifdef EP_LL_NVSHMEM
+    nvshmem_quiet();
+#endif
+}
+
 // Waits until `*word >= want` (acquire), bounded like ep_wait_eq; returns the value, 0 on failure.
 // In shrink mode (EP_FLAG_SHRINK) a wait that runs out returns EP_LL_GAVE_UP instead of failing.
 __device__ uint64_t wait_ge(const Args &a, const uint64_t *word, uint64_t want, uint64_t kernel,
@@ -266,6 +289,8 @@ __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, ui
                     ((unsigned long long *)a.wait_stats)[src] += waited;
             }
         }
+    } else if (quiets_here()) {
+        quiet_puts();  // variant (b): quiet-before-reuse, under the waits (§3.7)
     }
     __syncthreads();
     return ok != 0;
@@ -277,20 +302,6 @@ __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, ui
 // Every LL kernel of a rank has num_sms blocks, so each word advances once per operation.
 __device__ __forceinline__ uint64_t op_epoch(const Args &a) {
     return ep_block_epoch(a.call, a.epoch, (a.flags & EP_FLAG_LL_SEND) != 0);
-}
-
-// Variant (b): quiet-before-reuse (docs/protocol.md §3.7). A send part's first staging store
-// comes after one `nvshmem_quiet` in its block, which completes every put this PE issued before
-// (NVSHMEM's device quiet is per PE: over IBGDA it drains every QP, over P2P it is a system-scope
-// fence), so a half's staging is free when operation m + 2 writes it again. It runs on one
-// thread of the last warp while the block routes (the caller puts it between the routing's
-// barriers), not at the kernel's end where every block waited for it before the kernel could
-// finish. The host completes the last operations' puts before it writes or frees the arenas
-// (LlGroup::complete_puts).
-__device__ __forceinline__ void quiet_before_staging() {
-#ifdef EP_LL_NVSHMEM
-    if (threadIdx.x == NT - 32) nvshmem_quiet();
-#endif
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------
@@ -337,9 +348,6 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t 
 #pragma unroll
     for (uint32_t k = 0; k < MAXK; ++k) ids[k] = t0 < T && k < K ? idx[t0 * K + k] : -1;
     __syncthreads();
-    // Under the tokens' loop (the last warp has no token while T <= NT - 32); the rows' staging
-    // stores come after this function's last barrier.
-    quiet_before_staging();
     for (uint32_t t = t0; t < T; t += NT) {
         if (t != t0) {
 #pragma unroll
@@ -685,7 +693,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     // Warp d: the group's meta records to d (slots gfirst[d] .. + gcnt[d], contiguous on both
     // sides) in one put (§3.3), then fence (every row, scale and meta put of this block before
     // what follows), then one put_signal of the header copy carrying disp_sig[h][rank][b]. The
-    // quiet that frees the staging (§3.7) is the next send part's (quiet_before_staging).
+    // quiet that frees the staging (§3.7) is in the receive part (quiets_here).
     if (warp < R && !masked(a, warp)) {
         const uint32_t d = warp;
         const uint64_t sig = ep_ll_dispatch_signal(R, a.half, a.rank, b);
@@ -1036,8 +1044,6 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint32_t N = a.num_max_tokens, rows = R * N;
     uint32_t *begin = (uint32_t *)(smem + a.sm_begin); // [R][L]
     stamp(a, 0);
-    // Before the units' staging stores (after the barriers below), under the slot loads.
-    quiet_before_staging();
     const int64_t *range = (const int64_t *)a.recv_layout_range;
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
         const uint32_t s = i % R, l = i / R;
@@ -1174,7 +1180,7 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const bool skip_fence = TRACED && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
 #ifdef EP_LL_NVSHMEM
     // Thread s: fence (the block's partial puts first), then the group's signal (the quiet that
-    // frees the staging is the next send part's, quiet_before_staging).
+    // frees the staging is in the receive part, quiets_here).
     if (threadIdx.x < R && !masked(a, threadIdx.x)) {
         const uint32_t s = threadIdx.x;
         const uint64_t sig = ep_ll_combine_signal(R, a.half, a.rank, b);
