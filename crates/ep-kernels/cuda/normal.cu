@@ -180,7 +180,7 @@ __device__ __forceinline__ void warp_copy_fanout(const uint8_t *src, uint8_t *mi
 struct TailSrc {
     int4 sc;        // scale chunk `lane` (chunks 32 and up are loaded at store time)
     int64_t e;      // lane j < K: the token's top-k id j (else -1)
-    int32_t wt;     // ... and its weight's bits
+    float wt;       // ... and its weight
 };
 
 // Scale chunk q of token `tok`: words 4q..4q+3 of its S scales, zero past S; one 16-byte load
@@ -195,32 +195,17 @@ __device__ __forceinline__ int4 scale_chunk(const Args &a, uint64_t tok, uint32_
     return make_int4(w[0], w[1], w[2], w[3]);
 }
 
-// The lane's loads of the tail, issued before the row's and not used before the row's stores:
-// nothing here may wait for them (a division of the id here held every row's loads back by a
-// load's latency: BENCHMARKS.md, 2026-12-07).
 __device__ __forceinline__ TailSrc tail_load(const Args &a, uint64_t tok, uint32_t lane, uint32_t nsc, bool vec,
                                              bool topk) {
     TailSrc t;
     t.sc = lane < nsc ? scale_chunk(a, tok, lane, vec) : make_int4(0, 0, 0, 0);
     t.e = -1;
-    t.wt = 0;
+    t.wt = 0.0f;
     if (topk && lane < (uint32_t)a.num_topk) {
         t.e = ((const int64_t *)a.topk_idx)[tok * a.num_topk + lane];
-        t.wt = __float_as_int(((const float *)a.topk_weights)[tok * a.num_topk + lane]);
+        t.wt = ((const float *)a.topk_weights)[tok * a.num_topk + lane];
     }
     return t;
-}
-
-// The rank whose experts hold id e (-1: none; an id outside [0, R * L), masked -1 included, is
-// local to no rank) and the id local to it: once per row in lanes < K, one 32-bit division.
-struct EntryAt {
-    int32_t r, lid;
-};
-__device__ __forceinline__ EntryAt entry_at(const Args &a, int64_t e) {
-    const uint32_t L = (uint32_t)a.num_local_experts;
-    if (e < 0 || (uint64_t)e >= (uint64_t)L * (uint64_t)a.num_ranks) return {-1, -1};
-    const uint32_t r = (uint32_t)e / L;
-    return {(int32_t)r, (int32_t)((uint32_t)e - r * L)};
 }
 
 // Which tail a kernel stores: the ceiling the scales only (the bytes DeepEP counts), a dispatch
@@ -228,21 +213,29 @@ __device__ __forceinline__ EntryAt entry_at(const Args &a, int64_t e) {
 // dispatch with top-k all of it.
 enum TailParts { TAIL_SCALES, TAIL_META, TAIL_ALL };
 
-// The tail's meta part in 4-byte words, from ep_protocol.cuh's field sizes: the meta pair, then
-// K ids of ID_WORDS words (lo, hi), then K weights of one word, then zero padding.
+// The tail's meta part in 4-byte words, from ep_protocol.cuh's field sizes (folded at compile
+// time: the per-row, per-destination loop below cannot afford run-time offsets, BENCHMARKS.md
+// 2026-12-06): the meta pair, then K ids of ID_WORDS words (lo, hi), then K weights of one word.
 constexpr uint32_t META_PAIR_WORDS = EP_ROW_META_PAIR_BYTES / 4u;
 constexpr uint32_t META_ID_WORDS = EP_ROW_TOPK_ID_BYTES / 4u;
 static_assert(META_PAIR_WORDS * 4u == EP_ROW_META_PAIR_BYTES && META_ID_WORDS == 2u &&
                   EP_ROW_TOPK_WEIGHT_BYTES == 4u,
               "tail_store packs i64 ids as two words and f32 weights as one");
 
-// Meta word m of a token's tail as every destination sees it: `hit` on the rank `key` (the rank
-// of the entry the word comes from), `miss` on every other one (key -1: the same everywhere).
-// Built once per row, so that a destination costs a compare and a select per word (building the
-// words per destination took ~80 instructions each: BENCHMARKS.md, 2026-12-07).
-struct MetaWord {
-    int32_t key, hit, miss;
-};
+// Word m of the tail's meta part on destination d, whose local experts are [lo, lo + L): (ee,
+// ww) is the entry that word comes from (meta_entry).
+__device__ __forceinline__ int32_t meta_word(uint32_t m, uint32_t K, int32_t tok, int64_t ee, float ww, int64_t lo,
+                                             int64_t L) {
+    const bool local = ee >= lo && ee < lo + L;
+    if (m == 0) return tok;  // src_idx, the pair's first word; its second is zero
+    if (m < META_PAIR_WORDS) return 0;
+    if (m < META_PAIR_WORDS + META_ID_WORDS * K) {
+        const int64_t id = local ? ee - lo : -1;
+        return (int32_t)((m - META_PAIR_WORDS) & 1u ? (uint64_t)id >> 32 : (uint64_t)id);
+    }
+    if (m < META_PAIR_WORDS + (META_ID_WORDS + 1u) * K) return local ? __float_as_int(ww) : 0;
+    return 0;
+}
 
 // The top-k entry whose id or weight meta word m holds (0 for the pair and the padding).
 __device__ __forceinline__ uint32_t meta_entry(uint32_t m, uint32_t K) {
@@ -251,55 +244,42 @@ __device__ __forceinline__ uint32_t meta_entry(uint32_t m, uint32_t K) {
                                                    : m - META_PAIR_WORDS - META_ID_WORDS * K;
 }
 
-// Word m, from the tail loads of lane meta_entry(m) (every lane shuffles): the pair (src_idx,
-// 0), an id's low and high words (its local id on its rank, -1 elsewhere), a weight (its bits on
-// its rank, 0 elsewhere), padding 0.
-__device__ __forceinline__ MetaWord meta_word(const EntryAt &at, int32_t wt_j, uint32_t m, uint32_t K, int32_t tok) {
-    const uint32_t j = meta_entry(m, K) & 31u;
-    const int32_t r = __shfl_sync(0xffffffffu, at.r, j);
-    const int32_t lid = __shfl_sync(0xffffffffu, at.lid, j);
-    const int32_t wt = __shfl_sync(0xffffffffu, wt_j, j);
-    if (m == 0) return {-1, tok, tok};
-    if (m < META_PAIR_WORDS) return {-1, 0, 0};
-    if (m < META_PAIR_WORDS + META_ID_WORDS * K)
-        return {r, (m - META_PAIR_WORDS) & 1u ? 0 : lid, -1};  // ids are >= 0: high word 0
-    if (m < META_PAIR_WORDS + (META_ID_WORDS + 1u) * K) return {r, wt, 0};
-    return {-1, 0, 0};
-}
-
-__device__ __forceinline__ int32_t meta_at(const MetaWord &w, int32_t d) { return w.key == d ? w.hit : w.miss; }
-
 // Stores the tail of token `tok` (loaded by tail_load) to every non-null destination d < n_dst
-// (lane_dst(mine, d)): chunk q = lane + 32i, nch chunks, each lane's meta words built once per
-// chunk pass (every lane taking part in the shuffles), then selected per destination.
+// (lane_dst(mine, d)): chunk q = lane + 32i, nch chunks, each lane building its meta words from
+// the lanes holding their entries (shuffles, once per chunk pass, every lane taking part).
 template <TailParts P>
 __device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint8_t *mine, uint32_t n_dst,
                                            uint64_t tok, uint32_t lane, uint64_t scales_off, uint32_t nsc,
                                            uint32_t nch, bool vec) {
     const uint32_t K = (uint32_t)a.num_topk;
+    const int64_t L = (int64_t)a.num_local_experts;
     const uint32_t n = P == TAIL_SCALES ? nsc : nch;
     for (uint32_t q0 = 0; q0 < n; q0 += 32) {
         const uint32_t q = q0 + lane;
         const int4 sv = q0 == 0 ? t.sc : q < nsc ? scale_chunk(a, tok, q, vec) : make_int4(0, 0, 0, 0);
-        MetaWord w[4];
-        if (P == TAIL_ALL) {
-            const EntryAt at = entry_at(a, t.e);
+        int64_t ee[4];
+        float ww[4];
 #pragma unroll
-            for (uint32_t i = 0; i < 4; ++i)
-                w[i] = meta_word(at, t.wt, q >= nsc ? 4u * (q - nsc) + i : 0u, K, (int32_t)tok);
+        for (uint32_t i = 0; i < 4; ++i) {
+            const uint32_t m = q >= nsc ? 4u * (q - nsc) + i : 0u;
+            const uint32_t j = meta_entry(m, K);
+            ee[i] = __shfl_sync(0xffffffffu, t.e, j & 31u);
+            ww[i] = __shfl_sync(0xffffffffu, t.wt, j & 31u);
         }
 #pragma unroll 1
         for (uint32_t d = 0; d < n_dst; ++d) {
             uint8_t *out = lane_dst(mine, d);  // every lane shuffles before any skips
             if (!out || q >= n) continue;
             int4 *dst = (int4 *)(out + scales_off + 16u * q);
-            // Plain stores, not ep_st_v4: the SASS-shape test tells the row passes' stores by
-            // their st.global (kernels.rs, the_rows_loop_keeps_two_passes_in_flight).
             if (q < nsc) {
                 *dst = sv;
             } else if (P == TAIL_ALL) {
-                const int32_t dd = (int32_t)d;
-                *dst = make_int4(meta_at(w[0], dd), meta_at(w[1], dd), meta_at(w[2], dd), meta_at(w[3], dd));
+                const int64_t lo = (int64_t)d * L;
+                const uint32_t m = 4u * (q - nsc);
+                *dst = make_int4(meta_word(m, K, (int32_t)tok, ee[0], ww[0], lo, L),
+                                 meta_word(m + 1, K, (int32_t)tok, ee[1], ww[1], lo, L),
+                                 meta_word(m + 2, K, (int32_t)tok, ee[2], ww[2], lo, L),
+                                 meta_word(m + 3, K, (int32_t)tok, ee[3], ww[3], lo, L));
             } else if (q == nsc) {
                 *(int2 *)dst = make_int2((int32_t)tok, 0);
             }
@@ -953,11 +933,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     //    the arena's rows (inputs that disagree, EP_ERR_LAYOUT) is not stored.
     int32_t *send_head = (int32_t *)a.send_head;
     const int64_t row_cap = (int64_t)recv_rows_cap(a);
-    // Lane d < R's base of d's arena, in a register across the rows loop: laundered, so that
-    // ptxas cannot rebuild it per row from the parameters (an indexed constant load, one address
-    // per lane, ahead of each row's loads: BENCHMARKS.md, 2026-12-07).
-    uint64_t lane_base = lane < R ? a.peer_data[lane] : 0;
-    asm volatile("mov.b64 %0, %0;" : "+l"(lane_base));
     for (uint32_t base = t0; ok && base < t1; base += NT) {
         const uint32_t t = base + tid;
         const bool valid = t < t1;
@@ -990,7 +965,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
             const uint64_t tok = base + i;
             const int32_t row = lane < R ? s_rows[i][lane] : -1;
             uint8_t *const mine =
-                row < 0 ? nullptr : (uint8_t *)(lane_base + ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
+                row < 0 ? nullptr : data_at(a, lane, ep_normal_dispatch_row(R, (uint64_t)row, a.drec));
             // The tail's loads (scales, top-k) are issued before the row's, so their latency
             // hides behind the copy; the tail is stored after it, one 16-byte chunk per lane.
             const TailSrc ts = tail_load(a, tok, lane, nsc, scales_vec, topk);
