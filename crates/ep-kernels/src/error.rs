@@ -47,6 +47,21 @@ pub enum Error {
         /// The library file.
         path: String,
     },
+    /// `nvshmem_align` found no room: the symmetric heap is full or the GPU is out of memory.
+    #[error(
+        "PE {pe}: NVSHMEM could not allocate {bytes} bytes of symmetric memory ({heap}); \
+         fix: free GPU memory, or raise NVSHMEM_SYMMETRIC_SIZE above what the buffers need (with \
+         NVSHMEM_DISABLE_CUDA_VMM=1 the heap is fixed at that size, 1 GiB by default), before \
+         NVSHMEM initialises"
+    )]
+    SymmetricHeapFull {
+        /// This PE.
+        pe: u32,
+        /// The allocation asked for.
+        bytes: usize,
+        /// NVSHMEM_SYMMETRIC_SIZE / NVSHMEM_DISABLE_CUDA_VMM as this process sees them.
+        heap: String,
+    },
     /// NVSHMEM initialises once per process.
     #[error("NVSHMEM was already initialised in this process (it initialises once per process)")]
     AlreadyInitialized,

@@ -408,7 +408,15 @@ impl NvshmemSession {
             self.inner
                 .lib
                 .align(align.max(1).next_power_of_two(), bytes.max(1))
-        }?;
+        }
+        .map_err(|e| match e {
+            nvshmem_sys::Error::Null { .. } => Error::SymmetricHeapFull {
+                pe: self.inner.pe,
+                bytes,
+                heap: heap_env(),
+            },
+            e => e.into(),
+        })?;
         Ok(SymmetricBuffer {
             session: Arc::clone(&self.inner),
             ptr,
@@ -531,4 +539,14 @@ impl Drop for SymmetricBuffer {
         // allocation), and drop in the same order on every PE (the type's contract).
         unsafe { self.session.lib.free(self.ptr.as_ptr()) }
     }
+}
+
+/// The symmetric heap's settings as this process sees them, for [`Error::SymmetricHeapFull`].
+fn heap_env() -> String {
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| "unset".into());
+    format!(
+        "NVSHMEM_SYMMETRIC_SIZE={}, NVSHMEM_DISABLE_CUDA_VMM={}",
+        var("NVSHMEM_SYMMETRIC_SIZE"),
+        var("NVSHMEM_DISABLE_CUDA_VMM")
+    )
 }
