@@ -820,9 +820,9 @@ impl LlGroup {
     }
 
     /// Variant (b): completes the puts the last operations left in flight — their quiet is the
-    /// next send part's (docs/protocol.md §3.7) — before the host writes or frees the arenas:
-    /// `nvshmemx_quiet_on_stream` on each local rank's stream, ahead of what the caller
-    /// enqueues or waits for there.
+    /// next operation's receive part's (docs/protocol.md §3.7) — before the host writes or frees
+    /// the arenas: `nvshmemx_quiet_on_stream` on each local rank's stream, ahead of what the
+    /// caller enqueues or waits for there.
     fn complete_puts(&self) {
         if let Peers::Nvshmem(n) = &self.peers {
             for r in &self.ranks {
