@@ -409,14 +409,7 @@ impl NvshmemSession {
                 .lib
                 .align(align.max(1).next_power_of_two(), bytes.max(1))
         }
-        .map_err(|e| match e {
-            nvshmem_sys::Error::Null { .. } => Error::SymmetricHeapFull {
-                pe: self.inner.pe,
-                bytes,
-                heap: heap_env(),
-            },
-            e => e.into(),
-        })?;
+        .map_err(|e| alloc_error(e, self.inner.pe, bytes))?;
         Ok(SymmetricBuffer {
             session: Arc::clone(&self.inner),
             ptr,
@@ -541,6 +534,19 @@ impl Drop for SymmetricBuffer {
     }
 }
 
+/// An `nvshmem_align` failure as this crate's error: NULL (no room) is
+/// [`Error::SymmetricHeapFull`], naming what to change.
+fn alloc_error(e: nvshmem_sys::Error, pe: u32, bytes: usize) -> Error {
+    match e {
+        nvshmem_sys::Error::Null { .. } => Error::SymmetricHeapFull {
+            pe,
+            bytes,
+            heap: heap_env(),
+        },
+        e => e.into(),
+    }
+}
+
 /// The symmetric heap's settings as this process sees them, for [`Error::SymmetricHeapFull`].
 fn heap_env() -> String {
     let var = |k: &str| std::env::var(k).unwrap_or_else(|_| "unset".into());
@@ -549,4 +555,42 @@ fn heap_env() -> String {
         var("NVSHMEM_SYMMETRIC_SIZE"),
         var("NVSHMEM_DISABLE_CUDA_VMM")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_heap_names_the_bytes_and_the_variables_to_change() {
+        let null = nvshmem_sys::Error::Null {
+            op: "nvshmem_align",
+            what: "1071874048 bytes aligned to 128".into(),
+        };
+        let e = alloc_error(null, 3, 1_071_874_048);
+        assert!(
+            matches!(
+                e,
+                Error::SymmetricHeapFull {
+                    pe: 3,
+                    bytes: 1_071_874_048,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        for want in [
+            "PE 3",
+            "1071874048 bytes",
+            "NVSHMEM_SYMMETRIC_SIZE=",
+            "NVSHMEM_DISABLE_CUDA_VMM=",
+            "fix:",
+        ] {
+            assert!(msg.contains(want), "{want:?} missing from: {msg}");
+        }
+        // Other failures keep their own error.
+        let other = alloc_error(nvshmem_sys::Error::ModuleNotLinked, 0, 8);
+        assert!(matches!(other, Error::Nvshmem(_)), "{other:?}");
+    }
 }
