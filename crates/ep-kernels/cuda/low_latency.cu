@@ -207,17 +207,10 @@ __device__ __forceinline__ void signal_seen() {
 // could finish, nor at the send part's start, where it held the routing's barriers. The host
 // completes the last operations' puts before it writes or frees the arenas
 // (LlGroup::complete_puts).
-__device__ __forceinline__ bool quiets_here() {
+__device__ __forceinline__ void quiet_if_idle_thread() {
 #ifdef EP_LL_NVSHMEM
     static_assert(MAXR <= NT - 32, "the quieting thread is never a waiter (thread src < R waits)");
-    return threadIdx.x == NT - 32;
-#else
-    return false;
-#endif
-}
-__device__ __forceinline__ void quiet_puts() {
-#ifdef EP_LL_NVSHMEM
-    nvshmem_quiet();
+    if (threadIdx.x == NT - 32) nvshmem_quiet();
 #endif
 }
 
@@ -289,8 +282,8 @@ __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, ui
                     ((unsigned long long *)a.wait_stats)[src] += waited;
             }
         }
-    } else if (quiets_here()) {
-        quiet_puts();  // variant (b): quiet-before-reuse, under the waits (§3.7)
+    } else {
+        quiet_if_idle_thread();  // variant (b): quiet-before-reuse, under the waits (§3.7)
     }
     __syncthreads();
     return ok != 0;
@@ -488,6 +481,11 @@ __device__ __forceinline__ void load_unit(const Args &a, bool fp8, uint32_t t, u
     }
 }
 
+// Variant (b): this rank's staged copy of token `t`'s message, dsend_rows[t] of the call's half.
+__device__ __forceinline__ uint8_t *staged_row(const Args &a, const ep_ll_layout &ly, uint32_t t) {
+    return half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
+}
+
 // Where this rank's message of token `t` lands on destination `d`: its row in d's drecv[rank].
 __device__ __forceinline__ uint8_t *message_row(const Args &a, const ep_ll_layout &ly,
                                                 const SendSmem &sm, uint32_t R, uint32_t t,
@@ -557,7 +555,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             if (dm == 0) continue;
 #ifdef EP_LL_NVSHMEM
             // Staged once in dsend_rows[t], then put to each destination.
-            int4 *stage = (int4 *)(half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t));
+            int4 *stage = (int4 *)staged_row(a, ly, t);
 #pragma unroll
             for (uint32_t k = 0; k < UNITS; ++k) {
                 const uint32_t c = c0 + k * 32 + lane;
@@ -598,7 +596,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                 const uint2 q = cast8(v[k], round_scale, &sinv); // every lane: it shuffles
                 if (blk >= S) continue;
 #ifdef EP_LL_NVSHMEM
-                uint8_t *stage = half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
+                uint8_t *stage = staged_row(a, ly, t);
                 *(uint2 *)(stage + blk * 128 + sub * 8) = q;
                 if (sub == 0) *(float *)(stage + soff + 4ull * blk) = sinv;
 #else
@@ -624,7 +622,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
 #ifdef EP_LL_NVSHMEM
             // The unit's e4m3 blocks, staged, then put to each destination (its scales, staged
             // too, go with the row's others in one put: below, after the positions' barrier).
-            const uint8_t *stage = half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
+            const uint8_t *stage = staged_row(a, ly, t);
             const uint32_t b1 = min(b0 + 2 * UNITS, S);
             for (uint32_t d = 0; d < R; ++d) {
                 if (!((dm >> d) & 1u)) continue;
@@ -649,7 +647,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         for (uint32_t i = WARPS - 1 - warp; i < nt * R; i += WARPS) {
             const uint32_t t = tb + i / R, d = i % R;
             if (!((sm.dmask[t] >> d) & 1u)) continue;
-            const uint8_t *stage = half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
+            const uint8_t *stage = staged_row(a, ly, t);
             put_warp(a, d, message_row(a, ly, sm, R, t, d) + soff, stage + soff, 4ull * (H / 128));
         }
     }
@@ -693,7 +691,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     // Warp d: the group's meta records to d (slots gfirst[d] .. + gcnt[d], contiguous on both
     // sides) in one put (§3.3), then fence (every row, scale and meta put of this block before
     // what follows), then one put_signal of the header copy carrying disp_sig[h][rank][b]. The
-    // quiet that frees the staging (§3.7) is in the receive part (quiets_here).
+    // quiet that frees the staging (§3.7) is in the receive part (quiet_if_idle_thread).
     if (warp < R && !masked(a, warp)) {
         const uint32_t d = warp;
         const uint64_t sig = ep_ll_dispatch_signal(R, a.half, a.rank, b);
@@ -1180,7 +1178,7 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const bool skip_fence = TRACED && (a.flags & EP_FLAG_TEST_SKIP_FENCE) != 0;
 #ifdef EP_LL_NVSHMEM
     // Thread s: fence (the block's partial puts first), then the group's signal (the quiet that
-    // frees the staging is in the receive part, quiets_here).
+    // frees the staging is in the receive part, quiet_if_idle_thread).
     if (threadIdx.x < R && !masked(a, threadIdx.x)) {
         const uint32_t s = threadIdx.x;
         const uint64_t sig = ep_ll_combine_signal(R, a.half, a.rank, b);

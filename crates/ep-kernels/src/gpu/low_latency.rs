@@ -1040,9 +1040,9 @@ impl LlGroup {
         if self.pending.is_some() {
             return Err(hook_pending());
         }
-        // Every process's puts complete before any zeroes a signal word they may still set.
+        // Every process's puts complete before any zeroes a signal word they may still set (the
+        // barrier waits for the streams; in one process, the memsets follow on the same streams).
         self.complete_puts();
-        self.sync_streams()?;
         self.barrier_processes()?;
         for r in &self.ranks {
             r.signals.memset_async(&r.stream, 0, 0, r.signals.len())?;
