@@ -1062,8 +1062,31 @@ __device__ __forceinline__ void logfmt_load8(const uint8_t *slot, const uint32_t
 
 // The send part on the expert's rank d: one BF16 partial per message of the dispatch (read from
 // its meta records, in the dispatch's half), into the source's crecv[d]; then the signals.
+// The combine send part's first loads, of this rank's dispatch records only (neither the epoch nor
+// the mask decides them): this thread's first word of the layout range, and for thread s < R the
+// bounds of send group b's slots from s's header copies (b's first slot; the next group's, or the
+// last group's message count). Issued before the epoch word's and the mask's reads (as SendLoads).
+struct CombineLoads {
+    int64_t range0;
+    uint32_t first, end;
+};
+
+__device__ __forceinline__ void combine_loads(const Args &a, CombineLoads &p) {
+    const uint32_t R = a.num_ranks, L = a.num_local_experts, b = blockIdx.x;
+    p.range0 = threadIdx.x < R * L ? ((const int64_t *)a.recv_layout_range)[threadIdx.x] : 0;
+    p.first = p.end = 0;
+    if (threadIdx.x < R) {
+        const ep_ll_layout ly = layout_of(a);
+        const uint8_t *block = half_of(a, a.rank, a.disp_half) + ep_ll_drecv(ly, threadIdx.x);
+        const uint32_t *copy = (const uint32_t *)(block + ep_ll_header_copy_at(ly, b));
+        const uint32_t *next = (const uint32_t *)(block + ep_ll_header_copy_at(ly, b + 1));
+        p.first = __ldcg(copy + EP_LL_HEADER_FIRST_WORD);
+        p.end = b + 1 < gridDim.x ? __ldcg(next + EP_LL_HEADER_FIRST_WORD) : __ldcg(copy + EP_LL_HEADER_MESSAGES_WORD);
+    }
+}
+
 template <bool LOGFMT>
-__device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
+__device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem, const CombineLoads &pre) {
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, b = blockIdx.x;
     __shared__ uint32_t count[MAXR];
     __shared__ uint32_t first_msg[MAXR + 1];
@@ -1076,20 +1099,14 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const int64_t *range = (const int64_t *)a.recv_layout_range;
     for (uint32_t i = threadIdx.x; i < R * L; i += NT) {
         const uint32_t s = i % R, l = i / R;
-        begin[s * L + l] = ep_layout_range_begin(range[l * R + s]);
+        begin[s * L + l] = ep_layout_range_begin(i == threadIdx.x ? pre.range0 : range[l * R + s]);
     }
     const uint8_t *dhalf = half_of(a, a.rank, a.disp_half);
-    // Send group b's slots of each source: from its dispatch header copy to the next group's
-    // first slot (the last group: to the source's messages).
+    // Send group b's slots of each source (combine_loads): from its dispatch header copy to the
+    // next group's first slot (the last group: to the source's messages); none from a masked one.
     if (threadIdx.x < R) {
         const uint32_t s = threadIdx.x;
-        const uint8_t *block = dhalf + ep_ll_drecv(ly, s);
-        const uint32_t *copy = (const uint32_t *)(block + ep_ll_header_copy_at(ly, b));
-        const uint32_t *next = (const uint32_t *)(block + ep_ll_header_copy_at(ly, b + 1));
-        const uint32_t first = masked(a, s) ? 0u : __ldcg(copy + EP_LL_HEADER_FIRST_WORD);
-        const uint32_t end = masked(a, s)           ? 0u
-                             : b + 1 < gridDim.x    ? __ldcg(next + EP_LL_HEADER_FIRST_WORD)
-                                                    : __ldcg(copy + EP_LL_HEADER_MESSAGES_WORD);
+        const uint32_t first = masked(a, s) ? 0u : pre.first, end = masked(a, s) ? 0u : pre.end;
         first_slot[s] = first;
         count[s] = end > first ? end - first : 0u;
     }
@@ -1331,11 +1348,13 @@ __device__ void combine_recv(const Args &a, uint64_t call_k) {
 // One kernel per combine flavour (LogFMT's encoder would cost the BF16 path registers).
 template <bool LOGFMT>
 __device__ __forceinline__ void combine_kernel(const Args &a, uint8_t *smem) {
+    const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
+    CombineLoads pre;
+    if (send) combine_loads(a, pre);
     const uint64_t call_k = op_epoch(a);
     load_mask(a);
     if (masked(a, a.rank)) return;
-    const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
-    if (send) combine_send<LOGFMT>(a, call_k, smem);
+    if (send) combine_send<LOGFMT>(a, call_k, smem, pre);
     if (a.flags & EP_FLAG_LL_RECV) combine_recv<LOGFMT>(a, call_k);
 }
 
