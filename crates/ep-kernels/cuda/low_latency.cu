@@ -517,28 +517,7 @@ __device__ __forceinline__ uint8_t *meta_block_out(const Args &a, const ep_ll_la
 // records, and on each destination the group's header copy, then one fence and the group's
 // signal disp_sig[h][s][b]. Every block routes the whole rank (it needs every entry's pos and the
 // per-expert totals); no block waits for another.
-// The send part's first loads, of inputs only (neither the epoch nor the mask decides them): the
-// routing's expert ids (load_first_ids), then this warp's first rows unit and the weights of its
-// first meta token. The kernel issues them before it reads its epoch word and the mask, so their
-// latency runs under those reads' and the routing's.
-struct SendLoads {
-    int64_t ids[MAXK];
-    int4 v[UNITS];
-    float w_first;
-};
-
-__device__ __forceinline__ void send_loads(const Args &a, SendLoads &p) {
-    const uint32_t T = a.num_tokens, K = a.num_topk, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const bool fp8 = (a.flags & EP_FLAG_FP8) != 0;
-    uint64_t gs, ge;
-    ep_ll_send_group(T, gridDim.x, blockIdx.x, &gs, &ge);
-    const uint32_t tb = (uint32_t)gs, nt = (uint32_t)(ge - gs), per_row = units_per_row(a.hidden, fp8);
-    load_first_ids(a, p.ids);
-    if (warp < nt * per_row) load_unit(a, fp8, tb + warp / per_row, warp % per_row, lane, p.v);
-    p.w_first = warp < nt && lane < K ? ((const float *)a.topk_weights)[(uint64_t)(tb + warp) * K + lane] : 0.0f;
-}
-
-__device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem, SendLoads &pre) {
+__device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     __shared__ uint32_t ncnt[MAXR], gfirst[MAXR], gcnt[MAXR];
     SendSmem sm = send_smem(a, smem);
     const ep_ll_layout ly = layout_of(a);
@@ -556,10 +535,15 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem, Sen
     const uint32_t nt = te - tb;
     const uint32_t per_row = units_per_row(H, fp8);
     const float *weights = (const float *)a.topk_weights;
-    int4(&v)[UNITS] = pre.v;
-    const float w_first = pre.w_first;
+    // The routing's ids first, then this warp's first rows unit and the weights of its first meta
+    // token (neither depends on the routing), so their latency runs under the routing's.
+    int64_t ids[MAXK];
+    load_first_ids(a, ids);
+    int4 v[UNITS];
+    if (warp < nt * per_row) load_unit(a, fp8, tb + warp / per_row, warp % per_row, lane, v);
+    const float w_first = tb + warp < te && lane < K ? weights[(uint64_t)(tb + warp) * K + lane] : 0.0f;
     stamp(a, 0);
-    send_slots(a, sm, pre.ids, ncnt, tb, te, gfirst, gcnt);
+    send_slots(a, sm, ids, ncnt, tb, te, gfirst, gcnt);
     stamp(a, 1);
     if (blockIdx.x == 0) {
         int32_t *slots = (int32_t *)a.slots;
@@ -938,13 +922,11 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
 
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a) {
     extern __shared__ __align__(16) uint8_t smem[];
-    const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
-    SendLoads pre;
-    if (send) send_loads(a, pre);
     const uint64_t call_k = op_epoch(a);
     load_mask(a);
     if (masked(a, a.rank)) return;
-    if (send) dispatch_send(a, call_k, smem, pre);
+    const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
+    if (send) dispatch_send(a, call_k, smem);
     if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, call_k, smem);
 }
 
