@@ -328,24 +328,18 @@ __device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
 // still completes and the group stays usable.
 // `gfirst[d]` / `gcnt[d]`: the first slot and the messages to d of this block's send group,
 // tokens [tb, te) (docs/protocol.md §3.3).
-// The expert ids of this thread's first token (token threadIdx.x; -1 past T or K), the loads the
-// routing waits for: issued first in the send part, ahead of the rows' loads.
-__device__ __forceinline__ void load_first_ids(const Args &a, int64_t (&ids)[MAXK]) {
-    const uint32_t T = a.num_tokens, K = a.num_topk, t0 = threadIdx.x;
-    const int64_t *idx = (const int64_t *)a.topk_idx;
-#pragma unroll
-    for (uint32_t k = 0; k < MAXK; ++k) ids[k] = t0 < T && k < K ? idx[t0 * K + k] : -1;
-}
-
-// `ids`: load_first_ids's.
-__device__ void send_slots(const Args &a, SendSmem sm, int64_t (&ids)[MAXK], uint32_t *ncnt, uint32_t tb,
-                           uint32_t te, uint32_t *gfirst, uint32_t *gcnt) {
+__device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t tb, uint32_t te, uint32_t *gfirst,
+                           uint32_t *gcnt) {
     const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, L = a.num_local_experts;
     const uint32_t R = a.num_ranks;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (uint32_t i = threadIdx.x; i < E; i += NT) sm.tot[i] = 0, sm.before[i] = 0;
     const int64_t *idx = (const int64_t *)a.topk_idx;
+    // The ids are loaded before the counters' barrier, so their latency runs under it.
     const uint32_t t0 = threadIdx.x;
+    int64_t ids[MAXK];
+#pragma unroll
+    for (uint32_t k = 0; k < MAXK; ++k) ids[k] = t0 < T && k < K ? idx[t0 * K + k] : -1;
     __syncthreads();
     // Stamp 11: thread 0's first id has arrived (a branch on it: the timer is read after the load).
     if (a.phase_times != 0 && threadIdx.x == 0 && ids[0] != INT64_MIN) stamp(a, 11);
@@ -535,15 +529,13 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint32_t nt = te - tb;
     const uint32_t per_row = units_per_row(H, fp8);
     const float *weights = (const float *)a.topk_weights;
-    // The routing's ids first, then this warp's first rows unit and the weights of its first meta
-    // token (neither depends on the routing), so their latency runs under the routing's.
-    int64_t ids[MAXK];
-    load_first_ids(a, ids);
+    // This warp's first rows unit and the weights of its first meta token, loaded before the
+    // routing (neither depends on it), so their latency runs under the routing's.
     int4 v[UNITS];
     if (warp < nt * per_row) load_unit(a, fp8, tb + warp / per_row, warp % per_row, lane, v);
     const float w_first = tb + warp < te && lane < K ? weights[(uint64_t)(tb + warp) * K + lane] : 0.0f;
     stamp(a, 0);
-    send_slots(a, sm, ids, ncnt, tb, te, gfirst, gcnt);
+    send_slots(a, sm, ncnt, tb, te, gfirst, gcnt);
     stamp(a, 1);
     if (blockIdx.x == 0) {
         int32_t *slots = (int32_t *)a.slots;
