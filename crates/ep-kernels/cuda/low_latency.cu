@@ -1034,12 +1034,11 @@ __device__ __forceinline__ void logfmt_load8(const uint8_t *slot, const uint32_t
 
 // ---- combine -----------------------------------------------------------------------------------
 
-// The send part on the expert's rank d: one BF16 partial per message of the dispatch (read from
-// its meta records, in the dispatch's half), into the source's crecv[d]; then the signals.
 // The combine send part's first loads, of this rank's dispatch records only (neither the epoch nor
 // the mask decides them): this thread's first word of the layout range, and for thread s < R the
 // bounds of send group b's slots from s's header copies (b's first slot; the next group's, or the
-// last group's message count). Issued before the epoch word's and the mask's reads (as SendLoads).
+// last group's message count). Issued before the epoch word's and the mask's reads, so that in a
+// graph replay (the call number read from the block's epoch word) the two loads' latencies overlap.
 struct CombineLoads {
     int64_t range0;
     uint32_t first, end;
@@ -1059,6 +1058,9 @@ __device__ __forceinline__ void combine_loads(const Args &a, CombineLoads &p) {
     }
 }
 
+// The send part on the expert's rank d: one BF16 partial per message of the dispatch (read from
+// its meta records, in the dispatch's half), into the source's crecv[d]; then the signals.
+// `pre`: combine_loads's.
 template <bool LOGFMT>
 __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem, const CombineLoads &pre) {
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, b = blockIdx.x;
