@@ -1,8 +1,9 @@
-//! Shape tests of the normal kernels' SASS: properties of the compiled rows loop that decide its
-//! speed at few SMs and that no correctness test sees (each was a measured loss, BENCHMARKS.md).
-//! They read `cuobjdump -sass` of the module build.rs compiled.
+//! Shape tests of the kernels' SASS: properties of the compiled code that decide its speed and
+//! that no correctness test sees (each a measured loss or gain, BENCHMARKS.md): the normal rows
+//! loop at few SMs, the low-latency combine's first loads. They read `cuobjdump -sass` of the
+//! module build.rs compiled.
 
-use super::{built, normal_cubin};
+use super::{built, low_latency_cubin, normal_cubin};
 
 /// The SASS of `function` in `cubin`, from the cuobjdump beside the nvcc that built it;
 /// `None` (a skip, said why) where that tool is missing, a failure under
@@ -314,4 +315,38 @@ fn the_checker_reads_registers_and_instructions() {
     assert_eq!(insns[0].operands, vec!["R52", "desc[UR8][R52.64]"]);
     assert_eq!(insns[1].op, "ISETP.GE.AND");
     assert_eq!(access_width("STG.E.128"), 4);
+}
+
+/// The low-latency combine issues its send part's first loads — the header copies' slot bounds
+/// (`__ldcg`: `LDG.E.STRONG.GPU`) — before the block's epoch word's read (a volatile load:
+/// `LDG.E.64.STRONG.SYS`, ep_block_epoch), so that in a graph replay the two latencies overlap
+/// (combine_loads; graph replays -0.13 to -0.35 us, BENCHMARKS.md 2026-12-07 from 16:37). Before,
+/// the epoch's read and its barrier came first.
+#[test]
+fn the_ll_combine_loads_its_records_before_its_epoch_word() {
+    let Ok(cubin) = low_latency_cubin() else {
+        eprintln!(
+            "skipped: low_latency.cu not built: {:?}",
+            built::LOW_LATENCY.err()
+        );
+        return;
+    };
+    for function in ["ep_ll_combine", "ep_ll_combine_logfmt"] {
+        let Some(sass) = sass(cubin, function) else {
+            return;
+        };
+        let insns = instructions(&sass);
+        let first = |op: &str| insns.iter().position(|i| i.op == op);
+        let epoch = first("LDG.E.64.STRONG.SYS")
+            .unwrap_or_else(|| panic!("{function}: no strong 64-bit load (the epoch word's read)"));
+        let records = first("LDG.E.STRONG.GPU")
+            .unwrap_or_else(|| panic!("{function}: no __ldcg load (the header copies' words)"));
+        assert!(
+            records < epoch,
+            "{function}: the header copies' loads (at {:#x}) come after the epoch word's read (at \
+             {:#x}): combine_loads no longer runs before op_epoch",
+            insns[records].addr,
+            insns[epoch].addr
+        );
+    }
 }
