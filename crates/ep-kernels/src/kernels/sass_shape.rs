@@ -41,17 +41,29 @@ fn sass(cubin: &[u8], function: &str) -> Option<String> {
     Some(String::from_utf8(out.stdout).unwrap())
 }
 
+/// The SASS of `functions` in `module`, or `None` (a skip, said why) where the module was not
+/// built or cuobjdump is missing.
+fn kernels_sass(
+    module: crate::error::Result<&'static [u8]>,
+    functions: &[&'static str],
+) -> Option<Vec<(&'static str, String)>> {
+    let cubin = match module {
+        Ok(cubin) => cubin,
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            return None;
+        }
+    };
+    functions
+        .iter()
+        .map(|&f| Some((f, sass(cubin, f)?)))
+        .collect()
+}
+
 /// The SASS of both kernels that copy rows (the dispatch and its ceiling), or `None` (a skip,
 /// said why) where normal.cu or cuobjdump is missing.
 fn row_kernels() -> Option<Vec<(&'static str, String)>> {
-    let Ok(cubin) = normal_cubin() else {
-        eprintln!("skipped: normal.cu not built: {:?}", built::NORMAL.err());
-        return None;
-    };
-    ["ep_normal_dispatch", "ep_copy_ceiling"]
-        .into_iter()
-        .map(|f| Some((f, sass(cubin, f)?)))
-        .collect()
+    kernels_sass(normal_cubin(), &["ep_normal_dispatch", "ep_copy_ceiling"])
 }
 
 /// The rows loop of a dispatch-shaped kernel as runs of (is_store, count) in program order:
@@ -324,17 +336,13 @@ fn the_checker_reads_registers_and_instructions() {
 /// the epoch's read and its barrier came first.
 #[test]
 fn the_ll_combine_loads_its_records_before_its_epoch_word() {
-    let Ok(cubin) = low_latency_cubin() else {
-        eprintln!(
-            "skipped: low_latency.cu not built: {:?}",
-            built::LOW_LATENCY.err()
-        );
+    let Some(kernels) = kernels_sass(
+        low_latency_cubin(),
+        &["ep_ll_combine", "ep_ll_combine_logfmt"],
+    ) else {
         return;
     };
-    for function in ["ep_ll_combine", "ep_ll_combine_logfmt"] {
-        let Some(sass) = sass(cubin, function) else {
-            return;
-        };
+    for (function, sass) in kernels {
         let insns = instructions(&sass);
         let first = |op: &str| insns.iter().position(|i| i.op == op);
         let epoch = first("LDG.E.64.STRONG.SYS")
