@@ -150,7 +150,7 @@ pub(crate) const CONSTANTS: &[(&str, u64, &str)] = &[
     ("EP_KERNEL_LAYOUT", 3, "ep_normal_layout."),
     ("EP_KERNEL_DISPATCH", 1, "ep_normal_dispatch."),
     ("EP_KERNEL_COMBINE", 2, "ep_normal_combine."),
-    ("EP_PHASE_SLOTS", 16, "Stamps per block: start, offsets known, rows stored, done released, done acquired, end; the normal dispatch's every block also 7 (every notify acquired) and 15 (its own channel start counted), its notify block 6 (record heads fenced), 8 and 11 (its steps) and 12..14 (the table, cuda/normal.cu); the low-latency dispatch 0..6 (cuda/low_latency.cu) and 7, 9, 10 (expert ids loaded, rows sent, positions computed)."),
+    ("EP_PHASE_SLOTS", 16, "Stamps per block: start, offsets known, rows stored, done released, done acquired, end; the normal dispatch's every block also 7 (every notify acquired) and 15 (its own channel start counted), its notify block 6 (record heads fenced), 8 and 11 (its steps) and 12..14 (the table, cuda/normal.cu); the low-latency dispatch 0..6 (cuda/low_latency.cu) and 7, 9, 10 (expert ids loaded, rows sent, positions computed), 11 and 8 (thread 0's first expert id and warp 0's first rows unit arrived)."),
 ];
 
 /// The device trace of debug builds (`ep_kernels::gpu::trace`, judged by

@@ -341,6 +341,8 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t 
 #pragma unroll
     for (uint32_t k = 0; k < MAXK; ++k) ids[k] = t0 < T && k < K ? idx[t0 * K + k] : -1;
     __syncthreads();
+    // Stamp 11: thread 0's first id has arrived (a branch on it: the timer is read after the load).
+    if (a.phase_times != 0 && threadIdx.x == 0 && ids[0] != INT64_MIN) stamp(a, 11);
     for (uint32_t t = t0; t < T; t += NT) {
         if (t != t0) {
 #pragma unroll
@@ -551,6 +553,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         for (uint32_t u = warp; u < nt * per_row; u += WARPS) {
             const uint32_t t = tb + u / per_row, c0 = (u % per_row) * 32 * UNITS;
             if (u != warp) load_unit(a, false, t, u % per_row, lane, v);
+            else if (a.phase_times != 0 && threadIdx.x == 0 && (uint32_t)v[0].x != 0x7fc17fc1u) stamp(a, 8);
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
 #ifdef EP_LL_NVSHMEM
@@ -587,6 +590,8 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         for (uint32_t u = warp; u < nt * per_row; u += WARPS) {
             const uint32_t t = tb + u / per_row, b0 = (u % per_row) * 2 * UNITS;
             if (u != warp) load_unit(a, true, t, u % per_row, lane, v);
+            // Stamp 8: warp 0's first rows unit has arrived (a branch on it, as stamp 11).
+            else if (a.phase_times != 0 && threadIdx.x == 0 && (uint32_t)v[0].x != 0x7fc17fc1u) stamp(a, 8);
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
 #pragma unroll

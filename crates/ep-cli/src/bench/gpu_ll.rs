@@ -1131,8 +1131,9 @@ fn check_counts(
 }
 
 /// One plain dispatch's steps, median over the blocks of all ranks: the routing split into the
-/// expert ids loaded (stamp 0 to 7) and the slots ranked (7 to 1), the send part into rows (1 to
-/// 9), positions (9 to 10) and meta records (10 to 2); then, in microseconds from the earliest
+/// expert ids arriving (stamp 0 to 11) and counted (11 to 7) and the slots ranked (7 to 1), the
+/// send part into the rows — warp 0's first unit arriving after the routing (1 to 8) and its
+/// stores (8 to 9) —, positions (9 to 10) and meta records (10 to 2); then, in microseconds from the earliest
 /// block start, when the blocks' send parts end (median and last, stamp 2), when the last
 /// block's signals are out (3) and when the receive parts' waits end (median and last, 5): the
 /// wait a receiver sees is the send parts' spread plus the signal's trip.
@@ -1157,10 +1158,14 @@ fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
     let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     let (ends, sig, waited) = (at(2), at(3), at(5));
     format!(
-        "ids {:.2} + slots {:.2}; rows {:.2} + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start)",
+        "ids {:.2} (arrived {:.2} + counted {:.2}) + slots {:.2}; rows {:.2} (first unit arrived {:.2} + stored {:.2}) + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start)",
         step(0, 7),
+        step(0, 11),
+        step(11, 7),
         step(7, 1),
         step(1, 9),
+        step(1, 8),
+        step(8, 9),
         step(9, 10),
         step(10, 2),
         super::report::median(&ends),
@@ -1180,8 +1185,9 @@ mod tests {
     /// times from the first block start for the send ends, the signals and the waits.
     #[test]
     fn the_dispatch_steps_split_the_send_part_and_time_its_ends() {
-        // Stamps in ns; slots 0 start, 7 ids, 1 slots, 9 rows, 10 positions, 2 metas, 3 the
-        // last block's signals, 4 receive start, 5 waits end.
+        // Stamps in ns; slots 0 start, 11 first id arrived, 7 ids counted, 1 slots, 8 first
+        // rows unit arrived, 9 rows, 10 positions, 2 metas, 3 the last block's signals, 4
+        // receive start, 5 waits end.
         let blk = |at: &[(usize, u64)]| {
             let mut b = vec![0u64; 16];
             for &(i, t) in at {
@@ -1193,8 +1199,10 @@ mod tests {
             vec![
                 blk(&[
                     (0, 0),
+                    (11, 1_500),
                     (7, 2_000),
                     (1, 2_500),
+                    (8, 3_500),
                     (9, 6_500),
                     (10, 8_500),
                     (2, 9_000),
@@ -1203,8 +1211,10 @@ mod tests {
                 ]),
                 blk(&[
                     (0, 0),
+                    (11, 2_500),
                     (7, 3_000),
                     (1, 3_500),
+                    (8, 4_500),
                     (9, 7_500),
                     (10, 9_500),
                     (2, 10_000),
@@ -1216,8 +1226,10 @@ mod tests {
                 // Rank 1 starts 2 us later; its block 0 is the last block (signals at 17 us).
                 blk(&[
                     (0, 2_000),
+                    (11, 3_500),
                     (7, 4_000),
                     (1, 4_500),
+                    (8, 5_500),
                     (9, 9_500),
                     (10, 11_500),
                     (2, 14_000),
@@ -1228,9 +1240,14 @@ mod tests {
             ],
         ];
         let line = dispatch_detail(&stamps);
-        assert!(line.contains("ids 2.00 + slots 0.50"), "{line}");
         assert!(
-            line.contains("rows 4.00 + positions 2.00 + metas 0.50"),
+            line.contains("ids 2.00 (arrived 1.50 + counted 0.50) + slots 0.50"),
+            "{line}"
+        );
+        assert!(
+            line.contains(
+                "rows 4.00 (first unit arrived 1.00 + stored 3.00) + positions 2.00 + metas 0.50"
+            ),
             "{line}"
         );
         assert!(
