@@ -333,43 +333,37 @@ __device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t 
     const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, L = a.num_local_experts;
     const uint32_t R = a.num_ranks;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // dmask as 32-bit words (4 tokens each, bit 8 (t % 4) + d; the carve-out pads it to 16 bytes).
+    uint32_t *dmask_w = (uint32_t *)sm.dmask;
     for (uint32_t i = threadIdx.x; i < E; i += NT) sm.tot[i] = 0, sm.before[i] = 0;
+    for (uint32_t i = threadIdx.x; i < (T + 3) / 4; i += NT) dmask_w[i] = 0;
     const int64_t *idx = (const int64_t *)a.topk_idx;
-    // The ids are loaded before the counters' barrier, so their latency runs under it.
-    const uint32_t t0 = threadIdx.x;
-    int64_t ids[MAXK];
-#pragma unroll
-    for (uint32_t k = 0; k < MAXK; ++k) ids[k] = t0 < T && k < K ? idx[t0 * K + k] : -1;
+    // Entry j = t K + k of the rank, NT apart per thread (loads coalesced, ~T K / NT entries each:
+    // every thread shares the counting); the first two are loaded before the counters' barrier, so
+    // their latency runs under it.
+    const uint32_t TK = T * K, j0 = threadIdx.x;
+    const int64_t id0 = j0 < TK ? idx[j0] : -1, id1 = j0 + NT < TK ? idx[j0 + NT] : -1;
     __syncthreads();
     // Stamp 11: thread 0's first id has arrived (a branch on it: the timer is read after the load).
-    if (a.phase_times != 0 && threadIdx.x == 0 && ids[0] != INT64_MIN) stamp(a, 11);
-    for (uint32_t t = t0; t < T; t += NT) {
-        if (t != t0) {
-#pragma unroll
-            for (uint32_t k = 0; k < MAXK; ++k) ids[k] = k < K ? idx[t * K + k] : -1;
+    if (a.phase_times != 0 && threadIdx.x == 0 && id0 != INT64_MIN) stamp(a, 11);
+    for (uint32_t j = j0; j < TK; j += NT) {
+        int64_t e = j == j0 ? id0 : j == j0 + NT ? id1 : idx[j];
+        const uint32_t t = j / K;
+        if (e < -1 || e >= (int64_t)E) {
+            if (blockIdx.x == 0)
+                ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LL_DISPATCH, a.rank, 0, E,
+                        (uint64_t)e, j);
+            e = -1;
         }
-        uint32_t m = 0;
-#pragma unroll
-        for (uint32_t k = 0; k < MAXK; ++k) {
-            if (k >= K) break;
-            int64_t e = ids[k];
-            if (e < -1 || e >= (int64_t)E) {
-                if (blockIdx.x == 0)
-                    ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LL_DISPATCH, a.rank, 0,
-                            E, (uint64_t)e, t * K + k);
-                e = -1;
-            }
-            // e in [-1, E): one 32-bit division for the destination and its mask bit.
-            const uint32_t d = e >= 0 ? (uint32_t)e / L : 0u;
-            if (e >= 0 && masked(a, d)) e = -1;
-            sm.expert[t * K + k] = (int16_t)e;
-            if (e >= 0) {
-                m |= 1u << d;
-                atomicAdd(&sm.tot[e], 1u);
-                if (t < tb) atomicAdd(&sm.before[e], 1u);
-            }
+        // e in [-1, E): one 32-bit division for the destination and its mask bit.
+        const uint32_t d = e >= 0 ? (uint32_t)e / L : 0u;
+        if (e >= 0 && masked(a, d)) e = -1;
+        sm.expert[j] = (int16_t)e;
+        if (e >= 0) {
+            atomicOr(&dmask_w[t / 4], 1u << (8 * (t % 4) + d));
+            atomicAdd(&sm.tot[e], 1u);
+            if (t < tb) atomicAdd(&sm.before[e], 1u);
         }
-        sm.dmask[t] = (uint8_t)m;
     }
     __syncthreads();
     stamp(a, 7);
