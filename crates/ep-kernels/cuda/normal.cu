@@ -518,6 +518,9 @@ __device__ __forceinline__ uint32_t layout_entry(const Args &a, int64_t e, uint6
 }
 
 extern "C" __global__ void __launch_bounds__(NT) ep_normal_layout(const Args a) {
+    // The dispatch launched after it may start now: it waits for this kernel's end
+    // (ep_pdl_wait) before it reads anything, so only its launch overlaps this kernel.
+    ep_pdl_trigger();
     __shared__ int32_t s_rank[MAXR];
     __shared__ int32_t s_expert[LAYOUT_SMEM_EXPERTS];  // per-block histogram (E <= 4096)
     const uint32_t R = (uint32_t)a.num_ranks, K = (uint32_t)a.num_topk;
@@ -807,6 +810,9 @@ __device__ bool publish_recv(const Args &a, uint64_t k, const int32_t *nrec) {
 // Dispatch (§2.3) and cached dispatch (§2.4). Grid 2C blocks, pairs (2c, 2c + 1).
 extern "C" __global__ void __launch_bounds__(NT, 1)
     ep_normal_dispatch(const Args a) {
+    // Launched with programmatic serialization (the layout kernel before it lets it start
+    // early): nothing the stream's earlier work wrote is read before this.
+    ep_pdl_wait();
     const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     const uint32_t R = (uint32_t)a.num_ranks, me = (uint32_t)a.rank, C = (uint32_t)a.num_channels;
     const uint32_t K = (uint32_t)a.num_topk;

@@ -20,6 +20,15 @@
 #include "ep_gpu_abi.h"
 #include "ep_protocol.cuh"
 
+/* Programmatic dependent launch (sm_90). A kernel launched with the programmatic-serialization
+ * attribute may start while the kernel before it on the stream still runs: it must read nothing
+ * that kernel (or anything before it) wrote until `ep_pdl_wait` returns, which waits for that
+ * kernel's completion and its memory. Without the attribute the wait returns at once.
+ * `ep_pdl_trigger` lets such a dependent start before this kernel ends. */
+__device__ __forceinline__ void ep_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ void ep_pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 __device__ __forceinline__ uint64_t ep_ld_acquire(const uint64_t *p) {
     uint64_t v;
     asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");

@@ -35,7 +35,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use ep_core::buffer::check::{HandleShapes, normal_handle};
 use ep_core::plan::intranode::DispatchOptions;
 use ep_core::protocol::layout::{NormalCtrl, NormalData, REGION_ALIGN, RowFormat, align128};
@@ -358,6 +358,51 @@ enum Kernel {
     Combine,
     Ceiling,
     CeilingGather,
+}
+
+/// Launches `f(args)` on `stream` with programmatic stream serialization (PDL): the kernel may
+/// be scheduled while the stream's previous kernel still runs — the layout kernel lets its
+/// dependent start at once — and waits for that kernel's end and memory itself
+/// (`ep_pdl_wait`, ep_device.cuh) before it reads anything. What overlaps is the launch: the
+/// dispatch's blocks are resident and past their prologue when the layout ends.
+fn launch_programmatic(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &NormalArgs,
+) -> Result<()> {
+    use cudarc::driver::sys;
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(Error::cuda("cuCtxSetCurrent"))?;
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            programmaticStreamSerializationAllowed: 1,
+        },
+    };
+    let lc = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut params = [std::ptr::from_ref(args).cast_mut().cast::<std::ffi::c_void>()];
+    // SAFETY: the kernel takes one `ep_normal_args` by value (generated from the same table as
+    // `NormalArgs`), passed as the one entry of `params`, which the driver copies before this
+    // returns; `attr` and `lc` outlive the call; the stream and function belong to the context
+    // bound above. The addresses inside `args` are live for the kernel as `launch` says.
+    unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+        .result()
+        .map_err(Error::cuda("cuLaunchKernelEx"))
 }
 
 fn launch_cfg(blocks: u32) -> LaunchConfig {
@@ -890,6 +935,9 @@ impl NormalGroup {
             t.apply(rank, &mut a);
         }
         let args = &a;
+        if matches!(kernel, Kernel::Dispatch) {
+            return launch_programmatic(&self.ranks[rank].stream, f, launch_cfg(blocks), args);
+        }
         let mut b = self.ranks[rank].stream.launch_builder(f);
         b.arg(args);
         // SAFETY: the kernel takes one `ep_normal_args` by value (generated from the same table

@@ -358,3 +358,48 @@ fn the_ll_combine_loads_its_records_before_its_epoch_word() {
         );
     }
 }
+
+/// An instruction that reads global memory another kernel may write: global or generic loads
+/// and atomics (not `LDC`, the kernel parameters, nor `LDS`, the block's shared memory).
+fn reads_memory(op: &str) -> bool {
+    op == "LD" || ["LDG", "LD.", "ATOM", "RED"].iter().any(|p| op.starts_with(p))
+}
+
+/// The normal dispatch is launched with programmatic serialization (PDL, docs/protocol.md §2.7):
+/// it may start while the layout kernel before it runs, so it must read no memory before its
+/// grid-dependency wait (`ACQBULK`, `ep_pdl_wait`); and the layout kernel lets it start
+/// (`PREEXIT`, `ep_pdl_trigger`) before it writes its counts.
+#[test]
+fn the_normal_dispatch_reads_nothing_before_its_grid_dependency_wait() {
+    let Some(kernels) = kernels_sass(normal_cubin(), &["ep_normal_dispatch", "ep_normal_layout"])
+    else {
+        return;
+    };
+    for (function, sass) in kernels {
+        let insns = instructions(&sass);
+        let mark = if function == "ep_normal_dispatch" {
+            "ACQBULK"
+        } else {
+            "PREEXIT"
+        };
+        let at = insns
+            .iter()
+            .position(|i| i.op == mark)
+            .unwrap_or_else(|| panic!("{function}: no {mark} (its griddepcontrol instruction)"));
+        let before = if function == "ep_normal_dispatch" {
+            insns[..at].iter().find(|i| reads_memory(i.op))
+        } else {
+            // The layout's first memory access of any kind: its trigger comes before.
+            insns[..at]
+                .iter()
+                .find(|i| reads_memory(i.op) || i.op.starts_with("STG") || i.op.starts_with("ST."))
+        };
+        assert!(
+            before.is_none(),
+            "{function}: {} at {:#x} comes before its {mark} at {:#x}",
+            before.map_or("", |i| i.op),
+            before.map_or(0, |i| i.addr),
+            insns[at].addr
+        );
+    }
+}
