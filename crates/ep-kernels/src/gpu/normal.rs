@@ -395,14 +395,23 @@ fn launch_programmatic(
         attrs: &mut attr,
         numAttrs: 1,
     };
-    let mut params = [std::ptr::from_ref(args).cast_mut().cast::<std::ffi::c_void>()];
+    let mut params = [std::ptr::from_ref(args)
+        .cast_mut()
+        .cast::<std::ffi::c_void>()];
     // SAFETY: the kernel takes one `ep_normal_args` by value (generated from the same table as
     // `NormalArgs`), passed as the one entry of `params`, which the driver copies before this
     // returns; `attr` and `lc` outlive the call; the stream and function belong to the context
     // bound above. The addresses inside `args` are live for the kernel as `launch` says.
-    unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
-        .result()
-        .map_err(Error::cuda("cuLaunchKernelEx"))
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &lc,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(Error::cuda("cuLaunchKernelEx"))
 }
 
 fn launch_cfg(blocks: u32) -> LaunchConfig {

@@ -362,7 +362,10 @@ fn the_ll_combine_loads_its_records_before_its_epoch_word() {
 /// An instruction that reads global memory another kernel may write: global or generic loads
 /// and atomics (not `LDC`, the kernel parameters, nor `LDS`, the block's shared memory).
 fn reads_memory(op: &str) -> bool {
-    op == "LD" || ["LDG", "LD.", "ATOM", "RED"].iter().any(|p| op.starts_with(p))
+    op == "LD"
+        || ["LDG", "LD.", "ATOM", "RED"]
+            .iter()
+            .any(|p| op.starts_with(p))
 }
 
 /// The normal dispatch is launched with programmatic serialization (PDL, docs/protocol.md §2.7):
