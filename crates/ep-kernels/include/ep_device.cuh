@@ -64,6 +64,16 @@ __device__ __forceinline__ uint64_t ep_ld_acquire_at(bool gpu, const uint64_t *p
     return gpu ? ep_ld_acquire_gpu(p) : ep_ld_acquire(p);
 }
 
+/* A strong relaxed store at GPU scope when `gpu`, system scope otherwise. After a fence of at
+ * least that scope it is a release (PTX memory model: a fence followed by a strong write is a
+ * release pattern), so one fence can publish several flags, each without a fence of its own. */
+__device__ __forceinline__ void ep_st_relaxed_at(bool gpu, uint64_t *p, uint64_t v) {
+    if (gpu)
+        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+    else
+        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ uint64_t ep_ld_volatile(const uint64_t *p) {
     uint64_t v;
     asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
