@@ -1157,8 +1157,31 @@ fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
     };
     let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     let (ends, sig, waited) = (at(2), at(3), at(5));
+    // Per rank, the spread of its blocks' starts (0) and receive ends (6): what of the span the
+    // median steps do not hold (a late kernel, late blocks, a slow last block).
+    let per_rank: Vec<String> = stamps
+        .iter()
+        .enumerate()
+        .map(|(r, blocks)| {
+            let of = |s: usize| -> Vec<f64> {
+                blocks
+                    .iter()
+                    .filter(|b| b[0] != 0 && b[s] != 0)
+                    .map(|b| us(b[s]))
+                    .collect()
+            };
+            let (starts, done) = (of(0), of(6));
+            format!(
+                "rank {r} starts {:.2}/{:.2} receive ends {:.2}/{:.2}",
+                super::report::median(&starts),
+                max(&starts),
+                super::report::median(&done),
+                max(&done)
+            )
+        })
+        .collect();
     format!(
-        "ids {:.2} (arrived {:.2} + counted {:.2}) + slots {:.2}; rows {:.2} (first unit arrived {:.2} + stored {:.2}) + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start)",
+        "ids {:.2} (arrived {:.2} + counted {:.2}) + slots {:.2}; rows {:.2} (first unit arrived {:.2} + stored {:.2}) + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start); median/last: {}",
         step(0, 7),
         step(0, 11),
         step(11, 7),
@@ -1173,6 +1196,7 @@ fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
         max(&sig),
         super::report::median(&waited),
         max(&waited),
+        per_rank.join(", "),
     )
 }
 
@@ -1236,6 +1260,7 @@ mod tests {
                     (3, 17_000),
                     (4, 17_000),
                     (5, 19_000),
+                    (6, 20_000),
                 ]),
             ],
         ];
@@ -1256,6 +1281,16 @@ mod tests {
         );
         assert!(line.contains("signals out 17.00"), "{line}");
         assert!(line.contains("waits end median 18.50 last 19.00"), "{line}");
+        // Per rank: its blocks' starts and receive ends (rank 0 stamped no receive end: an
+        // empty set's median and last are 0).
+        assert!(
+            line.contains("rank 0 starts 0.00/0.00 receive ends 0.00/0.00"),
+            "{line}"
+        );
+        assert!(
+            line.contains("rank 1 starts 2.00/2.00 receive ends 20.00/20.00"),
+            "{line}"
+        );
     }
 
     /// When IBGDA does not come up, the bench prints the doctor's reasons: on a machine
