@@ -536,25 +536,30 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         None
     };
 
-    // Phases of one plain dispatch and one plain combine (median over blocks of all ranks).
+    // Phases of one plain dispatch and one plain combine (median over blocks of all ranks),
+    // behind the gate like the timed calls, so that the ranks start together: launched one
+    // after the other by the host, rank 1's blocks started 7-8 us after rank 0's, whose
+    // receive part then waited that long (BENCHMARKS.md, 2026-12-07 from 18:44).
     let slots = [1usize, 2, 4, 5, 6];
     let comb_slots = [2usize, 4, 5, 6];
     g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
-    let o = g.dispatch(&inputs, &dargs).map_err(gpu_err("dispatch"))?;
+    let (o, _) = g
+        .timed(|g| g.dispatch(&inputs, &dargs))
+        .map_err(gpu_err("dispatch"))?;
     let dstamps = g.phase_times().map_err(gpu_err("phase stamps"))?;
     let dphases = super::gpu::phase_split(&dstamps, &slots);
     rep.dispatch_detail = dispatch_detail(&dstamps);
     g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
     let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
     let hs: Vec<_> = h.iter().collect();
-    g.combine_with(&hs, &y_in, &cargs)
+    g.timed(|g| g.combine_with(&hs, &y_in, &cargs))
         .map_err(gpu_err("combine"))?;
     let cphases = super::gpu::phase_split(
         &g.phase_times().map_err(gpu_err("phase stamps"))?,
         &comb_slots,
     );
     g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
-    g.dispatch(&empty_inputs, &dargs)
+    g.timed(|g| g.dispatch(&empty_inputs, &dargs))
         .map_err(gpu_err("zero-token dispatch"))?;
     let zphases =
         super::gpu::phase_split(&g.phase_times().map_err(gpu_err("phase stamps"))?, &slots);
