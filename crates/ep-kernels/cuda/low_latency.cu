@@ -185,17 +185,23 @@ __device__ __forceinline__ uint64_t load_signal(const Args &a, const uint64_t *w
 
 // Variant (a): a block's signals to its destinations, after its stores (every thread's, behind
 // the caller's barrier). Warp 0 fences once (fence_for_peers, unless a test plants a missing
-// fence), then lane d < R stores the signal of destination d: the fence and each strong store
-// form a release pattern at the scope load_signal acquires, so the R signals leave together.
-// (One release store after another, each with its own fence, waited for the one before it:
-// R round trips on thread 0.) `word(d)` is d's signal word, `value(d)` its value; masked
-// destinations get none.
-template <typename Word, typename Value>
-__device__ __forceinline__ void signal_destinations(const Args &a, bool fence, Word word, Value value) {
-    if (threadIdx.x >= 32) return;
-    if (fence) fence_for_peers(a);
-    const uint32_t d = threadIdx.x;
-    if (d < a.num_ranks && !masked(a, d)) ep_st_relaxed_at((a.flags & EP_FLAG_SAME_GPU) != 0, word(d), value(d));
+// fence), then lane d < R stores destination d's signal word (offset `sig`, the same on every
+// destination) with `value(d)`: the fence and each strong store form a release pattern at the
+// scope load_signal acquires, so the R signals leave together. (One release store after
+// another, each with its own fence, waited for the one before it: R round trips on thread 0.)
+// Masked destinations get none. Traced kernels record the fence and the releases on thread 0.
+template <typename Value>
+__device__ __forceinline__ void signal_destinations(const Args &a, bool fence, uint64_t sig, Value value) {
+    if (TRACED && threadIdx.x == 0 && fence) TRACE_FENCE(PEER_FENCE_SCOPE(a));
+    if (threadIdx.x < 32) {
+        if (fence) fence_for_peers(a);
+        const uint32_t d = threadIdx.x;
+        if (d < a.num_ranks && !masked(a, d))
+            ep_st_relaxed_at((a.flags & EP_FLAG_SAME_GPU) != 0, signal_of(a, d, sig), value(d));
+    }
+    if (TRACED && threadIdx.x == 0)
+        for (uint32_t d = 0; d < a.num_ranks; ++d)
+            if (!masked(a, d)) TRACE_RELEASE(d, sig, value(d));
 }
 
 // After load_signal saw the awaited value: orders the reads of what the signal covers after it.
@@ -727,18 +733,11 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
                                         NVSHMEM_SIGNAL_SET, pe_of(a, d));
     }
 #else
-    const uint64_t sig = ep_ll_dispatch_signal(R, a.half, a.rank, b);
-    if (TRACED && threadIdx.x == 0) {
-        for (uint32_t d = 0; d < R; ++d)
-            if (!masked(a, d)) TRACE_STORE(d, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, a.rank) + copy_at, hc);
-        if (!skip_fence) TRACE_FENCE(PEER_FENCE_SCOPE(a));
-    }
-    signal_destinations(
-        a, !skip_fence, [&](uint32_t d) { return signal_of(a, d, sig); },
-        [&](uint32_t d) { return ep_ll_encode(call_k, gcnt[d]); });
     if (TRACED && threadIdx.x == 0)
         for (uint32_t d = 0; d < R; ++d)
-            if (!masked(a, d)) TRACE_RELEASE(d, sig, ep_ll_encode(call_k, gcnt[d]));
+            if (!masked(a, d)) TRACE_STORE(d, ep_ll_half_base(ly, a.half) + ep_ll_drecv(ly, a.rank) + copy_at, hc);
+    signal_destinations(a, !skip_fence, ep_ll_dispatch_signal(R, a.half, a.rank, b),
+                        [&](uint32_t d) { return ep_ll_encode(call_k, gcnt[d]); });
 #endif
     stamp(a, 3);
 }
@@ -1216,14 +1215,8 @@ __device__ void combine_send(const Args &a, uint64_t call_k, uint8_t *smem, cons
         TRACE_RELEASE(s, sig, ep_ll_encode(call_k, count[s]));
     }
 #else
-    const uint64_t sig = ep_ll_combine_signal(R, a.half, a.rank, b);
-    if (TRACED && threadIdx.x == 0 && !skip_fence) TRACE_FENCE(PEER_FENCE_SCOPE(a));
-    signal_destinations(
-        a, !skip_fence, [&](uint32_t s) { return signal_of(a, s, sig); },
-        [&](uint32_t s) { return ep_ll_encode(call_k, count[s]); });
-    if (TRACED && threadIdx.x == 0)
-        for (uint32_t s = 0; s < R; ++s)
-            if (!masked(a, s)) TRACE_RELEASE(s, sig, ep_ll_encode(call_k, count[s]));
+    signal_destinations(a, !skip_fence, ep_ll_combine_signal(R, a.half, a.rank, b),
+                        [&](uint32_t s) { return ep_ll_encode(call_k, count[s]); });
 #endif
     stamp(a, 3);
 }
