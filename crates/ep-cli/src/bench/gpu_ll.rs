@@ -1138,10 +1138,11 @@ fn check_counts(
 /// One plain dispatch's steps, median over the blocks of all ranks: the routing split into the
 /// expert ids arriving (stamp 0 to 11) and counted (11 to 7) and the slots ranked (7 to 1), the
 /// send part into the rows — warp 0's first unit arriving after the routing (1 to 8) and its
-/// stores (8 to 9) —, positions (9 to 10) and meta records (10 to 2); then, in microseconds from the earliest
-/// block start, when the blocks' send parts end (median and last, stamp 2), when the last
-/// block's signals are out (3) and when the receive parts' waits end (median and last, 5): the
-/// wait a receiver sees is the send parts' spread plus the signal's trip.
+/// stores (8 to 9) —, positions (9 to 10) and meta records (10 to 2); then, in microseconds
+/// from the earliest block start, when the blocks' send parts end (median and last, stamp 2),
+/// when the last block's signals are out (3) and when the receive parts' waits end (median and
+/// last, 5): the wait a receiver sees is the send parts' spread plus the signal's trip; and per
+/// rank its blocks' starts (0) and receive ends (6), median and last.
 fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
     let blocks: Vec<&Vec<u64>> = stamps.iter().flatten().filter(|b| b[0] != 0).collect();
     let step = |a: usize, b: usize| -> f64 {

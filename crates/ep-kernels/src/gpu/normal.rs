@@ -364,7 +364,7 @@ enum Kernel {
 /// be scheduled while the stream's previous kernel still runs — the layout kernel lets its
 /// dependent start at once — and waits for that kernel's end and memory itself
 /// (`ep_pdl_wait`, ep_device.cuh) before it reads anything. What overlaps is the launch: the
-/// dispatch's blocks are resident and past their prologue when the layout ends.
+/// dispatch's blocks are launched and resident when the layout ends.
 fn launch_programmatic(
     stream: &CudaStream,
     f: &CudaFunction,
