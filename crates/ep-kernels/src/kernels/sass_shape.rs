@@ -1,7 +1,8 @@
 //! Shape tests of the kernels' SASS: properties of the compiled code that decide its speed and
 //! that no correctness test sees (each a measured loss or gain, BENCHMARKS.md): the normal rows
-//! loop at few SMs, the low-latency combine's first loads. They read `cuobjdump -sass` of the
-//! module build.rs compiled.
+//! loop at few SMs, the low-latency combine's first loads; and one that a wrong order would make
+//! a race, the normal dispatch's grid-dependency wait before any read. They read `cuobjdump
+//! -sass` of the module build.rs compiled.
 
 use super::{built, low_latency_cubin, normal_cubin};
 
