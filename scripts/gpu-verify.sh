@@ -16,8 +16,9 @@
 # AB_ROUNDS times (default 1: A B), for a change's A/B on one machine. Every step has its own time limit; the whole run stays within
 # BUDGET seconds (default 540), and a step that would not fit is reported NOT RUN, never passed.
 # Measured step times (H100, 2026-12-07), for sizing a call: one ab-normal / ab-args / ab-ll run
-# 5-11 s, one ab-normal8 run 74 s, gpu_low_latency 117-135 s and its nvshmem half 85-117 s,
-# buffer-ll-nvshmem 115-123 s, normal-core-fast 163-186 s; a machine's start adds 90-200 s of
+# 5-12 s, one ab-normal8 run 74 s, gpu_low_latency 114-136 s and its nvshmem half 85-117 s,
+# gpu_buffer_ll (variant a) over 136 s, buffer-ll-nvshmem 115-123 s, normal-core-fast 163-186 s,
+# normal-more 43-50 s; a machine's start adds 90-200 s of
 # device time before the first step (once 480 s: held 842 s for a 362 s command), and a start that
 # fails costs 90-180 s.
 set -uo pipefail
