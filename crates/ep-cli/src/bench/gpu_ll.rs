@@ -1154,29 +1154,20 @@ fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
         super::report::median(&d)
     };
     let us = super::gpu::since_first_start(stamps);
-    let at = |s: usize| -> Vec<f64> {
-        blocks
-            .iter()
-            .filter(|x| x[s] != 0)
-            .map(|x| us(x[s]))
-            .collect()
+    // Stamp `s` of the started blocks in `of`, in us from the first block start.
+    let times = |of: &[&Vec<u64>], s: usize| -> Vec<f64> {
+        of.iter().filter(|x| x[s] != 0).map(|x| us(x[s])).collect()
     };
     let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    let (ends, sig, waited) = (at(2), at(3), at(5));
+    let (ends, sig, waited) = (times(&blocks, 2), times(&blocks, 3), times(&blocks, 5));
     // Per rank, the spread of its blocks' starts (0) and receive ends (6): what of the span the
     // median steps do not hold (a late kernel, late blocks, a slow last block).
     let per_rank: Vec<String> = stamps
         .iter()
         .enumerate()
-        .map(|(r, blocks)| {
-            let of = |s: usize| -> Vec<f64> {
-                blocks
-                    .iter()
-                    .filter(|b| b[0] != 0 && b[s] != 0)
-                    .map(|b| us(b[s]))
-                    .collect()
-            };
-            let (starts, done) = (of(0), of(6));
+        .map(|(r, rank)| {
+            let started: Vec<&Vec<u64>> = rank.iter().filter(|b| b[0] != 0).collect();
+            let (starts, done) = (times(&started, 0), times(&started, 6));
             format!(
                 "rank {r} starts {:.2}/{:.2} receive ends {:.2}/{:.2}",
                 super::report::median(&starts),

@@ -369,6 +369,11 @@ fn reads_memory(op: &str) -> bool {
             .any(|p| op.starts_with(p))
 }
 
+/// A global or generic memory access of any kind: a read ([`reads_memory`]) or a store.
+fn accesses_memory(op: &str) -> bool {
+    reads_memory(op) || op.starts_with("STG") || op.starts_with("ST.")
+}
+
 /// The normal dispatch is launched with programmatic serialization (PDL, docs/protocol.md §2.7):
 /// it may start while the layout kernel before it runs, so it must read no memory before its
 /// grid-dependency wait (`ACQBULK`, `ep_pdl_wait`); and the layout kernel lets it start
@@ -379,25 +384,24 @@ fn the_normal_dispatch_reads_nothing_before_its_grid_dependency_wait() {
     else {
         return;
     };
-    for (function, sass) in kernels {
-        let insns = instructions(&sass);
-        let mark = if function == "ep_normal_dispatch" {
-            "ACQBULK"
-        } else {
-            "PREEXIT"
-        };
+    // (function, its griddepcontrol instruction, what may not come before it): the dispatch no
+    // read, the layout no memory access of any kind.
+    let checks = [
+        (
+            "ep_normal_dispatch",
+            "ACQBULK",
+            reads_memory as fn(&str) -> bool,
+        ),
+        ("ep_normal_layout", "PREEXIT", accesses_memory),
+    ];
+    for ((function, sass), (name, mark, forbidden)) in kernels.iter().zip(checks) {
+        assert_eq!(*function, name);
+        let insns = instructions(sass);
         let at = insns
             .iter()
             .position(|i| i.op == mark)
             .unwrap_or_else(|| panic!("{function}: no {mark} (its griddepcontrol instruction)"));
-        let before = if function == "ep_normal_dispatch" {
-            insns[..at].iter().find(|i| reads_memory(i.op))
-        } else {
-            // The layout's first memory access of any kind: its trigger comes before.
-            insns[..at]
-                .iter()
-                .find(|i| reads_memory(i.op) || i.op.starts_with("STG") || i.op.starts_with("ST."))
-        };
+        let before = insns[..at].iter().find(|i| forbidden(i.op));
         assert!(
             before.is_none(),
             "{function}: {} at {:#x} comes before its {mark} at {:#x}",
