@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::CudaStream;
 use ep_core::tensor::Tensor2;
 use half::bf16;
 
@@ -318,4 +319,43 @@ impl DevTensor {
             found: format!("{:?} [{}, {}]", self.dtype, self.rows, self.cols),
         })
     }
+}
+
+/// A 2-D copy of `src` into `dst` (same shape and dtype, any row strides) on `stream`.
+pub(crate) fn copy_2d(stream: &CudaStream, src: &DevTensor, dst: &DevTensor) -> Result<()> {
+    if src.shape() != dst.shape() || src.dtype() != dst.dtype() {
+        return Err(Error::TensorMismatch {
+            what: "2-D copy".into(),
+            expected: format!("{:?} {:?}", dst.dtype(), dst.shape()),
+            found: format!("{:?} {:?}", src.dtype(), src.shape()),
+        });
+    }
+    if src.rows() == 0 {
+        return Ok(());
+    }
+    use cudarc::driver::sys;
+    let p = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
+        srcDevice: src.ptr(),
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src.row_stride() as usize,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst.ptr(),
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst.row_stride() as usize,
+        WidthInBytes: src.cols() * src.dtype().size(),
+        Height: src.rows(),
+    };
+    // SAFETY: both views were bounds-checked against their buffers when made, and the shapes
+    // are equal, so the copy stays inside both; the buffers outlive the enqueued copy (callers
+    // hold the tensors until the stream is synchronised or passed).
+    unsafe { sys::cuMemcpy2DAsync_v2(&p, stream.cu_stream()) }
+        .result()
+        .map_err(Error::cuda("cuMemcpy2DAsync"))
 }

@@ -26,7 +26,7 @@ use crate::gpu::low_latency::{
     LlCombineArgs, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup, LlRankInputs,
     LlVariant,
 };
-use crate::gpu::normal::copy_2d;
+use crate::gpu::tensor::copy_2d;
 use crate::gpu::tensor::{DType, DevTensor};
 use crate::nvshmem::NvshmemSession;
 

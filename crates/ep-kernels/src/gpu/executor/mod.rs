@@ -44,9 +44,9 @@ use super::device::Device;
 use super::low_latency::{LlGpuDispatch, LlGpuHandle, LlGroup, LlVariant};
 use super::normal::{
     CombineSource, GpuCombineArgs, GpuCombined, GpuDispatch, GpuDispatchArgs, GpuHandle, GpuLayout,
-    GpuRankInputs, NormalGroup, copy_2d,
+    GpuRankInputs, NormalGroup,
 };
-use super::tensor::{DType, DevTensor};
+use super::tensor::{DType, DevTensor, copy_2d};
 use crate::error::Error;
 use crate::exchange::Exchange;
 use crate::nvshmem::NvshmemSession;
