@@ -7,7 +7,7 @@ use super::launch::Kernel;
 use super::types::{CombineSource, GpuCombineArgs, GpuCombined};
 use super::{LastDispatch, NormalGroup, check_device, check_rank_count};
 use crate::error::{Error, Result};
-use crate::gpu::abi::{self};
+use crate::gpu::abi;
 use crate::gpu::tensor::{DType, DevTensor, copy_2d};
 
 /// What a combine's checks settled ([`NormalGroup::check_combine`]).

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::NormalGroup;
 use crate::error::Result;
-use crate::gpu::abi::{self};
+use crate::gpu::abi;
 use crate::gpu::gate::{Gate, close, elapsed};
 use crate::gpu::tensor::{DType, DevTensor};
 

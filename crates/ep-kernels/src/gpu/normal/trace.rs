@@ -94,8 +94,9 @@ impl NormalGroup {
     /// combine cluster of every local rank (after waiting for it). A combine's trace starts, in each rank's first agent,
     /// with a store of the rank's whole `normal.data` and a system fence: what its stream wrote
     /// there before the launch (the expert outputs, the dispatch's records), which that agent's
-    /// `y_ready` release publishes to the peers. [`Error::TraceOverflow`] when a block had more
-    /// events than the capacity.
+    /// `y_ready` release publishes to the peers.
+    /// [`Error::TraceOverflow`](crate::error::Error::TraceOverflow) when a block had more events
+    /// than the capacity.
     pub fn trace(&mut self) -> Result<Vec<AgentEvents>> {
         self.not_capturing("trace")?;
         self.sync_streams()?;

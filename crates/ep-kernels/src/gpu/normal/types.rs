@@ -1,4 +1,5 @@
-//! What the normal-mode calls of a [`NormalGroup`](super::NormalGroup) take and give, per local rank.
+//! What the normal-mode calls of a [`NormalGroup`](super::NormalGroup) take and give, per local
+//! rank.
 
 use ep_core::buffer::check::{HandleShapes, normal_handle};
 
