@@ -33,38 +33,41 @@
 //!
 //! Bytes: ep-rs sends one message per (token, destination rank); DeepEP one per (token, expert).
 //! Both per-token byte counts are printed, with DeepEP's bandwidth convention (spec §6.2).
+//!
+//! This file runs the bench (`run`); beside it: `verify` (against the plan, and the reference
+//! digest), `graphs` (captured phases replayed and timed), `nvshmem` (variant (b)'s bring-up and
+//! the doctor's reasons), `stamps` (the dispatch's steps from the phase stamps).
 
 use std::time::Instant;
 
-use ep_core::plan::low_latency::{
-    LlDispatchOutput, LlParams, PartialPrecision, canonicalize, combine_reduced_on_expert_rank,
-    dispatch as plan_dispatch,
-};
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use ep_core::plan::low_latency::LlParams;
 
 use ep_core::Buffer;
 use ep_core::buffer::LlCombineOptions;
-use ep_core::config::{
-    BufferConfig, IbgdaNicHandler, low_latency_rdma_size_hint, nvshmem_env_plan,
-};
+use ep_core::config::BufferConfig;
 use ep_core::routing::Activations;
-use ep_core::tensor::{Tensor2, Tensor3};
+use ep_core::tensor::Tensor2;
 use ep_kernels::gpu::floor::{EmptyGraphs, flag_round_trip};
 use ep_kernels::gpu::mem::DevBuf;
 use ep_kernels::gpu::{
     DType, DevTensor, Device, Gpu, GpuExpertOut, GpuInputs, LlCombineArgs, LlCombineInput,
     LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup, LlPoison, LlRankInputs, LlVariant,
 };
-use ep_kernels::nvshmem::{
-    Bootstrap, BringUp, NvshmemSession, SoloRendezvous, TcpRendezvous, env as nv_env,
-};
-use half::bf16;
 
 use super::error::BenchError;
-use super::gpu::{Figure, core_err, figure, gpu_err, samples};
 use super::{BenchArgs, LlVariantArg};
+use crate::bench::gpu::{Figure, core_err, figure, gpu_err, samples};
 use crate::workload::{self, Defaults};
+
+mod graphs;
+mod nvshmem;
+mod stamps;
+mod verify;
+
+use graphs::time_graphs;
+use nvshmem::{env_plan, ibgda_diagnosis, join_nvshmem, start_nvshmem};
+use stamps::dispatch_detail;
+use verify::{Reference, Verify, reference, verify};
 
 /// Calls timed per figure at least (issue: ≥ 1000 replays).
 const MIN_ITERS: usize = 1000;
@@ -470,10 +473,10 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             .timed(|g| g.recv_hook())
             .map_err(gpu_err("timed combine recv"))?;
         if it >= warm {
-            ds.push(super::gpu::slowest(&t1));
-            dr.push(super::gpu::slowest(&t2));
-            cs.push(super::gpu::slowest(&t3));
-            cr.push(super::gpu::slowest(&t4));
+            ds.push(crate::bench::gpu::slowest(&t1));
+            dr.push(crate::bench::gpu::slowest(&t2));
+            cs.push(crate::bench::gpu::slowest(&t3));
+            cr.push(crate::bench::gpu::slowest(&t4));
         }
     }
     let t_empty = samples(total, warm, |_| {
@@ -547,14 +550,14 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         .timed(|g| g.dispatch(&inputs, &dargs))
         .map_err(gpu_err("dispatch"))?;
     let dstamps = g.phase_times().map_err(gpu_err("phase stamps"))?;
-    let dphases = super::gpu::phase_split(&dstamps, &slots);
+    let dphases = crate::bench::gpu::phase_split(&dstamps, &slots);
     rep.dispatch_detail = dispatch_detail(&dstamps);
     g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
     let h: Vec<_> = o.iter().map(|o| o.handle.clone()).collect();
     let hs: Vec<_> = h.iter().collect();
     g.timed(|g| g.combine_with(&hs, &y_in, &cargs))
         .map_err(gpu_err("combine"))?;
-    let cphases = super::gpu::phase_split(
+    let cphases = crate::bench::gpu::phase_split(
         &g.phase_times().map_err(gpu_err("phase stamps"))?,
         &comb_slots,
     );
@@ -562,7 +565,7 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     g.timed(|g| g.dispatch(&empty_inputs, &dargs))
         .map_err(gpu_err("zero-token dispatch"))?;
     let zphases =
-        super::gpu::phase_split(&g.phase_times().map_err(gpu_err("phase stamps"))?, &slots);
+        crate::bench::gpu::phase_split(&g.phase_times().map_err(gpu_err("phase stamps"))?, &slots);
     g.measure_phases(false).map_err(gpu_err("phase stamps"))?;
     rep.zero_token_phases_us = zphases;
     rep.dispatch_phases_us = dphases;
@@ -761,606 +764,4 @@ fn group(buf: &mut Buffer<Gpu>) -> Result<&mut LlGroup, BenchError> {
     buf.transport_mut()
         .low_latency_mut()
         .ok_or_else(|| BenchError::Usage("the Buffer made no low-latency group".into()))
-}
-
-/// The plan a call's outputs are verified against.
-struct Verify<'a> {
-    cfg: &'a LlConfig,
-    /// The ranks the group drives (outputs are indexed like this list).
-    local: &'a [usize],
-    /// The plan's canonical digests.
-    digest: &'a ep_core::digest::RunDigest,
-    plan: &'a [Option<LlDispatchOutput>],
-    want: &'a [Option<Tensor2<bf16>>],
-}
-
-/// Counts, layout ranges and `combined_x` bit for bit against the plan: the mismatches.
-/// The plan's outputs for `inputs`: dispatch, the simulator bench's expert outputs (the
-/// identity over the received rows), the combine reduced on the expert's rank (BF16 partials, or
-/// LogFMT-10 ones with `logfmt`), and their canonical digest — the one `--backend sim` prints
-/// for the same flags.
-struct Reference {
-    plan: Vec<Option<LlDispatchOutput>>,
-    expert_out: Vec<Option<Tensor3<bf16>>>,
-    want: Vec<Option<Tensor2<bf16>>>,
-    digest: ep_core::digest::RunDigest,
-}
-
-fn reference(
-    inputs: &[ep_core::RankInputs],
-    params: &LlParams,
-    logfmt: bool,
-) -> Result<Reference, BenchError> {
-    let reference = |what: &'static str| {
-        move |e: ep_core::Error| BenchError::Reference {
-            what,
-            source: Box::new(e),
-        }
-    };
-    let plan = plan_dispatch(inputs, params).map_err(reference("plan::low_latency::dispatch"))?;
-    let expert_out = super::low_latency::identity_expert_outputs(&plan)?;
-    let handles: Vec<_> = plan
-        .iter()
-        .map(|p| p.as_ref().map(|p| p.handle.clone()))
-        .collect();
-    let want = combine_reduced_on_expert_rank(
-        inputs,
-        &handles,
-        &expert_out,
-        params,
-        if logfmt {
-            PartialPrecision::LogFmt10
-        } else {
-            PartialPrecision::Bf16
-        },
-    )
-    .map_err(reference(
-        "plan::low_latency::combine_reduced_on_expert_rank",
-    ))?;
-    let digest = ep_core::digest::low_latency(&plan, &want).map_err(reference("digest"))?;
-    Ok(Reference {
-        plan,
-        expert_out,
-        want,
-        digest,
-    })
-}
-
-/// NVSHMEM for variant (b): ep-core's environment plan for an `r`-rank low-latency buffer of
-/// this shape (DeepEP's variables; values the user set are kept) set in this process, printed,
-/// then NVSHMEM started with one PE (this process) on GPU 0, its init report printed.
-fn start_nvshmem(
-    r: usize,
-    n: usize,
-    hidden: usize,
-    experts: usize,
-) -> Result<Arc<NvshmemSession>, BenchError> {
-    let plan = env_plan(r, n, hidden, experts)?;
-    // SAFETY: called before this process starts NVSHMEM or opens the GPU, from the bench's one
-    // thread; nothing else reads or writes the environment meanwhile (set_in_process's contract).
-    let applied = unsafe { nv_env::set_in_process(&plan) };
-    for a in &applied {
-        println!(
-            "env {}={} ({:?}{})",
-            a.var,
-            a.value,
-            a.source,
-            if a.value != a.planned {
-                format!(", the plan wanted {}", a.planned)
-            } else {
-                String::new()
-            }
-        );
-    }
-    let s = BringUp::new(0, 1, Bootstrap::UniqueId(&SoloRendezvous))
-        .device(0)
-        .init()
-        .map_err(gpu_err("starting NVSHMEM (one PE)"))?;
-    print!("{}", s.report());
-    Ok(Arc::new(s))
-}
-
-/// `ep doctor`'s IBGDA verdicts for the machine under `root` (its file-based checks), one line
-/// per IBGDA mode with the checks that block it and their fixes.
-fn ibgda_diagnosis(root: &std::path::Path) -> Vec<String> {
-    use ep_setup::{Capability, GatherOptions, diagnose, gather};
-    let report = diagnose(&gather(root, &GatherOptions::default()));
-    let mut lines = Vec::new();
-    for cap in [Capability::IbgdaGpuInitiated, Capability::IbgdaCpuAssisted] {
-        let v = report.verdict(cap);
-        lines.push(format!(
-            "{}: {}",
-            cap.title(),
-            if v.usable { "usable" } else { "unusable" }
-        ));
-        for id in &v.because {
-            if let Some(c) = report.check(id) {
-                lines.push(format!(
-                    "  {} ({}): {}{}",
-                    c.id,
-                    c.status.label(),
-                    c.detail,
-                    c.fix
-                        .as_ref()
-                        .map(|f| format!("; fix: {f}"))
-                        .unwrap_or_default()
-                ));
-            }
-        }
-    }
-    lines
-}
-
-/// NVSHMEM in a rank process of `--procs`: PE `rank` of `world`, the unique id over the
-/// launcher's rendezvous, on this rank's GPU (the launcher set the environment plan).
-fn join_nvshmem(rank: usize, world: usize) -> Result<Arc<NvshmemSession>, BenchError> {
-    let rdv = TcpRendezvous::from_env().map_err(gpu_err("joining the launcher's rendezvous"))?;
-    let gpus = Device::count().map_err(gpu_err("counting GPUs"))?.max(1);
-    let local: usize = std::env::var(ep_kernels::nvshmem::launch::vars::LOCAL_RANK)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(rank);
-    let s = BringUp::new(rank as u32, world as u32, Bootstrap::UniqueId(&rdv))
-        .device(local % gpus)
-        .init()
-        .map_err(gpu_err("starting NVSHMEM (one PE per rank)"))?;
-    print!("{}", s.report());
-    Ok(Arc::new(s))
-}
-
-/// ep-core's NVSHMEM environment plan (DeepEP's variables; values the user set are kept) for an
-/// `r`-rank low-latency buffer of this shape.
-fn env_plan(
-    r: usize,
-    n: usize,
-    hidden: usize,
-    experts: usize,
-) -> Result<Vec<nv_env::EnvEntry>, BenchError> {
-    let mut cfg = BufferConfig::new(r);
-    cfg.low_latency_mode = true;
-    let bytes =
-        low_latency_rdma_size_hint(n, hidden, r, experts).map_err(|e| BenchError::Reference {
-            what: "low_latency_rdma_size_hint",
-            source: Box::new(e),
-        })?;
-    cfg.num_rdma_bytes = bytes as u64;
-    cfg.num_qps_per_rank = u32::try_from((experts / r).max(1)).unwrap_or(u32::MAX);
-    cfg.allow_nvlink_for_low_latency_mode = true;
-    let user: BTreeMap<String, String> = std::env::vars()
-        .filter(|(k, _)| k.starts_with("NVSHMEM_"))
-        .collect();
-    let plan = nvshmem_env_plan(&cfg, &user, IbgdaNicHandler::Auto).map_err(|e| {
-        BenchError::Reference {
-            what: "nvshmem_env_plan",
-            source: Box::new(e),
-        }
-    })?;
-    Ok(nv_env::from_plan(&plan))
-}
-
-fn verify(
-    out: &[LlGpuDispatch],
-    combined: &[DevTensor],
-    v: &Verify<'_>,
-) -> Result<(Vec<String>, ep_core::digest::RunDigest), BenchError> {
-    let (cfg, plan, want) = (v.cfg, v.plan, v.want);
-    let r = plan.len();
-    let mut bad = Vec::new();
-    // Every received row, its scales and src_info, canonically (rows per (expert, source) as
-    // multisets, as the oracle states them), besides counts and layout ranges exactly.
-    let canon = |x: &LlDispatchOutput| {
-        canonicalize(x).map_err(|e| BenchError::Reference {
-            what: "plan::low_latency::canonicalize",
-            source: Box::new(e),
-        })
-    };
-    // Every rank's slot, the local ranks' filled (a rank process holds only its own).
-    let mut gpu_disp: Vec<Option<LlDispatchOutput>> = vec![None; r];
-    for (o, &d) in out.iter().zip(v.local) {
-        let Some(p) = &plan[d] else { continue };
-        check_counts(d, o, p, &mut bad)?;
-        let host = o
-            .download(cfg)
-            .map_err(gpu_err("downloading the dispatch"))?;
-        if let Some(diff) = canon(&host)?.first_difference(&canon(p)?) {
-            bad.push(format!("rank {d}: dispatch differs from the plan: {diff}"));
-        }
-        gpu_disp[d] = Some(host);
-    }
-    let mut gpu_comb: Vec<Option<Tensor2<bf16>>> = vec![None; r];
-    for (c, &s) in combined.iter().zip(v.local) {
-        let Some(wnt) = &want[s] else { continue };
-        let got: Tensor2<bf16> = c.download().map_err(gpu_err("downloading combined_x"))?;
-        let diff = got
-            .data()
-            .iter()
-            .zip(wnt.data())
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        if diff > 0 {
-            bad.push(format!(
-                "rank {s}: {diff} combined elements differ from the plan"
-            ));
-        }
-        gpu_comb[s] = Some(got);
-    }
-    // The canonical digests: per local rank against the plan's, and the run's when every rank
-    // is here.
-    let reference = |e: ep_core::Error| BenchError::Reference {
-        what: "digest",
-        source: Box::new(e),
-    };
-    let mut ranks = v.digest.ranks.clone();
-    for &d in v.local {
-        ranks[d] = ep_core::digest::low_latency_rank(d, gpu_disp[d].as_ref(), gpu_comb[d].as_ref())
-            .map_err(reference)?;
-        if ranks[d] != v.digest.ranks[d] {
-            bad.push(format!(
-                "rank {d}: the canonical digest differs from the plan's"
-            ));
-        }
-    }
-    let gpu_digest = if v.local.len() == r {
-        ep_core::digest::low_latency(&gpu_disp, &gpu_comb).map_err(reference)?
-    } else {
-        ep_core::digest::RunDigest {
-            ranks,
-            total: v.digest.total,
-        }
-    };
-    if gpu_digest.total != v.digest.total {
-        bad.push("the canonical digest differs from the plan's".into());
-    }
-    Ok((bad, gpu_digest))
-}
-
-/// Per-call samples of the graph replays, or the mismatches of the verified replay.
-struct GraphSamples {
-    dispatch: Vec<f64>,
-    combine: Vec<f64>,
-    both: Vec<f64>,
-    bad: Option<Vec<String>>,
-}
-
-/// Captures dispatch + combine, dispatch, and combine as graphs; verifies one replay of the
-/// first and of the pair of the others (outputs poisoned first); times `total - warm` replays of
-/// each after `warm` (module docs).
-fn time_graphs(
-    g: &mut LlGroup,
-    inputs: &[LlRankInputs<'_>],
-    (dargs, cargs): (&LlDispatchArgs, &LlCombineArgs),
-    y_in: &[LlCombineInput<'_>],
-    v: &Verify<'_>,
-    total: usize,
-    warm: usize,
-) -> Result<GraphSamples, BenchError> {
-    let both = g
-        .capture(|g| {
-            let o = g.dispatch(inputs, dargs)?;
-            let hs: Vec<_> = o.iter().map(|o| &o.handle).collect();
-            let c = g.combine_with(&hs, y_in, cargs)?;
-            Ok((o, c))
-        })
-        .map_err(gpu_err("capturing dispatch + combine"))?;
-    let poison = |g: &mut LlGroup| -> Result<(), BenchError> {
-        g.poison_for_test(LlPoison::Dispatch, 0xa5)
-            .and_then(|()| g.poison_for_test(LlPoison::Combine, 0x5a))
-            .map_err(gpu_err("poisoning the outputs"))
-    };
-    poison(g)?;
-    both.replay(g).map_err(gpu_err("graph replay"))?;
-    g.sync().map_err(gpu_err("graph replay"))?;
-    let (o, c) = both.outputs();
-    let (bad, _) = verify(o, c, v)?;
-    if !bad.is_empty() {
-        return Ok(GraphSamples {
-            dispatch: Vec::new(),
-            combine: Vec::new(),
-            both: Vec::new(),
-            bad: Some(bad),
-        });
-    }
-    let t_both = samples(total, warm, |_| {
-        g.timed(|g| both.replay(g))
-            .map(|(_, t)| t)
-            .map_err(gpu_err("timed dispatch + combine graph"))
-    })?;
-    // A dispatch graph, then (after one replay, whose handles it combines) a combine graph.
-    let disp = g
-        .capture(|g| g.dispatch(inputs, dargs))
-        .map_err(gpu_err("capturing dispatch"))?;
-    poison(g)?;
-    disp.replay(g).map_err(gpu_err("graph replay"))?;
-    let comb = g
-        .capture(|g| {
-            let hs: Vec<_> = disp.outputs().iter().map(|o| &o.handle).collect();
-            g.combine_with(&hs, y_in, cargs)
-        })
-        .map_err(gpu_err("capturing combine"))?;
-    comb.replay(g).map_err(gpu_err("graph replay"))?;
-    g.sync().map_err(gpu_err("graph replay"))?;
-    let (bad, _) = verify(disp.outputs(), comb.outputs(), v)?;
-    if !bad.is_empty() {
-        return Ok(GraphSamples {
-            dispatch: Vec::new(),
-            combine: Vec::new(),
-            both: t_both,
-            bad: Some(bad),
-        });
-    }
-    let t_disp = samples(total, warm, |_| {
-        let t = g
-            .timed(|g| disp.replay(g))
-            .map(|(_, t)| t)
-            .map_err(gpu_err("timed dispatch graph"))?;
-        comb.replay(g).map_err(gpu_err("combine graph"))?;
-        Ok(t)
-    })?;
-    let t_comb = samples(total, warm, |_| {
-        // Each timed combine combines a fresh dispatch (untimed, enqueued before the gate).
-        disp.replay(g).map_err(gpu_err("dispatch graph"))?;
-        g.timed(|g| comb.replay(g))
-            .map(|(_, t)| t)
-            .map_err(gpu_err("timed combine graph"))
-    })?;
-    g.sync().map_err(gpu_err("graph replays"))?;
-    Ok(GraphSamples {
-        dispatch: t_disp,
-        combine: t_comb,
-        both: t_both,
-        bad: None,
-    })
-}
-
-fn check_counts(
-    d: usize,
-    o: &LlGpuDispatch,
-    p: &ep_core::plan::low_latency::LlDispatchOutput,
-    bad: &mut Vec<String>,
-) -> Result<(), BenchError> {
-    let count: Tensor2<i32> = o
-        .recv_count
-        .download()
-        .map_err(gpu_err("downloading recv_count"))?;
-    if count.data() != &p.recv_count[..] {
-        bad.push(format!("rank {d}: recv_count differs from the plan"));
-    }
-    let range: Tensor2<i64> = o
-        .recv_layout_range
-        .download()
-        .map_err(gpu_err("downloading layout_range"))?;
-    if range.data() != p.handle.layout_range.data() {
-        bad.push(format!("rank {d}: layout_range differs from the plan"));
-    }
-    Ok(())
-}
-
-/// One plain dispatch's steps, median over the blocks of all ranks: the routing split into the
-/// expert ids arriving (stamp 0 to 11) and counted (11 to 7) and the slots ranked (7 to 1), the
-/// send part into the rows — warp 0's first unit arriving after the routing (1 to 8) and its
-/// stores (8 to 9) —, positions (9 to 10) and meta records (10 to 2); then, in microseconds
-/// from the earliest block start, when the blocks' send parts end (median and last, stamp 2),
-/// when the last block's signals are out (3) and when the receive parts' waits end (median and
-/// last, 5): the wait a receiver sees is the send parts' spread plus the signal's trip; and per
-/// rank its blocks' starts (0) and receive ends (6), median and last.
-fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
-    let blocks: Vec<&Vec<u64>> = stamps.iter().flatten().filter(|b| b[0] != 0).collect();
-    let step = |a: usize, b: usize| -> f64 {
-        let d: Vec<f64> = blocks
-            .iter()
-            .filter(|x| x[a] != 0 && x[b] >= x[a])
-            .map(|x| (x[b] - x[a]) as f64 * 1e-3)
-            .collect();
-        super::report::median(&d)
-    };
-    let us = super::gpu::since_first_start(stamps);
-    // Stamp `s` of the started blocks in `of`, in us from the first block start.
-    let times = |of: &[&Vec<u64>], s: usize| -> Vec<f64> {
-        of.iter().filter(|x| x[s] != 0).map(|x| us(x[s])).collect()
-    };
-    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    let (ends, sig, waited) = (times(&blocks, 2), times(&blocks, 3), times(&blocks, 5));
-    // Per rank, the spread of its blocks' starts (0) and receive ends (6): what of the span the
-    // median steps do not hold (a late kernel, late blocks, a slow last block).
-    let per_rank: Vec<String> = stamps
-        .iter()
-        .enumerate()
-        .map(|(r, rank)| {
-            let started: Vec<&Vec<u64>> = rank.iter().filter(|b| b[0] != 0).collect();
-            let (starts, done) = (times(&started, 0), times(&started, 6));
-            format!(
-                "rank {r} starts {:.2}/{:.2} receive ends {:.2}/{:.2}",
-                super::report::median(&starts),
-                max(&starts),
-                super::report::median(&done),
-                max(&done)
-            )
-        })
-        .collect();
-    format!(
-        "ids {:.2} (arrived {:.2} + counted {:.2}) + slots {:.2}; rows {:.2} (first unit arrived {:.2} + stored {:.2}) + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start); median/last: {}",
-        step(0, 7),
-        step(0, 11),
-        step(11, 7),
-        step(7, 1),
-        step(1, 9),
-        step(1, 8),
-        step(8, 9),
-        step(9, 10),
-        step(10, 2),
-        super::report::median(&ends),
-        max(&ends),
-        max(&sig),
-        super::report::median(&waited),
-        max(&waited),
-        per_rank.join(", "),
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-
-    /// The dispatch's steps: medians over the blocks of every rank for the step durations, and
-    /// times from the first block start for the send ends, the signals and the waits.
-    #[test]
-    fn the_dispatch_steps_split_the_send_part_and_time_its_ends() {
-        // Stamps in ns; slots 0 start, 11 first id arrived, 7 ids counted, 1 slots, 8 first
-        // rows unit arrived, 9 rows, 10 positions, 2 metas, 3 the last block's signals, 4
-        // receive start, 5 waits end.
-        let blk = |at: &[(usize, u64)]| {
-            let mut b = vec![0u64; 16];
-            for &(i, t) in at {
-                b[i] = 100_000 + t;
-            }
-            b
-        };
-        let stamps = vec![
-            vec![
-                blk(&[
-                    (0, 0),
-                    (11, 1_500),
-                    (7, 2_000),
-                    (1, 2_500),
-                    (8, 3_500),
-                    (9, 6_500),
-                    (10, 8_500),
-                    (2, 9_000),
-                    (4, 9_000),
-                    (5, 18_000),
-                ]),
-                blk(&[
-                    (0, 0),
-                    (11, 2_500),
-                    (7, 3_000),
-                    (1, 3_500),
-                    (8, 4_500),
-                    (9, 7_500),
-                    (10, 9_500),
-                    (2, 10_000),
-                    (4, 10_000),
-                    (5, 18_500),
-                ]),
-            ],
-            vec![
-                // Rank 1 starts 2 us later; its block 0 is the last block (signals at 17 us).
-                blk(&[
-                    (0, 2_000),
-                    (11, 3_500),
-                    (7, 4_000),
-                    (1, 4_500),
-                    (8, 5_500),
-                    (9, 9_500),
-                    (10, 11_500),
-                    (2, 14_000),
-                    (3, 17_000),
-                    (4, 17_000),
-                    (5, 19_000),
-                    (6, 20_000),
-                ]),
-            ],
-        ];
-        let line = dispatch_detail(&stamps);
-        assert!(
-            line.contains("ids 2.00 (arrived 1.50 + counted 0.50) + slots 0.50"),
-            "{line}"
-        );
-        assert!(
-            line.contains(
-                "rows 4.00 (first unit arrived 1.00 + stored 3.00) + positions 2.00 + metas 0.50"
-            ),
-            "{line}"
-        );
-        assert!(
-            line.contains("send parts end median 10.00 last 14.00"),
-            "{line}"
-        );
-        assert!(line.contains("signals out 17.00"), "{line}");
-        assert!(line.contains("waits end median 18.50 last 19.00"), "{line}");
-        // Per rank: its blocks' starts and receive ends (rank 0 stamped no receive end: an
-        // empty set's median and last are 0).
-        assert!(
-            line.contains("rank 0 starts 0.00/0.00 receive ends 0.00/0.00"),
-            "{line}"
-        );
-        assert!(
-            line.contains("rank 1 starts 2.00/2.00 receive ends 20.00/20.00"),
-            "{line}"
-        );
-    }
-
-    /// When IBGDA does not come up, the bench prints the doctor's reasons: on a machine
-    /// without an RDMA NIC (ep-setup's fixture of the GPU machine) both modes are unusable and
-    /// the NIC check says why, with its fix.
-    #[test]
-    fn the_ibgda_diagnosis_names_the_missing_nic() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../ep-setup/tests/fixtures/doctor/gpu-machine");
-        let lines = ibgda_diagnosis(&root);
-        assert!(
-            lines.iter().filter(|l| l.ends_with(": unusable")).count() == 2,
-            "{lines:#?}"
-        );
-        assert!(
-            lines.iter().any(|l| l.contains("nic") && l.contains("fix")),
-            "{lines:#?}"
-        );
-    }
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        bench: BenchArgs,
-    }
-
-    /// The reference the GPU bench requires its outputs' digest to equal is the digest the
-    /// simulator bench prints for the same flags (same workload, same identity expert), so an
-    /// `ep bench --backend gpu --mode low-latency` that verifies gives `--backend sim`'s digest.
-    #[test]
-    fn the_gpu_reference_digest_is_the_simulators() {
-        for extra in [
-            &[][..],
-            &["--no-fp8"][..],
-            &["--round-scale", "--ue8m0"][..],
-        ] {
-            let mut argv = vec![
-                "bench",
-                "--mode",
-                "low-latency",
-                "--ranks",
-                "2",
-                "--tokens",
-                "24",
-                "--hidden",
-                "512",
-                "--topk",
-                "4",
-                "--experts",
-                "8",
-                "--iters",
-                "1",
-                "--warmup",
-                "0",
-                "--quiet",
-            ];
-            argv.extend_from_slice(extra);
-            let args = Cli::try_parse_from(&argv).expect("flags").bench;
-            let sim = super::super::run(&args).expect("sim bench");
-            assert_eq!(sim.exit_code(), 0, "{extra:?}");
-            let defaults = Defaults {
-                hidden: 7168,
-                low_latency_fp8: true,
-            };
-            let w = workload::load(&args.workload, &defaults).expect("workload");
-            let n = w.inputs.iter().map(|i| i.num_tokens()).max().unwrap_or(0);
-            let params = w.ll_cast().apply(LlParams::new(n.max(1), w.num_experts));
-            let r = reference(&w.inputs, &params, false).expect("reference");
-            assert_eq!(
-                r.digest.total.to_string(),
-                sim.report.digest.total,
-                "{extra:?}: the GPU bench's reference digest differs from the simulator's"
-            );
-        }
-    }
 }
