@@ -100,6 +100,20 @@ impl Drop for Gate {
     }
 }
 
+/// The start of a timed call: every stream of `streams` held behind `gate`, which is made on
+/// first use; each stream's start event.
+pub(crate) fn hold_all<'a>(
+    gate: &mut Option<Gate>,
+    dev: &Device,
+    streams: impl IntoIterator<Item = &'a Arc<CudaStream>>,
+) -> Result<Vec<CudaEvent>> {
+    let g = match gate {
+        Some(g) => g,
+        None => gate.insert(Gate::new(dev)?),
+    };
+    g.hold(dev, streams)
+}
+
 /// The end of a timed call: an end event on each stream, then the gate (if any) opened, also
 /// when recording failed (the streams must not wait for its bound).
 pub(crate) fn close<'a>(

@@ -4,7 +4,7 @@
 use super::LlGroup;
 use crate::error::Result;
 use crate::gpu::abi;
-use crate::gpu::gate::{Gate, close, elapsed};
+use crate::gpu::gate::{close, elapsed, hold_all};
 use crate::gpu::tensor::{DType, DevTensor};
 
 impl LlGroup {
@@ -61,13 +61,11 @@ impl LlGroup {
         self.not_capturing("timed")?;
         // Ranks in other processes: start together (a barrier of the processes; collective).
         self.barrier_processes()?;
-        if self.gate.is_none() {
-            self.gate = Some(Gate::new(&self.dev)?);
-        }
-        let starts = match &mut self.gate {
-            Some(g) => g.hold(&self.dev, self.ranks.iter().map(|r| &r.stream))?,
-            None => Vec::new(),
-        };
+        let starts = hold_all(
+            &mut self.gate,
+            &self.dev,
+            self.ranks.iter().map(|r| &r.stream),
+        )?;
         let out = f(self);
         let ends = close(self.gate.as_ref(), self.ranks.iter().map(|r| &r.stream));
         let (out, ends) = (out?, ends?);

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::NormalGroup;
 use crate::error::Result;
 use crate::gpu::abi;
-use crate::gpu::gate::{Gate, close, elapsed};
+use crate::gpu::gate::{close, elapsed, hold_all};
 use crate::gpu::tensor::{DType, DevTensor};
 
 impl NormalGroup {
@@ -68,13 +68,11 @@ impl NormalGroup {
     /// in seconds (CUDA events).
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
         self.not_capturing("timed")?;
-        if self.gate.is_none() {
-            self.gate = Some(Gate::new(&self.dev)?);
-        }
-        let starts = match &mut self.gate {
-            Some(g) => g.hold(&self.dev, self.ranks.iter().map(|r| &r.stream))?,
-            None => Vec::new(),
-        };
+        let starts = hold_all(
+            &mut self.gate,
+            &self.dev,
+            self.ranks.iter().map(|r| &r.stream),
+        )?;
         let t0 = Instant::now();
         let out = f(self);
         self.last_enqueue = t0.elapsed();
