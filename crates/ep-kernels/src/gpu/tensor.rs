@@ -1,5 +1,6 @@
 //! [`DevTensor`]: a small typed view over device memory (buffer, byte offset, dtype, rows x
-//! columns, row stride, device). Received rows are strided views into a rank's arena.
+//! columns, row stride, device). Received rows are strided views into a rank's arena. And
+//! `copy_2d`, a stream-ordered copy between two views of one shape.
 
 use std::sync::Arc;
 

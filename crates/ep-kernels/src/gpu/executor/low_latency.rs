@@ -26,8 +26,7 @@ use crate::gpu::low_latency::{
     LlCombineArgs, LlCombineInput, LlConfig, LlDispatchArgs, LlGpuDispatch, LlGroup, LlRankInputs,
     LlVariant,
 };
-use crate::gpu::tensor::copy_2d;
-use crate::gpu::tensor::{DType, DevTensor};
+use crate::gpu::tensor::{DType, DevTensor, copy_2d};
 use crate::nvshmem::NvshmemSession;
 
 /// One rank's expert outputs for a low-latency combine: `y` is `[L·R·N, H]` BF16, the
