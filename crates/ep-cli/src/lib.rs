@@ -5,12 +5,12 @@
 //!   and their one loader.
 //! - [`io`]: NumPy `.npy` inputs (`read_inputs`, `write_inputs`) and output dumps with a
 //!   `manifest.json` (`dump_outputs`).
-//! - [`bench`]: `ep bench`, dispatch and combine on a backend, verified against the oracle and
+//! - [`bench`](mod@bench): `ep bench`, dispatch and combine on a backend, verified against the oracle and
 //!   timed, with DeepEP's byte counts and the cost model's prediction.
 //! - [`args`]: value parsers that turn impossible option values into usage errors.
 //! - [`interrupt`]: SIGINT/SIGTERM stop a run at its next step, cleanly.
 //! - [`preflight`]: the checks before any work (usage limits, memory, output paths).
-//! - [`alloc`]: the caching allocator the `ep` binary installs.
+//! - `ep_sim::alloc`: the caching allocator the `ep` binary installs.
 
 pub mod args;
 pub mod bench;

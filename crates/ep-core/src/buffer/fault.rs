@@ -65,7 +65,7 @@ impl<E: Executor> Buffer<E> {
     }
 
     /// Waits for the local ranks' outstanding work and reports what it found, as a call would
-    /// ([`Executor::sync`](crate::Executor::sync); a no-op on the simulator, whose calls
+    /// ([`Executor::sync`]; a no-op on the simulator, whose calls
     /// return finished). In shrink mode, ranks the device kernels masked on their own (a
     /// source that never arrived) join the mask here ([`Buffer::query_mask`]).
     pub fn sync(&mut self) -> Result<()> {

@@ -132,7 +132,7 @@ pub(crate) fn check_combine_args(
     check_combine_shapes(&shapes, num_tokens, num_recv)
 }
 
-/// [`check_combine_args`] over the inputs' shapes (every backend's combine): `args[i]` is
+/// `check_combine_args` over the inputs' shapes (every backend's combine): `args[i]` is
 /// local rank `i`'s, `num_tokens[i]` its original token count, `num_recv[i]` its dispatch row
 /// count. Returns `(H, Some(K))` or `(H, None)`.
 pub fn check_combine_shapes(

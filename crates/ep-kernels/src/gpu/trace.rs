@@ -4,9 +4,10 @@
 //! simulator's memory model (DESIGN.md, "The GPU backend").
 //!
 //! # Format (`gpu_abi.rs`, `TRACE_*`; the kernels include the same `ep_gpu_abi.h`)
-//! Per rank: an [`abi::TraceHeader`] (`magic`, `rank`, `capacity` records per block,
-//! `num_blocks`, `overflow`, per-block write indices `next[EP_TRACE_MAX_BLOCKS]`), then
-//! `num_blocks x capacity` [`abi::TraceRecord`]s of 4 u64 words; block `b` owns records
+//! Per rank: an [`abi::TraceHeader`](super::abi::TraceHeader) (`magic`, `rank`, `capacity`
+//! records per block, `num_blocks`, `overflow`, per-block write indices
+//! `next[EP_TRACE_MAX_BLOCKS]`), then `num_blocks x capacity`
+//! [`abi::TraceRecord`](super::abi::TraceRecord)s of 4 u64 words; block `b` owns records
 //! `[b * capacity, (b + 1) * capacity)`. Words: `word0 = kind | aux << 8 | region << 16 |
 //! block << 32`, `word1 = rank | len << 32`, `word2` = offset (a counter arrival: its ticket),
 //! `word3` = value or a put's source offset. A put with signal is an `EP_TRACE_PUT_SIGNAL`

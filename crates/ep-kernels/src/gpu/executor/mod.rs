@@ -6,7 +6,7 @@
 //!
 //! Normal mode (docs/protocol.md §2) runs here; the kernels and their launches are
 //! [`NormalGroup`]'s, created when the `Buffer` allocates its arena. Low-latency mode
-//! (docs/protocol.md §3) is [`LlGroup`](super::LlGroup)'s kernels under the `Buffer`'s
+//! (docs/protocol.md §3) is [`LlGroup`]'s kernels under the `Buffer`'s
 //! operations (`low_latency`): variant (a) for co-resident ranks, or over an NVSHMEM session
 //! ([`Gpu::with_nvshmem`]: variant (b), or one rank per process).
 //!
