@@ -21,8 +21,12 @@
 //! run, as BASELINES.md defines it: an empty one-kernel graph replayed on every rank's stream
 //! (timed like the calls), one flag round trip between two resident kernels, and the phase's
 //! bytes (DeepEP's count) through the copy engine on every rank at once; each phase's ratio to
-//! it, eager and (`--graph`) replayed. Printed beside it: the gate's empty call and a dispatch of
-//! zero tokens (what the protocol itself costs with nothing to move).
+//! it, eager and (`--graph`) replayed. Beside it a **strict floor**: the same, with the phase's
+//! bytes at the copy engine's steady rate (the slope between a 32 and a 64 MiB copy on every
+//! rank at once) instead of a copy of those bytes timed on its own, whose start would be counted
+//! beside the graph launch a second time; and the ratios to it. Printed beside them: the gate's
+//! empty call and a dispatch of zero tokens (what the protocol itself costs with nothing to
+//! move).
 //!
 //! `--graph`: dispatch, combine and dispatch + combine are then each captured as CUDA graphs
 //! (`LlGroup::capture`), one replay of each is verified against the plan like the eager call
@@ -71,6 +75,21 @@ use verify::{Reference, Verify, reference, verify};
 
 /// Calls timed per figure at least (issue: ≥ 1000 replays).
 const MIN_ITERS: usize = 1000;
+
+/// Bytes per rank of the larger steady copy (the smaller is half): large enough that a copy's
+/// start is a small part of it, small enough for eight ranks' buffers.
+const STEADY_BYTES: usize = 64 << 20;
+/// Timed calls of each steady copy.
+const STEADY_ITERS: usize = 50;
+
+/// The copy engine's steady rate (bytes per second per rank) from two copies of `small` and
+/// `large` bytes per rank that took `t_small` and `t_large` seconds: the slope, so that what
+/// both pay once (the copy's start, the gate's release) cancels. `None` when the larger was not
+/// slower (noise): no rate to report.
+fn steady_rate(small: usize, t_small: f64, large: usize, t_large: f64) -> Option<f64> {
+    let (db, dt) = (large as f64 - small as f64, t_large - t_small);
+    (db > 0.0 && dt > 0.0 && dt.is_finite()).then(|| db / dt)
+}
 
 struct DevSet {
     x: Vec<DevTensor>,
@@ -134,6 +153,14 @@ struct LlReport {
     /// phase's bytes at the copy ceiling.
     floor_dispatch_us: f64,
     floor_combine_us: f64,
+    /// The copy engine's steady rate per rank, every rank copying at once (GB/s copied): the
+    /// slope between two large copies, so without any copy's start.
+    steady_copy_gb_per_s: Option<f64>,
+    /// The floor with the phase's bytes at that steady rate: graph launch + flag round trip +
+    /// bytes / rate. Stricter than `floor_*_us`, whose copy, timed as a stream operation of
+    /// its own, also carries that operation's start beside the graph launch already counted.
+    strict_floor_dispatch_us: Option<f64>,
+    strict_floor_combine_us: Option<f64>,
     /// One call, median over blocks: routing (send start to known), send rows, (gap), wait for
     /// the sources, receive rows; then the whole span over all blocks and ranks (us).
     dispatch_phases_us: Vec<f64>,
@@ -620,6 +647,32 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     };
     let t_copy_d = copy(disp_copy, "timed dispatch-bytes copy")?;
     let t_copy_c = copy(comb_copy, "timed combine-bytes copy")?;
+    // The copy engine's steady rate: two large copies on every rank at once, the slope between
+    // them (their starts cancel).
+    let steady_bufs: Vec<(DevBuf, DevBuf)> = (0..local.len())
+        .map(|_| {
+            Ok((
+                DevBuf::new(ctx, STEADY_BYTES)?,
+                DevBuf::new(ctx, STEADY_BYTES)?,
+            ))
+        })
+        .collect::<ep_kernels::Result<_>>()
+        .map_err(gpu_err("steady-copy buffers"))?;
+    let mut steady = |bytes: usize| {
+        samples(warm + STEADY_ITERS, warm, |_| {
+            g.timed(|g| {
+                for (rank, (dst, src)) in steady_bufs.iter().enumerate() {
+                    dst.copy_from_async(src, bytes, g.stream(rank))?;
+                }
+                Ok(())
+            })
+            .map(|(_, t)| t)
+            .map_err(gpu_err("timed steady copy"))
+        })
+    };
+    let t_half = crate::bench::report::median(&steady(STEADY_BYTES / 2)?);
+    let t_full = crate::bench::report::median(&steady(STEADY_BYTES)?);
+    let rate = steady_rate(STEADY_BYTES / 2, t_half, STEADY_BYTES, t_full);
     let disp_bytes = per_tok(entries) * n as f64;
     let comb_bytes = per_tok(entries) / row * 2.0 * hidden as f64 * n as f64;
     rep.dispatch = figure(&t_dispatch, disp_bytes);
@@ -644,6 +697,9 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let latency = rep.graph_launch_us + rep.flag_round_trip_us;
     rep.floor_dispatch_us = latency + rep.copy_dispatch_bytes_us;
     rep.floor_combine_us = latency + rep.copy_combine_bytes_us;
+    rep.steady_copy_gb_per_s = rate.map(|b| b * 1e-9);
+    rep.strict_floor_dispatch_us = rate.map(|b| latency + disp_copy as f64 / b * 1e6);
+    rep.strict_floor_combine_us = rate.map(|b| latency + comb_copy as f64 / b * 1e6);
     println!(
         "bytes per token sent: ep-rs {:.0} (one message per destination rank), DeepEP {:.0} (one per expert)",
         rep.bytes_per_token_ep_rs, rep.bytes_per_token_deepep
@@ -721,6 +777,36 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         ratio(rep.dispatch.median_us, rep.floor_dispatch_us),
         ratio(rep.combine.median_us, rep.floor_combine_us),
     );
+    match (
+        rep.steady_copy_gb_per_s,
+        rep.strict_floor_dispatch_us,
+        rep.strict_floor_combine_us,
+    ) {
+        (Some(gbs), Some(fd), Some(fc)) => {
+            let graph = rep
+                .graph
+                .as_ref()
+                .map(|gr| {
+                    format!(
+                        "; graph replays: dispatch {:.2}x, combine {:.2}x",
+                        ratio(gr.dispatch.median_us, fd),
+                        ratio(gr.combine.median_us, fc)
+                    )
+                })
+                .unwrap_or_default();
+            println!(
+                "strict floor: dispatch {fd:.2} us, combine {fc:.2} us (the phase's bytes at the copy engine's steady rate, {gbs:.0} GB/s per rank with every rank copying: no copy start counted beside the graph launch)"
+            );
+            println!(
+                "against the strict floor: dispatch {:.2}x, combine {:.2}x{graph}",
+                ratio(rep.dispatch.median_us, fd),
+                ratio(rep.combine.median_us, fc),
+            );
+        }
+        _ => println!(
+            "strict floor: not measured (the larger steady copy was not slower than the smaller: noise)"
+        ),
+    }
     let ph = |v: &[f64]| {
         v.iter()
             .map(|x| format!("{x:.2}"))
@@ -764,4 +850,23 @@ fn group(buf: &mut Buffer<Gpu>) -> Result<&mut LlGroup, BenchError> {
     buf.transport_mut()
         .low_latency_mut()
         .ok_or_else(|| BenchError::Usage("the Buffer made no low-latency group".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The steady rate is the slope between the two copies: what both pay once (a copy's start)
+    /// cancels, and a larger copy that was not slower gives no rate rather than a wrong one.
+    #[test]
+    fn the_steady_copy_rate_is_the_slope_between_two_copies() {
+        // 32 MiB in 20 us + 4 us of start, 64 MiB in 40 us + 4 us: 32 MiB / 20 us.
+        let mib = 1 << 20;
+        let rate = steady_rate(32 * mib, 24e-6, 64 * mib, 44e-6).expect("a rate");
+        assert!((rate - 32.0 * mib as f64 / 20e-6).abs() < 1.0, "{rate}");
+        assert_eq!(steady_rate(32 * mib, 24e-6, 64 * mib, 24e-6), None);
+        assert_eq!(steady_rate(32 * mib, 24e-6, 64 * mib, 20e-6), None);
+        assert_eq!(steady_rate(64 * mib, 24e-6, 64 * mib, 30e-6), None);
+        assert_eq!(steady_rate(32 * mib, 24e-6, 64 * mib, f64::NAN), None);
+    }
 }
