@@ -21,10 +21,11 @@
 //! run, as BASELINES.md defines it: an empty one-kernel graph replayed on every rank's stream
 //! (timed like the calls), one flag round trip between two resident kernels, and the phase's
 //! bytes (DeepEP's count) through the copy engine on every rank at once; each phase's ratio to
-//! it, eager and (`--graph`) replayed. Beside it a **strict floor**: the same, with the phase's
-//! bytes at the copy engine's steady rate (the slope between a 32 and a 64 MiB copy on every
-//! rank at once) instead of a copy of those bytes timed on its own, whose start would be counted
-//! beside the graph launch a second time; and the ratios to it. Printed beside them: the gate's
+//! it, eager and (`--graph`) replayed. Beside it, as a diagnostic, a **steady-rate floor**: the
+//! same with the phase's bytes at the copy engine's steady rate (the slope between a 32 and a 64
+//! MiB copy on every rank at once) instead of a copy of those bytes timed on its own (which
+//! carries its own start, but finds part of its few MB in L2); and the ratios to it. The floor
+//! is the lower of the two on an H100, so the targets stay judged against it. Printed beside them: the gate's
 //! empty call and a dispatch of zero tokens (what the protocol itself costs with nothing to
 //! move).
 //!
@@ -157,10 +158,11 @@ struct LlReport {
     /// slope between two large copies, so without any copy's start.
     steady_copy_gb_per_s: Option<f64>,
     /// The floor with the phase's bytes at that steady rate: graph launch + flag round trip +
-    /// bytes / rate. Stricter than `floor_*_us`, whose copy, timed as a stream operation of
-    /// its own, also carries that operation's start beside the graph launch already counted.
-    strict_floor_dispatch_us: Option<f64>,
-    strict_floor_combine_us: Option<f64>,
+    /// bytes / rate (a diagnostic beside `floor_*_us`, whose copy, timed as a stream operation
+    /// of its own, carries that operation's start but also finds part of its few MB in L2; on
+    /// an H100 this one came out the higher of the two, BENCHMARKS.md 2026-12-07 20:34).
+    steady_floor_dispatch_us: Option<f64>,
+    steady_floor_combine_us: Option<f64>,
     /// One call, median over blocks: routing (send start to known), send rows, (gap), wait for
     /// the sources, receive rows; then the whole span over all blocks and ranks (us).
     dispatch_phases_us: Vec<f64>,
@@ -698,8 +700,8 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     rep.floor_dispatch_us = latency + rep.copy_dispatch_bytes_us;
     rep.floor_combine_us = latency + rep.copy_combine_bytes_us;
     rep.steady_copy_gb_per_s = rate.map(|b| b * 1e-9);
-    rep.strict_floor_dispatch_us = rate.map(|b| latency + disp_copy as f64 / b * 1e6);
-    rep.strict_floor_combine_us = rate.map(|b| latency + comb_copy as f64 / b * 1e6);
+    rep.steady_floor_dispatch_us = rate.map(|b| latency + disp_copy as f64 / b * 1e6);
+    rep.steady_floor_combine_us = rate.map(|b| latency + comb_copy as f64 / b * 1e6);
     println!(
         "bytes per token sent: ep-rs {:.0} (one message per destination rank), DeepEP {:.0} (one per expert)",
         rep.bytes_per_token_ep_rs, rep.bytes_per_token_deepep
@@ -779,8 +781,8 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     );
     match (
         rep.steady_copy_gb_per_s,
-        rep.strict_floor_dispatch_us,
-        rep.strict_floor_combine_us,
+        rep.steady_floor_dispatch_us,
+        rep.steady_floor_combine_us,
     ) {
         (Some(gbs), Some(fd), Some(fc)) => {
             let graph = rep
@@ -795,16 +797,16 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
                 })
                 .unwrap_or_default();
             println!(
-                "strict floor: dispatch {fd:.2} us, combine {fc:.2} us (the phase's bytes at the copy engine's steady rate, {gbs:.0} GB/s per rank with every rank copying: no copy start counted beside the graph launch)"
+                "steady-rate floor (diagnostic): dispatch {fd:.2} us, combine {fc:.2} us (the phase's bytes at the copy engine's steady rate, {gbs:.0} GB/s per rank with every rank copying)"
             );
             println!(
-                "against the strict floor: dispatch {:.2}x, combine {:.2}x{graph}",
+                "against the steady-rate floor: dispatch {:.2}x, combine {:.2}x{graph}",
                 ratio(rep.dispatch.median_us, fd),
                 ratio(rep.combine.median_us, fc),
             );
         }
         _ => println!(
-            "strict floor: not measured (the larger steady copy was not slower than the smaller: noise)"
+            "steady-rate floor: not measured (the larger steady copy was not slower than the smaller: noise)"
         ),
     }
     let ph = |v: &[f64]| {
