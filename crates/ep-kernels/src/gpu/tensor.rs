@@ -322,6 +322,23 @@ impl DevTensor {
     }
 }
 
+/// The first `rows` rows of each of `tables` (i64 tensors on the device, e.g. the kernels'
+/// `%globaltimer` stamps: a row per block) downloaded, as u64.
+pub(crate) fn rows_u64(
+    tables: &[DevTensor],
+    rows: impl Fn(usize) -> usize,
+) -> Result<Vec<Vec<Vec<u64>>>> {
+    tables
+        .iter()
+        .map(|b| {
+            let t = b.download::<i64>()?;
+            Ok((0..rows(t.rows()))
+                .map(|i| t.row(i).iter().map(|&v| v as u64).collect())
+                .collect())
+        })
+        .collect()
+}
+
 /// A 2-D copy of `src` into `dst` (same shape and dtype, any row strides) on `stream`.
 pub(crate) fn copy_2d(stream: &CudaStream, src: &DevTensor, dst: &DevTensor) -> Result<()> {
     if src.shape() != dst.shape() || src.dtype() != dst.dtype() {

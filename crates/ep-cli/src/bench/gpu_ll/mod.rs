@@ -62,6 +62,7 @@ use ep_kernels::gpu::{
 use super::error::BenchError;
 use super::{BenchArgs, LlVariantArg};
 use crate::bench::gpu::{Figure, core_err, figure, gpu_err, samples};
+use crate::bench::report::median;
 use crate::workload::{self, Defaults};
 
 mod graphs;
@@ -630,13 +631,16 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let per_rank = |c: usize| c as f64 / r as f64;
     let disp_copy = (per_rank(entries) * row) as usize;
     let comb_copy = (per_rank(entries) * 2.0 * hidden as f64) as usize;
-    let big = disp_copy.max(comb_copy).max(16);
-    let bufs: Vec<(DevBuf, DevBuf)> = (0..local.len())
-        .map(|_| Ok((DevBuf::new(ctx, big)?, DevBuf::new(ctx, big)?)))
-        .collect::<ep_kernels::Result<_>>()
-        .map_err(gpu_err("copy-ceiling buffers"))?;
-    let mut copy = |bytes: usize, what: &'static str| {
-        samples(total, warm, |_| {
+    // Copies on every local rank's stream at once, timed like the calls: `iters` after warm-up
+    // of `bytes` from each rank's `(dst, src)` pair.
+    let buffers = |bytes: usize, what: &'static str| {
+        (0..local.len())
+            .map(|_| Ok((DevBuf::new(ctx, bytes)?, DevBuf::new(ctx, bytes)?)))
+            .collect::<ep_kernels::Result<Vec<(DevBuf, DevBuf)>>>()
+            .map_err(gpu_err(what))
+    };
+    let mut copy = |bufs: &[(DevBuf, DevBuf)], bytes: usize, iters: usize, what: &'static str| {
+        samples(warm + iters, warm, |_| {
             g.timed(|g| {
                 for (rank, (dst, src)) in bufs.iter().enumerate() {
                     dst.copy_from_async(src, bytes, g.stream(rank))?;
@@ -647,33 +651,20 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
             .map_err(gpu_err(what))
         })
     };
-    let t_copy_d = copy(disp_copy, "timed dispatch-bytes copy")?;
-    let t_copy_c = copy(comb_copy, "timed combine-bytes copy")?;
+    let bufs = buffers(disp_copy.max(comb_copy).max(16), "copy-ceiling buffers")?;
+    let t_copy_d = copy(&bufs, disp_copy, iters, "timed dispatch-bytes copy")?;
+    let t_copy_c = copy(&bufs, comb_copy, iters, "timed combine-bytes copy")?;
     // The copy engine's steady rate: two large copies on every rank at once, the slope between
     // them (their starts cancel).
-    let steady_bufs: Vec<(DevBuf, DevBuf)> = (0..local.len())
-        .map(|_| {
-            Ok((
-                DevBuf::new(ctx, STEADY_BYTES)?,
-                DevBuf::new(ctx, STEADY_BYTES)?,
-            ))
-        })
-        .collect::<ep_kernels::Result<_>>()
-        .map_err(gpu_err("steady-copy buffers"))?;
-    let mut steady = |bytes: usize| {
-        samples(warm + STEADY_ITERS, warm, |_| {
-            g.timed(|g| {
-                for (rank, (dst, src)) in steady_bufs.iter().enumerate() {
-                    dst.copy_from_async(src, bytes, g.stream(rank))?;
-                }
-                Ok(())
-            })
-            .map(|(_, t)| t)
-            .map_err(gpu_err("timed steady copy"))
-        })
-    };
-    let t_half = crate::bench::report::median(&steady(STEADY_BYTES / 2)?);
-    let t_full = crate::bench::report::median(&steady(STEADY_BYTES)?);
+    let steady = buffers(STEADY_BYTES, "steady-copy buffers")?;
+    let half = STEADY_BYTES / 2;
+    let t_half = median(&copy(&steady, half, STEADY_ITERS, "timed steady copy")?);
+    let t_full = median(&copy(
+        &steady,
+        STEADY_BYTES,
+        STEADY_ITERS,
+        "timed steady copy",
+    )?);
     let rate = steady_rate(STEADY_BYTES / 2, t_half, STEADY_BYTES, t_full);
     let disp_bytes = per_tok(entries) * n as f64;
     let comb_bytes = per_tok(entries) / row * 2.0 * hidden as f64 * n as f64;

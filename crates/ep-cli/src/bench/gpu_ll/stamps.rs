@@ -1,6 +1,8 @@
 //! The low-latency dispatch's phase stamps as figures: its steps, the send parts' ends, the
 //! signals and the waits.
 
+use crate::bench::report::median;
+
 /// One plain dispatch's steps, median over the blocks of all ranks: the routing split into the
 /// expert ids arriving (stamp 0 to 11) and counted (11 to 7) and the slots ranked (7 to 1), the
 /// send part into the rows — warp 0's first unit arriving after the routing (1 to 8) and its
@@ -17,7 +19,7 @@ pub(super) fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
             .filter(|x| x[a] != 0 && x[b] >= x[a])
             .map(|x| (x[b] - x[a]) as f64 * 1e-3)
             .collect();
-        crate::bench::report::median(&d)
+        median(&d)
     };
     let us = crate::bench::gpu::since_first_start(stamps);
     // Stamp `s` of the started blocks in `of`, in us from the first block start.
@@ -36,9 +38,9 @@ pub(super) fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
             let (starts, done) = (times(&started, 0), times(&started, 6));
             format!(
                 "rank {r} starts {:.2}/{:.2} receive ends {:.2}/{:.2}",
-                crate::bench::report::median(&starts),
+                median(&starts),
                 max(&starts),
-                crate::bench::report::median(&done),
+                median(&done),
                 max(&done)
             )
         })
@@ -54,10 +56,10 @@ pub(super) fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
         step(8, 9),
         step(9, 10),
         step(10, 2),
-        crate::bench::report::median(&ends),
+        median(&ends),
         max(&ends),
         max(&sig),
-        crate::bench::report::median(&waited),
+        median(&waited),
         max(&waited),
         per_rank.join(", "),
     )

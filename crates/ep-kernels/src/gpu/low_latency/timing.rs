@@ -5,6 +5,7 @@ use super::LlGroup;
 use crate::error::Result;
 use crate::gpu::abi;
 use crate::gpu::gate::{close, elapsed, hold_all};
+use crate::gpu::tensor::rows_u64;
 use crate::gpu::tensor::{DType, DevTensor};
 
 impl LlGroup {
@@ -36,14 +37,7 @@ impl LlGroup {
         let Some(bufs) = &self.phase_times else {
             return Ok(Vec::new());
         };
-        bufs.iter()
-            .map(|b| {
-                let t = b.download::<i64>()?;
-                Ok((0..t.rows())
-                    .map(|i| t.row(i).iter().map(|&v| v as u64).collect())
-                    .collect())
-            })
-            .collect()
+        rows_u64(bufs, |all| all)
     }
 
     /// Opens the timing gate, if one holds the streams: any call that is about to wait on the

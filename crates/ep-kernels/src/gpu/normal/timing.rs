@@ -7,6 +7,7 @@ use super::NormalGroup;
 use crate::error::Result;
 use crate::gpu::abi;
 use crate::gpu::gate::{close, elapsed, hold_all};
+use crate::gpu::tensor::rows_u64;
 use crate::gpu::tensor::{DType, DevTensor};
 
 impl NormalGroup {
@@ -37,14 +38,7 @@ impl NormalGroup {
             return Ok(Vec::new());
         };
         let blocks = 2 * self.num_channels();
-        bufs.iter()
-            .map(|b| {
-                let t = b.download::<i64>()?;
-                Ok((0..blocks)
-                    .map(|i| t.row(i).iter().map(|&v| v as u64).collect())
-                    .collect())
-            })
-            .collect()
+        rows_u64(bufs, |_| blocks)
     }
 
     /// Opens the timing gate, if one holds the streams: any call that is about to wait on the
