@@ -81,35 +81,21 @@ __shared__ uint64_t block_call;
 // The block's start, behind one barrier: the operation's call number k (ep_epoch_next, the word
 // advanced once per operation: docs/protocol.md §3.10) and the shrink mask. Warp 0 issues both
 // reads before it uses either — lane 0 the block's epoch word (captured launches only), lane
-// r + 1 rank r's mask word — so a graph replay pays one round trip for both, not two. A launch
-// with the send part starts an operation (word + 1); a receive-only launch (the hook) continues
-// its send part's. Every LL kernel of a rank has num_sms blocks, so each word advances once per
-// operation. In two halves (block_start_reads issues the reads, block_start_end uses them), so
-// that a kernel can issue loads of its own between them: small loads it needs first go before
-// the reads, bulk loads after (behind a block's tens of KB of row loads, a read waits for them).
-struct StartReads {
-    uint64_t word;
-    int32_t mask;
-};
-
-__device__ __forceinline__ StartReads block_start_reads(const Args &a) {
+// r + 1 rank r's mask word — so a graph replay pays one round trip for both, not two, and the
+// kernel's own first loads, issued before this, run under it. A launch with the send part starts
+// an operation (word + 1); a receive-only launch (the hook) continues its send part's. Every LL
+// kernel of a rank has num_sms blocks, so each word advances once per operation.
+__device__ __forceinline__ uint64_t block_start(const Args &a) {
     static_assert(MAXR < 32, "lane r + 1 reads rank r's mask word");
-    const uint32_t lane = threadIdx.x;
-    const bool read_word = lane == 0 && a.call == 0;
-    const bool read_mask = a.mask != 0 && lane >= 1 && lane <= a.num_ranks;
-    StartReads r;
-    r.word = read_word ? *ep_block_epoch_word(a.epoch) : 0u;
-    r.mask = read_mask ? ((const volatile int32_t *)a.mask)[lane - 1] : 0;
-    // The kernel's loads after this stay after these reads.
-    asm volatile("" ::: "memory");
-    return r;
-}
-
-__device__ __forceinline__ uint64_t block_start_end(const Args &a, StartReads r) {
     if (threadIdx.x < 32) {
-        const uint32_t bits = __ballot_sync(FULL, r.mask != 0) >> 1;
-        if (threadIdx.x == 0) {
-            const uint64_t k = ep_epoch_next(a.call, r.word, (a.flags & EP_FLAG_LL_SEND) != 0);
+        const uint32_t lane = threadIdx.x;
+        const bool read_word = lane == 0 && a.call == 0;
+        const bool read_mask = a.mask != 0 && lane >= 1 && lane <= a.num_ranks;
+        const uint64_t word = read_word ? *ep_block_epoch_word(a.epoch) : 0u;
+        const int32_t m = read_mask ? ((const volatile int32_t *)a.mask)[lane - 1] : 0;
+        const uint32_t bits = __ballot_sync(FULL, m != 0) >> 1;
+        if (lane == 0) {
+            const uint64_t k = ep_epoch_next(a.call, word, (a.flags & EP_FLAG_LL_SEND) != 0);
             *ep_block_epoch_word(a.epoch) = k;
             block_call = k;
             mask_bits = bits;
@@ -118,8 +104,6 @@ __device__ __forceinline__ uint64_t block_start_end(const Args &a, StartReads r)
     __syncthreads();
     return block_call;
 }
-
-__device__ __forceinline__ uint64_t block_start(const Args &a) { return block_start_end(a, block_start_reads(a)); }
 
 __device__ __forceinline__ bool masked(const Args &a, uint64_t r) {
     (void)a;

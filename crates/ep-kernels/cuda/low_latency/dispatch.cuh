@@ -28,8 +28,8 @@ __device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
 }
 
 // The dispatch send part's first loads, which neither the epoch nor the mask decides, issued
-// around block_start's reads so that their latencies overlap (dispatch_ids, dispatch_rows_loads):
-// this thread's top-k entries j = threadIdx.x and + NT, this warp's first rows unit (load_unit)
+// before block_start's reads so that their latencies overlap: the routing's first (this thread's
+// top-k entries j = threadIdx.x and + NT), then this warp's first rows unit (load_unit, below)
 // and the weights of its first meta token. `tb`, `te`: the block's send group (§3.3).
 struct DispatchLoads {
     uint32_t tb, te;
@@ -214,22 +214,18 @@ __device__ __forceinline__ void load_unit(const Args &a, bool fp8, uint32_t t, u
     }
 }
 
-// DispatchLoads's loads in two parts around block_start_reads: dispatch_ids (the top-k entries,
-// which the routing waits for first, and the send group) before its reads, dispatch_rows_loads
-// (this warp's first rows unit and its first meta token's weights: the block's ~28 KB at
-// DeepEP's shape, which any load issued after them waits behind) after.
-__device__ __forceinline__ void dispatch_ids(const Args &a, DispatchLoads &p) {
-    const uint32_t T = a.num_tokens, TK = T * a.num_topk, j0 = threadIdx.x;
+// dispatch_loads: DispatchLoads's loads, the top-k entries first (the routing waits for them).
+__device__ __forceinline__ void dispatch_loads(const Args &a, DispatchLoads &p) {
+    const uint32_t T = a.num_tokens, K = a.num_topk, TK = T * K, j0 = threadIdx.x;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t *idx = (const int64_t *)a.topk_idx;
     p.id0 = j0 < TK ? idx[j0] : -1;
     p.id1 = j0 + NT < TK ? idx[j0 + NT] : -1;
-    uint64_t gs, ge;
-    ep_ll_send_group(T, gridDim.x, blockIdx.x, &gs, &ge);
-    p.tb = (uint32_t)gs, p.te = (uint32_t)ge;
-}
-
-__device__ __forceinline__ void dispatch_rows_loads(const Args &a, DispatchLoads &p) {
-    const uint32_t K = a.num_topk, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    {
+        uint64_t gs, ge;
+        ep_ll_send_group(T, gridDim.x, blockIdx.x, &gs, &ge);
+        p.tb = (uint32_t)gs, p.te = (uint32_t)ge;
+    }
     const bool fp8 = (a.flags & EP_FLAG_FP8) != 0;
     const uint32_t per_row = units_per_row(a.hidden, fp8), nt = p.te - p.tb;
     if (warp < nt * per_row) load_unit(a, fp8, p.tb + warp / per_row, warp % per_row, lane, p.v);
@@ -276,8 +272,8 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem, Dis
     const uint32_t tb = pre.tb, te = pre.te, nt = te - tb;
     const uint32_t per_row = units_per_row(H, fp8);
     const float *weights = (const float *)a.topk_weights;
-    // This warp's first rows unit and the weights of its first meta token were loaded at the
-    // block's start (dispatch_rows_loads): their latency runs under it and the routing's.
+    // This warp's first rows unit and the weights of its first meta token were loaded before
+    // the block's start (dispatch_loads): their latency runs under it and the routing's.
     int4 (&v)[UNITS] = pre.v;
     const float w_first = pre.w_first;
     stamp(a, 0);
@@ -654,10 +650,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a)
     extern __shared__ __align__(16) uint8_t smem[];
     const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
     DispatchLoads pre;
-    if (send) dispatch_ids(a, pre);
-    const StartReads start = block_start_reads(a);
-    if (send) dispatch_rows_loads(a, pre);
-    const uint64_t call_k = block_start_end(a, start);
+    if (send) dispatch_loads(a, pre);
+    const uint64_t call_k = block_start(a);
     if (masked(a, a.rank)) return;
     if (send) dispatch_send(a, call_k, smem, pre);
     if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, call_k, smem);

@@ -333,22 +333,19 @@ fn the_checker_reads_registers_and_instructions() {
 /// Every low-latency kernel reads its epoch word (a volatile load: `LDG.E.64.STRONG.SYS`) and
 /// the shrink mask (`LDG.E.STRONG.SYS`) before its first barrier: block_start issues both reads
 /// at once behind one barrier (before, the epoch's read and barrier, then the mask's read and
-/// barrier: two round trips on every graph replay). Each issues its own small first loads before
+/// barrier: two round trips on every graph replay). And each issues its own first loads before
 /// those reads, so that their latencies overlap: the dispatch its top-k entries (`LDG.E.64`,
-/// dispatch_ids), the combine its header copies' slot bounds (`__ldcg`: `LDG.E.STRONG.GPU`,
-/// combine_loads; graph replays -0.13 to -0.35 us, BENCHMARKS.md 2026-12-07 from 16:37). And the
-/// dispatch issues its rows' loads (`LDG.E.NA.128.CONSTANT`, dispatch_rows_loads) only after the
-/// reads: issued before them, those ~28 KB a block held the reads back (graph replays +0.6 to
-/// +1.1 us, BENCHMARKS.md 2026-12-07 from 22:58).
+/// dispatch_loads), the combine its header copies' slot bounds (`__ldcg`: `LDG.E.STRONG.GPU`,
+/// combine_loads; graph replays -0.13 to -0.35 us, BENCHMARKS.md 2026-12-07 from 16:37).
 #[test]
 fn the_ll_kernels_load_first_then_read_epoch_and_mask_behind_one_barrier() {
-    // (function, its first load, what that load reads, the function issuing it)
+    // (function, its first load, what that load reads)
     let first_loads = [
         (
             "ep_ll_dispatch",
             "LDG.E.64",
             "the top-k entries",
-            "dispatch_ids",
+            "dispatch_loads",
         ),
         (
             "ep_ll_combine",
@@ -393,17 +390,6 @@ fn the_ll_kernels_load_first_then_read_epoch_and_mask_behind_one_barrier() {
             insns[own].addr,
             insns[epoch].addr
         );
-        if function == "ep_ll_dispatch" {
-            let rows = first("LDG.E.NA.128.CONSTANT").unwrap_or_else(|| {
-                panic!("{function}: no LDG.E.NA.128.CONSTANT (the rows' loads)")
-            });
-            assert!(
-                epoch < rows && mask < rows,
-                "{function}: the rows' loads (at {:#x}) come before the epoch word's or the mask's \
-                 read: dispatch_rows_loads no longer runs after block_start_reads",
-                insns[rows].addr
-            );
-        }
     }
 }
 
