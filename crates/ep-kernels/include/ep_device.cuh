@@ -196,26 +196,16 @@ __device__ __forceinline__ int4 ep_ld_cg(const int4 *p) { return __ldcg(p); }
  * (`call != 0`, eager calls), or, with `call == 0` (a captured CUDA graph, whose arguments are
  * frozen at capture), this block's epoch word + 1 when the launch starts an operation
  * (`advance`), or the word itself when it continues one (a low-latency receive half launched
- * after its send half). Either way one thread stores k into the word before the block's barrier: block b
+ * after its send half). Either way thread 0 stores k into the word before the barrier: block b
  * is the only reader and writer of `epoch[b]` (every kernel of a rank that uses the words has the
  * same grid), and the next kernel on the rank's stream reads it after this one ended, so the
  * words advance exactly once per operation, eager or replayed.
  */
-__device__ __forceinline__ uint64_t ep_epoch_next(uint64_t call, uint64_t word, bool advance) {
-    return call != 0 ? call : word + (advance ? 1u : 0u);
-}
-
-/* This block's epoch word (read it only when `call == 0`: eager calls never need it). */
-__device__ __forceinline__ volatile uint64_t *ep_block_epoch_word(uint64_t epoch) {
-    return (volatile uint64_t *)epoch + blockIdx.x;
-}
-
-/* ep_epoch_next on thread 0, stored into the word, behind the block's barrier. */
 __device__ __forceinline__ uint64_t ep_block_epoch(uint64_t call, uint64_t epoch, bool advance) {
     __shared__ uint64_t s_k;
     if (threadIdx.x == 0) {
-        volatile uint64_t *w = ep_block_epoch_word(epoch);
-        const uint64_t k = call != 0 ? call : ep_epoch_next(call, *w, advance);
+        volatile uint64_t *w = (volatile uint64_t *)epoch + blockIdx.x;
+        const uint64_t k = call != 0 ? call : *w + (advance ? 1u : 0u);
         *w = k;
         s_k = k;
     }

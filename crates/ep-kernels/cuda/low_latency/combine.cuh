@@ -9,8 +9,8 @@
 // The combine send part's first loads, of this rank's dispatch records only (neither the epoch nor
 // the mask decides them): this thread's first word of the layout range, and for thread s < R the
 // bounds of send group b's slots from s's header copies (b's first slot; the next group's, or the
-// last group's message count). Issued before block_start's reads of the epoch word and the mask,
-// so that their latencies overlap.
+// last group's message count). Issued before the epoch word's and the mask's reads, so that in a
+// graph replay (the call number read from the block's epoch word) the two loads' latencies overlap.
 struct CombineLoads {
     int64_t range0;
     uint32_t first, end;
@@ -289,7 +289,8 @@ __device__ __forceinline__ void combine_kernel(const Args &a, uint8_t *smem) {
     const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
     CombineLoads pre;
     if (send) combine_loads(a, pre);
-    const uint64_t call_k = block_start(a);
+    const uint64_t call_k = op_epoch(a);
+    load_mask(a);
     if (masked(a, a.rank)) return;
     if (send) combine_send<LOGFMT>(a, call_k, smem, pre);
     if (a.flags & EP_FLAG_LL_RECV) combine_recv<LOGFMT>(a, call_k);

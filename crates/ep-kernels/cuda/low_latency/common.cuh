@@ -74,35 +74,18 @@ __device__ __forceinline__ ep_ll_layout layout_of(const Args &a) {
     return l;
 }
 
-// The shrink mask, read once per block at its start (block_start): bit r = rank r masked.
+// The shrink mask, read once per block at launch (load_mask): bit r = rank r masked.
 __shared__ uint32_t mask_bits;
-__shared__ uint64_t block_call;
 
-// The block's start, behind one barrier: the operation's call number k (ep_epoch_next, the word
-// advanced once per operation: docs/protocol.md §3.10) and the shrink mask. Warp 0 issues both
-// reads before it uses either — lane 0 the block's epoch word (captured launches only), lane
-// r + 1 rank r's mask word — so a graph replay pays one round trip for both, not two, and the
-// kernel's own first loads, issued before this, run under it. A launch with the send part starts
-// an operation (word + 1); a receive-only launch (the hook) continues its send part's. Every LL
-// kernel of a rank has num_sms blocks, so each word advances once per operation.
-__device__ __forceinline__ uint64_t block_start(const Args &a) {
-    static_assert(MAXR < 32, "lane r + 1 reads rank r's mask word");
-    if (threadIdx.x < 32) {
-        const uint32_t lane = threadIdx.x;
-        const bool read_word = lane == 0 && a.call == 0;
-        const bool read_mask = a.mask != 0 && lane >= 1 && lane <= a.num_ranks;
-        const uint64_t word = read_word ? *ep_block_epoch_word(a.epoch) : 0u;
-        const int32_t m = read_mask ? ((const volatile int32_t *)a.mask)[lane - 1] : 0;
-        const uint32_t bits = __ballot_sync(FULL, m != 0) >> 1;
-        if (lane == 0) {
-            const uint64_t k = ep_epoch_next(a.call, word, (a.flags & EP_FLAG_LL_SEND) != 0);
-            *ep_block_epoch_word(a.epoch) = k;
-            block_call = k;
-            mask_bits = bits;
-        }
+__device__ __forceinline__ void load_mask(const Args &a) {
+    if (threadIdx.x == 0) {
+        uint32_t bits = 0;
+        if (a.mask != 0)
+            for (uint32_t r = 0; r < a.num_ranks; ++r)
+                if (((const volatile int32_t *)a.mask)[r] != 0) bits |= 1u << r;
+        mask_bits = bits;
     }
     __syncthreads();
-    return block_call;
 }
 
 __device__ __forceinline__ bool masked(const Args &a, uint64_t r) {

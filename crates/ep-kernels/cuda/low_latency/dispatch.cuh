@@ -27,49 +27,35 @@ __device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
     return s;
 }
 
-// The dispatch send part's first loads, which neither the epoch nor the mask decides, issued
-// before block_start's reads so that their latencies overlap: the routing's first (this thread's
-// top-k entries j = threadIdx.x and + NT), then this warp's first rows unit (load_unit, below)
-// and the weights of its first meta token. `tb`, `te`: the block's send group (§3.3).
-struct DispatchLoads {
-    uint32_t tb, te;
-    int64_t id0, id1;
-    int4 v[UNITS];
-    float w_first;
-};
-
 // Routing of this rank's tokens, computed by every block (T*K entries: small), in two steps so
-// that the rows go out between them. `send_routing`, before the rows: expert ids (validated; a
-// masked destination's entries count as none), each token's destination ranks and its slot on
-// each, `ncnt[d]` the rank's messages to d, `gfirst[d]` / `gcnt[d]` the first slot and the
-// messages to d of this block's send group, tokens [tb, te) (docs/protocol.md §3.3).
-// `send_counts`, after the rows are issued: per expert the rank's entries (`tot`, the headers)
-// and those of the tokens before the send group (`before`, the positions).
+// that the rows can go out between them. `send_slots`: expert ids (validated), each token's
+// destination ranks and its slot on each, and per expert the rank's entries (`tot`, the headers)
+// and those of the tokens before the send group (`before`); `ncnt[d]` gets the messages to d.
 // An expert id outside [-1, E) is recorded (EP_ERR_EXPERT) and treated as -1, so the protocol
 // still completes and the group stays usable.
-__device__ void send_routing(const Args &a, SendSmem sm, const DispatchLoads &pre, uint32_t *ncnt,
-                             uint32_t *gfirst, uint32_t *gcnt) {
+// `gfirst[d]` / `gcnt[d]`: the first slot and the messages to d of this block's send group,
+// tokens [tb, te) (docs/protocol.md §3.3).
+__device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t tb, uint32_t te, uint32_t *gfirst,
+                           uint32_t *gcnt) {
     const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, L = a.num_local_experts;
-    const uint32_t R = a.num_ranks, tb = pre.tb, te = pre.te;
+    const uint32_t R = a.num_ranks;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // dmask as 32-bit words (4 tokens each, bit 8 (t % 4) + d; the carve-out pads it to 16 bytes).
     uint32_t *dmask_w = (uint32_t *)sm.dmask;
     for (uint32_t i = threadIdx.x; i < E; i += NT) sm.tot[i] = 0, sm.before[i] = 0;
     for (uint32_t i = threadIdx.x; i < (T + 3) / 4; i += NT) dmask_w[i] = 0;
     const int64_t *idx = (const int64_t *)a.topk_idx;
+    // Entry j = t K + k of the rank, NT apart per thread (loads coalesced, ~T K / NT entries each:
+    // every thread shares the counting); the first two are loaded before the counters' barrier, so
+    // their latency runs under it.
+    const uint32_t TK = T * K, j0 = threadIdx.x;
+    const int64_t id0 = j0 < TK ? idx[j0] : -1, id1 = j0 + NT < TK ? idx[j0 + NT] : -1;
     __syncthreads();
     // Stamp 11: thread 0's first id has arrived (a branch on it: the timer is read after the load).
-    if (a.phase_times != 0 && threadIdx.x == 0 && pre.id0 != INT64_MIN) stamp(a, 11);
-    // Entry j = t K + k, NT apart per thread (every thread shares the work; whole warps step
-    // together, for the shuffles). Each lane's destination bit goes into its token's dmask word
-    // (t / 4), OR-ed first over the warp's lanes of the same word (contiguous: j grows with the
-    // lane), then one shared atomic per word and warp.
-    const uint32_t TK = T * K;
-    for (uint32_t it = 0; it * NT < TK; ++it) {
-        const uint32_t j = threadIdx.x + it * NT;
-        const bool in = j < TK;
-        int64_t e = !in ? -1 : it == 0 ? pre.id0 : it == 1 ? pre.id1 : idx[j];
-        const uint32_t t = in ? j / K : 0u;
+    if (a.phase_times != 0 && threadIdx.x == 0 && id0 != INT64_MIN) stamp(a, 11);
+    for (uint32_t j = j0; j < TK; j += NT) {
+        int64_t e = j == j0 ? id0 : j == j0 + NT ? id1 : idx[j];
+        const uint32_t t = j / K;
         if (e < -1 || e >= (int64_t)E) {
             if (blockIdx.x == 0)
                 ep_fail((ep_err_block *)a.err, EP_ERR_EXPERT, a.rank, EP_KERNEL_LL_DISPATCH, a.rank, 0, E,
@@ -79,16 +65,12 @@ __device__ void send_routing(const Args &a, SendSmem sm, const DispatchLoads &pr
         // e in [-1, E): one 32-bit division for the destination and its mask bit.
         const uint32_t d = e >= 0 ? (uint32_t)e / L : 0u;
         if (e >= 0 && masked(a, d)) e = -1;
-        if (in) sm.expert[j] = (int16_t)e;
-        const uint32_t word = in ? t / 4 : 0xffffffffu;
-        uint32_t bits = e >= 0 ? 1u << (8 * (t % 4) + d) : 0u;
-#pragma unroll
-        for (uint32_t o = 1; o < 32; o *= 2) {
-            const uint32_t up = __shfl_down_sync(FULL, bits, o), up_word = __shfl_down_sync(FULL, word, o);
-            if (lane + o < 32 && up_word == word) bits |= up;
+        sm.expert[j] = (int16_t)e;
+        if (e >= 0) {
+            atomicOr(&dmask_w[t / 4], 1u << (8 * (t % 4) + d));
+            atomicAdd(&sm.tot[e], 1u);
+            if (t < tb) atomicAdd(&sm.before[e], 1u);
         }
-        const uint32_t prev_word = __shfl_up_sync(FULL, word, 1);
-        if (in && bits != 0 && (lane == 0 || prev_word != word)) atomicOr(&dmask_w[word], bits);
     }
     __syncthreads();
     stamp(a, 7);
@@ -106,18 +88,6 @@ __device__ void send_routing(const Args &a, SendSmem sm, const DispatchLoads &pr
             mine += __popc(__ballot_sync(FULL, to_d && t >= tb && t < te));
         }
         if (lane == 0) ncnt[d] = run, gfirst[d] = first, gcnt[d] = mine;
-    }
-    __syncthreads();
-}
-
-__device__ void send_counts(const Args &a, SendSmem sm, uint32_t tb) {
-    const uint32_t K = a.num_topk, TK = a.num_tokens * K;
-    for (uint32_t j = threadIdx.x; j < TK; j += NT) {
-        const int32_t e = sm.expert[j];
-        if (e >= 0) {
-            atomicAdd(&sm.tot[e], 1u);
-            if (j / K < tb) atomicAdd(&sm.before[e], 1u);
-        }
     }
     __syncthreads();
 }
@@ -214,24 +184,6 @@ __device__ __forceinline__ void load_unit(const Args &a, bool fp8, uint32_t t, u
     }
 }
 
-// dispatch_loads: DispatchLoads's loads, the top-k entries first (the routing waits for them).
-__device__ __forceinline__ void dispatch_loads(const Args &a, DispatchLoads &p) {
-    const uint32_t T = a.num_tokens, K = a.num_topk, TK = T * K, j0 = threadIdx.x;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t *idx = (const int64_t *)a.topk_idx;
-    p.id0 = j0 < TK ? idx[j0] : -1;
-    p.id1 = j0 + NT < TK ? idx[j0 + NT] : -1;
-    {
-        uint64_t gs, ge;
-        ep_ll_send_group(T, gridDim.x, blockIdx.x, &gs, &ge);
-        p.tb = (uint32_t)gs, p.te = (uint32_t)ge;
-    }
-    const bool fp8 = (a.flags & EP_FLAG_FP8) != 0;
-    const uint32_t per_row = units_per_row(a.hidden, fp8), nt = p.te - p.tb;
-    if (warp < nt * per_row) load_unit(a, fp8, p.tb + warp / per_row, warp % per_row, lane, p.v);
-    p.w_first = p.tb + warp < p.te && lane < K ? ((const float *)a.topk_weights)[(uint64_t)(p.tb + warp) * K + lane] : 0.0f;
-}
-
 // Variant (b): this rank's staged copy of token `t`'s message, dsend_rows[t] of the call's half.
 __device__ __forceinline__ uint8_t *staged_row(const Args &a, const ep_ll_layout &ly, uint32_t t) {
     return half_of(a, a.rank, a.half) + ep_ll_dsend_row(ly, t);
@@ -260,7 +212,7 @@ __device__ __forceinline__ uint8_t *meta_block_out(const Args &a, const ep_ll_la
 // records, and on each destination the group's header copy, then one fence and the group's
 // signal disp_sig[h][s][b]. Every block routes the whole rank (it needs every entry's pos and the
 // per-expert totals); no block waits for another.
-__device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem, DispatchLoads &pre) {
+__device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     __shared__ uint32_t ncnt[MAXR], gfirst[MAXR], gcnt[MAXR];
     SendSmem sm = send_smem(a, smem);
     const ep_ll_layout ly = layout_of(a);
@@ -269,15 +221,22 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem, Dis
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const bool fp8 = (a.flags & EP_FLAG_FP8) != 0;
     const bool round_scale = (a.flags & EP_FLAG_ROUND_SCALE) != 0;
-    const uint32_t tb = pre.tb, te = pre.te, nt = te - tb;
+    uint32_t tb, te;
+    {
+        uint64_t gs, ge;
+        ep_ll_send_group(T, gridDim.x, b, &gs, &ge);
+        tb = (uint32_t)gs, te = (uint32_t)ge;
+    }
+    const uint32_t nt = te - tb;
     const uint32_t per_row = units_per_row(H, fp8);
     const float *weights = (const float *)a.topk_weights;
-    // This warp's first rows unit and the weights of its first meta token were loaded before
-    // the block's start (dispatch_loads): their latency runs under it and the routing's.
-    int4 (&v)[UNITS] = pre.v;
-    const float w_first = pre.w_first;
+    // This warp's first rows unit and the weights of its first meta token, loaded before the
+    // routing (neither depends on it), so their latency runs under the routing's.
+    int4 v[UNITS];
+    if (warp < nt * per_row) load_unit(a, fp8, tb + warp / per_row, warp % per_row, lane, v);
+    const float w_first = tb + warp < te && lane < K ? weights[(uint64_t)(tb + warp) * K + lane] : 0.0f;
     stamp(a, 0);
-    send_routing(a, sm, pre, ncnt, gfirst, gcnt);
+    send_slots(a, sm, ncnt, tb, te, gfirst, gcnt);
     stamp(a, 1);
     if (blockIdx.x == 0) {
         int32_t *slots = (int32_t *)a.slots;
@@ -383,7 +342,6 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem, Dis
     // after the signal). Warp w writes those of tokens tb + w, tb + w + WARPS, ... (lane k = top-k
     // slot k).
     stamp(a, 9);
-    send_counts(a, sm, tb);
     send_positions(a, sm, tb, te);
     stamp(a, 10);
 #ifdef EP_LL_NVSHMEM
@@ -648,11 +606,10 @@ __device__ void dispatch_recv(const Args &a, uint64_t call_k, uint8_t *smem) {
 
 extern "C" __global__ void __launch_bounds__(NT, 1) ep_ll_dispatch(const Args a) {
     extern __shared__ __align__(16) uint8_t smem[];
-    const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
-    DispatchLoads pre;
-    if (send) dispatch_loads(a, pre);
-    const uint64_t call_k = block_start(a);
+    const uint64_t call_k = op_epoch(a);
+    load_mask(a);
     if (masked(a, a.rank)) return;
-    if (send) dispatch_send(a, call_k, smem, pre);
+    const bool send = (a.flags & EP_FLAG_LL_SEND) != 0;
+    if (send) dispatch_send(a, call_k, smem);
     if (a.flags & EP_FLAG_LL_RECV) dispatch_recv(a, call_k, smem);
 }

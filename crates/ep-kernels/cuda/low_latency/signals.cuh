@@ -149,3 +149,11 @@ __device__ bool wait_sources(const Args &a, uint64_t call_k, uint64_t kernel, ui
     __syncthreads();
     return ok != 0;
 }
+
+// The operation's call number k (docs/protocol.md §3.10): by value, or (a captured graph, call ==
+// 0) from this block's epoch word, ep_block_epoch. A launch with the send part starts the
+// operation (word + 1); a receive-only launch (the hook) continues its send part's (the word).
+// Every LL kernel of a rank has num_sms blocks, so each word advances once per operation.
+__device__ __forceinline__ uint64_t op_epoch(const Args &a) {
+    return ep_block_epoch(a.call, a.epoch, (a.flags & EP_FLAG_LL_SEND) != 0);
+}

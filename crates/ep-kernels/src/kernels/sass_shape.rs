@@ -1,6 +1,6 @@
 //! Shape tests of the kernels' SASS: properties of the compiled code that decide its speed and
 //! that no correctness test sees (each a measured loss or gain, BENCHMARKS.md): the normal rows
-//! loop at few SMs, the low-latency kernels' first loads and barrier; and one that a wrong order would make
+//! loop at few SMs, the low-latency combine's first loads; and one that a wrong order would make
 //! a race, the normal dispatch's grid-dependency wait before any read. They read `cuobjdump
 //! -sass` of the module build.rs compiled.
 
@@ -332,7 +332,7 @@ fn the_checker_reads_registers_and_instructions() {
 
 /// The low-latency combine issues its send part's first loads — the header copies' slot bounds
 /// (`__ldcg`: `LDG.E.STRONG.GPU`) — before the block's epoch word's read (a volatile load:
-/// `LDG.E.64.STRONG.SYS`, block_start), so that in a graph replay the two latencies overlap
+/// `LDG.E.64.STRONG.SYS`, ep_block_epoch), so that in a graph replay the two latencies overlap
 /// (combine_loads; graph replays -0.13 to -0.35 us, BENCHMARKS.md 2026-12-07 from 16:37). Before,
 /// the epoch's read and its barrier came first.
 #[test]
@@ -353,56 +353,10 @@ fn the_ll_combine_loads_its_records_before_its_epoch_word() {
         assert!(
             records < epoch,
             "{function}: the header copies' loads (at {:#x}) come after the epoch word's read (at \
-             {:#x}): combine_loads no longer runs before block_start",
+             {:#x}): combine_loads no longer runs before op_epoch",
             insns[records].addr,
             insns[epoch].addr
         );
-    }
-}
-
-/// Every low-latency kernel reads its epoch word (`LDG.E.64.STRONG.SYS`) and the shrink mask
-/// (`LDG.E.STRONG.SYS`) before its first barrier: block_start issues both reads at once behind
-/// one barrier (before, the epoch's read and barrier, then the mask's read and barrier: two round
-/// trips on every graph replay). And the dispatch issues its top-k entries' loads (`LDG.E.64`,
-/// dispatch_loads) before those reads, so that the routing's first wait runs under them.
-#[test]
-fn the_ll_kernels_read_their_epoch_and_mask_behind_one_barrier() {
-    let Some(kernels) = kernels_sass(
-        low_latency_cubin(),
-        &["ep_ll_dispatch", "ep_ll_combine", "ep_ll_combine_logfmt"],
-    ) else {
-        return;
-    };
-    for (function, sass) in kernels {
-        let insns = instructions(&sass);
-        let first = |op: &str| insns.iter().position(|i| i.op == op);
-        let epoch = first("LDG.E.64.STRONG.SYS")
-            .unwrap_or_else(|| panic!("{function}: no strong 64-bit load (the epoch word's read)"));
-        let mask = first("LDG.E.STRONG.SYS")
-            .unwrap_or_else(|| panic!("{function}: no strong 32-bit load (the mask's read)"));
-        let barrier = insns
-            .iter()
-            .position(|i| i.op.starts_with("BAR.SYNC"))
-            .unwrap_or_else(|| panic!("{function}: no barrier"));
-        assert!(
-            epoch < barrier && mask < barrier,
-            "{function}: the epoch word's read (at {:#x}) and the mask's (at {:#x}) are not both \
-             before the first barrier (at {:#x}): block_start no longer reads them together",
-            insns[epoch].addr,
-            insns[mask].addr,
-            insns[barrier].addr
-        );
-        if function == "ep_ll_dispatch" {
-            let ids = first("LDG.E.64")
-                .unwrap_or_else(|| panic!("{function}: no 64-bit load (the top-k entries)"));
-            assert!(
-                ids < epoch,
-                "{function}: the top-k entries' loads (at {:#x}) come after the epoch word's \
-                 read (at {:#x}): dispatch_loads no longer runs before block_start",
-                insns[ids].addr,
-                insns[epoch].addr
-            );
-        }
     }
 }
 

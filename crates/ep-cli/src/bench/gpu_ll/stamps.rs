@@ -4,10 +4,9 @@
 use crate::bench::report::median;
 
 /// One plain dispatch's steps, median over the blocks of all ranks: the routing split into the
-/// expert ids arriving (stamp 0 to 11), each token's destination ranks marked (11 to 7) and the
-/// slots ranked (7 to 1), the send part into the rows — warp 0's first unit arriving after the
-/// routing (1 to 8) and its stores (8 to 9) —, the per-expert counts and positions (9 to 10)
-/// and meta records (10 to 2); then, in microseconds
+/// expert ids arriving (stamp 0 to 11) and counted (11 to 7) and the slots ranked (7 to 1), the
+/// send part into the rows — warp 0's first unit arriving after the routing (1 to 8) and its
+/// stores (8 to 9) —, positions (9 to 10) and meta records (10 to 2); then, in microseconds
 /// from the earliest block start, when the blocks' send parts end (median and last, stamp 2),
 /// when the last block's signals are out (3) and when the receive parts' waits end (median and
 /// last, 5): the wait a receiver sees is the send parts' spread plus the signal's trip; and per
@@ -47,7 +46,7 @@ pub(super) fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
         })
         .collect();
     format!(
-        "ids {:.2} (arrived {:.2} + destinations {:.2}) + slots {:.2}; rows {:.2} (first unit arrived {:.2} + stored {:.2}) + counts and positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start); median/last: {}",
+        "ids {:.2} (arrived {:.2} + counted {:.2}) + slots {:.2}; rows {:.2} (first unit arrived {:.2} + stored {:.2}) + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start); median/last: {}",
         step(0, 7),
         step(0, 11),
         step(11, 7),
@@ -74,7 +73,7 @@ mod tests {
     /// times from the first block start for the send ends, the signals and the waits.
     #[test]
     fn the_dispatch_steps_split_the_send_part_and_time_its_ends() {
-        // Stamps in ns; slots 0 start, 11 first id arrived, 7 destinations marked, 1 slots, 8 first
+        // Stamps in ns; slots 0 start, 11 first id arrived, 7 ids counted, 1 slots, 8 first
         // rows unit arrived, 9 rows, 10 positions, 2 metas, 3 the last block's signals, 4
         // receive start, 5 waits end.
         let blk = |at: &[(usize, u64)]| {
@@ -131,12 +130,12 @@ mod tests {
         ];
         let line = dispatch_detail(&stamps);
         assert!(
-            line.contains("ids 2.00 (arrived 1.50 + destinations 0.50) + slots 0.50"),
+            line.contains("ids 2.00 (arrived 1.50 + counted 0.50) + slots 0.50"),
             "{line}"
         );
         assert!(
             line.contains(
-                "rows 4.00 (first unit arrived 1.00 + stored 3.00) + counts and positions 2.00 + metas 0.50"
+                "rows 4.00 (first unit arrived 1.00 + stored 3.00) + positions 2.00 + metas 0.50"
             ),
             "{line}"
         );

@@ -2,7 +2,7 @@
 //! docs/protocol.md §3.10.
 //!
 //! **Epochs.** A captured kernel's arguments are frozen, so captured launches get `call = 0` and
-//! each block takes its call number from its rank's device epoch words (`ep_epoch_next`): the
+//! each block takes its call number from its rank's device epoch words (`ep_block_epoch`): the
 //! word plus one for a launch with the send part (an operation starts), the word itself for a
 //! receive-only launch (the hook continues its send part's operation). Eager launches store the
 //! `k` they are given, so eager operations and replays mix; the host adds a graph's operation
