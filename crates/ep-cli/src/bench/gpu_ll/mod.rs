@@ -72,7 +72,7 @@ mod verify;
 
 use graphs::time_graphs;
 use nvshmem::{env_plan, ibgda_diagnosis, join_nvshmem, start_nvshmem};
-use stamps::dispatch_detail;
+use stamps::{dispatch_detail, rank_spread};
 use verify::{Reference, Verify, reference, verify};
 
 /// Calls timed per figure at least (issue: ≥ 1000 replays).
@@ -173,6 +173,10 @@ struct LlReport {
     dispatch_detail: String,
     /// The zero-token dispatch's phases, as `dispatch_phases_us`.
     zero_token_phases_us: Vec<f64>,
+    /// Per rank, the blocks' starts and receive ends ([`rank_spread`]) of the stamped combine
+    /// and zero-token dispatch (the dispatch's are in `dispatch_detail`).
+    combine_ranks: String,
+    zero_token_ranks: String,
     bytes_per_token_ep_rs: f64,
     bytes_per_token_deepep: f64,
     /// `--graph`: the same calls replayed from CUDA graphs.
@@ -587,15 +591,15 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
     let hs: Vec<_> = h.iter().collect();
     g.timed(|g| g.combine_with(&hs, &y_in, &cargs))
         .map_err(gpu_err("combine"))?;
-    let cphases = crate::bench::gpu::phase_split(
-        &g.phase_times().map_err(gpu_err("phase stamps"))?,
-        &comb_slots,
-    );
+    let cstamps = g.phase_times().map_err(gpu_err("phase stamps"))?;
+    let cphases = crate::bench::gpu::phase_split(&cstamps, &comb_slots);
+    rep.combine_ranks = rank_spread(&cstamps, 6);
     g.measure_phases(true).map_err(gpu_err("phase stamps"))?;
     g.timed(|g| g.dispatch(&empty_inputs, &dargs))
         .map_err(gpu_err("zero-token dispatch"))?;
-    let zphases =
-        crate::bench::gpu::phase_split(&g.phase_times().map_err(gpu_err("phase stamps"))?, &slots);
+    let zstamps = g.phase_times().map_err(gpu_err("phase stamps"))?;
+    let zphases = crate::bench::gpu::phase_split(&zstamps, &slots);
+    rep.zero_token_ranks = rank_spread(&zstamps, 6);
     g.measure_phases(false).map_err(gpu_err("phase stamps"))?;
     rep.zero_token_phases_us = zphases;
     rep.dispatch_phases_us = dphases;
@@ -816,6 +820,10 @@ pub(super) fn run(args: &BenchArgs) -> Result<i32, BenchError> {
         ph(&rep.zero_token_phases_us)
     );
     println!("dispatch steps: {}", rep.dispatch_detail);
+    println!(
+        "rank spread (median/last, us from the first block start): combine {}; zero-token dispatch {}",
+        rep.combine_ranks, rep.zero_token_ranks
+    );
     if let Some(path) = &args.json {
         let doc = serde_json::json!({
             "backend": "gpu",

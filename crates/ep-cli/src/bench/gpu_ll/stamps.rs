@@ -28,23 +28,7 @@ pub(super) fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
     };
     let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     let (ends, sig, waited) = (times(&blocks, 2), times(&blocks, 3), times(&blocks, 5));
-    // Per rank, the spread of its blocks' starts (0) and receive ends (6): what of the span the
-    // median steps do not hold (a late kernel, late blocks, a slow last block).
-    let per_rank: Vec<String> = stamps
-        .iter()
-        .enumerate()
-        .map(|(r, rank)| {
-            let started: Vec<&Vec<u64>> = rank.iter().filter(|b| b[0] != 0).collect();
-            let (starts, done) = (times(&started, 0), times(&started, 6));
-            format!(
-                "rank {r} starts {:.2}/{:.2} receive ends {:.2}/{:.2}",
-                median(&starts),
-                max(&starts),
-                median(&done),
-                max(&done)
-            )
-        })
-        .collect();
+    let per_rank = rank_spread(stamps, 6);
     format!(
         "ids {:.2} (arrived {:.2} + counted {:.2}) + slots {:.2}; rows {:.2} (first unit arrived {:.2} + stored {:.2}) + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start); median/last: {}",
         step(0, 7),
@@ -61,8 +45,41 @@ pub(super) fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
         max(&sig),
         median(&waited),
         max(&waited),
-        per_rank.join(", "),
+        per_rank,
     )
+}
+
+/// Per rank, the spread of its blocks' starts (stamp 0) and ends (stamp `end`: a receive
+/// part's end), median/last in us from the earliest block start of any rank: what of a span the
+/// median steps do not hold (a late kernel, late blocks, a slow last block). A rank whose
+/// kernel starts later than the others' by the same amount in the zero-token dispatch as in the
+/// full one is late at its launch, not by its work.
+pub(super) fn rank_spread(stamps: &[Vec<Vec<u64>>], end: usize) -> String {
+    let us = crate::bench::gpu::since_first_start(stamps);
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    stamps
+        .iter()
+        .enumerate()
+        .map(|(r, rank)| {
+            let started: Vec<&Vec<u64>> = rank.iter().filter(|b| b[0] != 0).collect();
+            let times = |s: usize| -> Vec<f64> {
+                started
+                    .iter()
+                    .filter(|x| x[s] != 0)
+                    .map(|x| us(x[s]))
+                    .collect()
+            };
+            let (starts, done) = (times(0), times(end));
+            format!(
+                "rank {r} starts {:.2}/{:.2} receive ends {:.2}/{:.2}",
+                median(&starts),
+                max(&starts),
+                median(&done),
+                max(&done)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]
