@@ -100,7 +100,7 @@ ab() { # name, ep bench flags... : bundle/ep-A (an earlier build), bundle/ep-B (
     for b in "${builds[@]}"; do
       step "$name-$b-$i" 150 "bundle/$b" bench --backend gpu "$@"
       echo "== $name $b (round $i)"
-      grep -E "\] (dispatch|combine) (BF16|FP8)|^(dispatch|combine|both|floor) |^steady-rate floor|^against the|dispatch tail|^verified|MISMATCH" "$out/$name-$b-$i.log" \
+      grep -E "\] (dispatch|combine) (BF16|FP8)|^(dispatch|combine|both|floor) |^steady-rate floor|^against the|^rank spread|dispatch tail|^verified|MISMATCH" "$out/$name-$b-$i.log" \
         | sed -E 's/\[block 0 stamps[^]]*\]//g' | cut -c1-220 | head -16
     done
   done
