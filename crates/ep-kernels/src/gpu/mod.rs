@@ -6,6 +6,8 @@
 //! - [`mem`]: device buffers and host-mapped memory;
 //! - [`ipc`]: device buffers shared with other processes (CUDA IPC);
 //! - [`device`]: one GPU with its kernels and error record;
+//! - `err_record`: the error record's kinds both groups decode alike (a wait timeout, an
+//!   expert id out of range);
 //! - [`executor`]: [`Gpu`], the executor of ep-core's `Buffer` over device tensors
 //!   ([`DevTensors`]): normal mode through the same `Buffer` as the simulator;
 //! - [`floor`]: the latency parts of the low-latency floor (an empty graph launch, a flag round
@@ -21,6 +23,7 @@
 
 pub mod abi;
 pub mod device;
+mod err_record;
 pub mod executor;
 pub mod floor;
 mod gate;

@@ -16,22 +16,9 @@ impl LlGroup {
         match e.status {
             abi::EP_ERR_TIMEOUT => {
                 let (name, writer) = word(e.word_offset);
-                Error::DeviceWaitTimeout {
-                    rank: e.rank as usize,
-                    kernel,
-                    block: e.block as usize,
-                    word: name,
-                    writer,
-                    expected: e.expected,
-                    last_seen: e.last_seen,
-                    timeout: self.timeout,
-                }
+                e.wait_timeout(kernel, name, writer, self.timeout)
             }
-            abi::EP_ERR_EXPERT => Error::ExpertOutOfRange {
-                rank: e.rank as usize,
-                index: e.detail,
-                expert: e.last_seen as i64,
-            },
+            abi::EP_ERR_EXPERT => e.expert_out_of_range(),
             abi::EP_ERR_EPOCH | abi::EP_ERR_COUNT => Error::Unsupported(format!(
                 "rank {} ({kernel}): signal {} from rank {} holds {:#x}, expected {} {:#x}: \
                  the ranks' calls are out of step (a rank skipped or repeated a call); reset() every rank",

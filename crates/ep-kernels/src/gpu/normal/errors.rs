@@ -46,27 +46,19 @@ fn decode_record(e: &ErrBlock, num_ranks: usize, timeout: Duration) -> Error {
     match e.status {
         abi::EP_ERR_TIMEOUT => {
             let ctrl = NormalCtrl { num_ranks };
-            Error::DeviceWaitTimeout {
-                rank: e.rank as usize,
+            e.wait_timeout(
                 kernel,
-                block: e.block as usize,
-                word: ctrl_word_name(ctrl, e.word_offset),
-                writer: ctrl.writer(e.word_offset, e.word_rank as usize),
-                expected: e.expected,
-                last_seen: e.last_seen,
+                ctrl_word_name(ctrl, e.word_offset),
+                ctrl.writer(e.word_offset, e.word_rank as usize),
                 timeout,
-            }
+            )
         }
         abi::EP_ERR_CAPACITY => Error::DeviceCapacity {
             rank: e.word_rank as usize,
             rows: e.last_seen,
             capacity: e.expected,
         },
-        abi::EP_ERR_EXPERT => Error::ExpertOutOfRange {
-            rank: e.rank as usize,
-            index: e.detail,
-            expert: e.last_seen as i64,
-        },
+        abi::EP_ERR_EXPERT => e.expert_out_of_range(),
         abi::EP_ERR_LAYOUT => Error::DeviceLayoutMismatch {
             rank: e.rank as usize,
             dest: e.detail as usize,
