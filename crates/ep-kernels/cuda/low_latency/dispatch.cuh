@@ -27,17 +27,6 @@ __device__ __forceinline__ SendSmem send_smem(const Args &a, uint8_t *base) {
     return s;
 }
 
-// This thread's first two top-k entries (j = threadIdx.x and + NT; -1 past the rank's), loaded
-// before anything else of the send part: the routing waits for them first, and issued after a
-// block's ~28 KB of row loads they waited behind those (ids arrived 0.8-1.0 us after the send
-// start; issued first, 0.26: BENCHMARKS.md, 2026-12-07 from 22:58).
-__device__ __forceinline__ void send_first_ids(const Args &a, int64_t &id0, int64_t &id1) {
-    const int64_t *idx = (const int64_t *)a.topk_idx;
-    const uint32_t TK = a.num_tokens * a.num_topk, j0 = threadIdx.x;
-    id0 = j0 < TK ? idx[j0] : -1;
-    id1 = j0 + NT < TK ? idx[j0 + NT] : -1;
-}
-
 // Routing of this rank's tokens, computed by every block (T*K entries: small), in two steps so
 // that the rows can go out between them. `send_slots`: expert ids (validated), each token's
 // destination ranks and its slot on each, and per expert the rank's entries (`tot`, the headers)
@@ -46,8 +35,8 @@ __device__ __forceinline__ void send_first_ids(const Args &a, int64_t &id0, int6
 // still completes and the group stays usable.
 // `gfirst[d]` / `gcnt[d]`: the first slot and the messages to d of this block's send group,
 // tokens [tb, te) (docs/protocol.md §3.3).
-__device__ void send_slots(const Args &a, SendSmem sm, int64_t id0, int64_t id1, uint32_t *ncnt, uint32_t tb,
-                           uint32_t te, uint32_t *gfirst, uint32_t *gcnt) {
+__device__ void send_slots(const Args &a, SendSmem sm, uint32_t *ncnt, uint32_t tb, uint32_t te, uint32_t *gfirst,
+                           uint32_t *gcnt) {
     const uint32_t T = a.num_tokens, K = a.num_topk, E = a.num_experts, L = a.num_local_experts;
     const uint32_t R = a.num_ranks;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -57,9 +46,10 @@ __device__ void send_slots(const Args &a, SendSmem sm, int64_t id0, int64_t id1,
     for (uint32_t i = threadIdx.x; i < (T + 3) / 4; i += NT) dmask_w[i] = 0;
     const int64_t *idx = (const int64_t *)a.topk_idx;
     // Entry j = t K + k of the rank, NT apart per thread (loads coalesced, ~T K / NT entries each:
-    // every thread shares the counting); the first two (`id0`, `id1`: send_first_ids) were loaded
-    // before the rows' first loads.
+    // every thread shares the counting); the first two are loaded before the counters' barrier, so
+    // their latency runs under it.
     const uint32_t TK = T * K, j0 = threadIdx.x;
+    const int64_t id0 = j0 < TK ? idx[j0] : -1, id1 = j0 + NT < TK ? idx[j0 + NT] : -1;
     __syncthreads();
     // Stamp 11: thread 0's first id has arrived (a branch on it: the timer is read after the load).
     if (a.phase_times != 0 && threadIdx.x == 0 && id0 != INT64_MIN) stamp(a, 11);
@@ -244,8 +234,6 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const uint32_t nt = te - tb;
     const uint32_t per_row = units_per_row(H, fp8);
     const float *weights = (const float *)a.topk_weights;
-    int64_t id0, id1;
-    send_first_ids(a, id0, id1);
     // This warp's first rows unit and the weights of its first meta token, loaded before the
     // routing (neither depends on it), so their latency runs under the routing's.
     int4 v[UNITS];
@@ -253,7 +241,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     const float w_first = tb + warp < te && lane < K ? weights[(uint64_t)(tb + warp) * K + lane] : 0.0f;
     if (threadIdx.x < R) meta_out[threadIdx.x] = meta_block_out(a, ly, threadIdx.x);
     stamp(a, 0);
-    send_slots(a, sm, id0, id1, ncnt, tb, te, gfirst, gcnt);
+    send_slots(a, sm, ncnt, tb, te, gfirst, gcnt);
     stamp(a, 1);
     if (blockIdx.x == 0) {
         int32_t *slots = (int32_t *)a.slots;
