@@ -214,10 +214,6 @@ __device__ __forceinline__ uint8_t *meta_block_out(const Args &a, const ep_ll_la
 // per-expert totals); no block waits for another.
 __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     __shared__ uint32_t ncnt[MAXR], gfirst[MAXR], gcnt[MAXR];
-    // Each destination's meta block (meta_block_out), computed once by thread d (visible after
-    // the routing's first barrier): the meta records and header copies below address it per
-    // token and per word, and its 64-bit layout arithmetic was most of their instructions.
-    __shared__ uint8_t *meta_out[MAXR];
     SendSmem sm = send_smem(a, smem);
     const ep_ll_layout ly = layout_of(a);
     const uint32_t T = a.num_tokens, K = a.num_topk, R = a.num_ranks, L = a.num_local_experts;
@@ -239,7 +235,6 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     int4 v[UNITS];
     if (warp < nt * per_row) load_unit(a, fp8, tb + warp / per_row, warp % per_row, lane, v);
     const float w_first = tb + warp < te && lane < K ? weights[(uint64_t)(tb + warp) * K + lane] : 0.0f;
-    if (threadIdx.x < R) meta_out[threadIdx.x] = meta_block_out(a, ly, threadIdx.x);
     stamp(a, 0);
     send_slots(a, sm, ncnt, tb, te, gfirst, gcnt);
     stamp(a, 1);
@@ -373,7 +368,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
         const int32_t e = lane < K ? sm.expert[t * K + lane] : -1;
         for (uint32_t d = 0; d < R; ++d) {
             if (!((dm >> d) & 1u)) continue;
-            uint8_t *meta = meta_out[d] + hdr + (uint64_t)sm.slot[t * R + d] * meta_bytes;
+            uint8_t *meta = meta_block_out(a, ly, d) + hdr + (uint64_t)sm.slot[t * R + d] * meta_bytes;
             const bool on_d = e >= 0 && (uint32_t)e / L == d;
             const uint32_t bal = __ballot_sync(FULL, on_d);
             if (on_d) {
@@ -394,7 +389,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     for (uint32_t i = threadIdx.x; i < R * words; i += NT) {
         const uint32_t d = i / words, j = i % words;
         if (masked(a, d)) continue;
-        uint32_t *copy = (uint32_t *)(meta_out[d] + copy_at);
+        uint32_t *copy = (uint32_t *)(meta_block_out(a, ly, d) + copy_at);
         copy[j] = j == EP_LL_HEADER_FIRST_WORD      ? gfirst[d]
                   : j == EP_LL_HEADER_MESSAGES_WORD ? ncnt[d]
                                                     : sm.tot[d * L + j - EP_LL_HEADER_COUNTS_WORD];
@@ -411,7 +406,7 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
     if (warp < R && !masked(a, warp)) {
         const uint32_t d = warp;
         const uint64_t sig = ep_ll_dispatch_signal(R, a.half, a.rank, b);
-        uint8_t *staged = meta_out[d], *remote = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank);
+        uint8_t *staged = meta_block_out(a, ly, d), *remote = half_of(a, d, a.half) + ep_ll_drecv(ly, a.rank);
         uint8_t *copy = staged + copy_at, *dst = remote + copy_at;
         if (gcnt[d] > 0) {
             const uint64_t at = hdr + (uint64_t)gfirst[d] * meta_bytes;
