@@ -57,9 +57,9 @@ impl NormalGroup {
     }
 
     /// Runs `f`, which enqueues work on every local rank's stream, with every local rank
-    /// released at the same moment (each stream waits behind a spin of its own until the host
-    /// has enqueued and opens the gate), and returns each rank's device time from that release to
-    /// the end of its work, in seconds (CUDA events).
+    /// released at the same moment (their streams wait behind a spin on a gate stream until the
+    /// host has enqueued), and returns each rank's device time from that release to the end of its work,
+    /// in seconds (CUDA events).
     pub fn timed<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<(T, Vec<f64>)> {
         self.not_capturing("timed")?;
         let starts = hold_all(
