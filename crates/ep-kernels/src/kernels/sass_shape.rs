@@ -1,6 +1,6 @@
 //! Shape tests of the kernels' SASS: properties of the compiled code that decide its speed and
 //! that no correctness test sees (each a measured loss or gain, BENCHMARKS.md): the normal rows
-//! loop at few SMs, the low-latency combine's first loads and dispatch's FP8 row stores; and one that a wrong order would make
+//! loop at few SMs, the low-latency combine's first loads; and one that a wrong order would make
 //! a race, the normal dispatch's grid-dependency wait before any read. They read `cuobjdump
 //! -sass` of the module build.rs compiled.
 
@@ -408,59 +408,6 @@ fn the_normal_dispatch_reads_nothing_before_its_grid_dependency_wait() {
             before.map_or("", |i| i.op),
             before.map_or(0, |i| i.addr),
             insns[at].addr
-        );
-    }
-}
-
-/// The low-latency dispatch's FP8 rows (variant (a)): a unit's UNITS 128-channel blocks are
-/// cast first, then stored to each destination's message row with its address computed once per
-/// destination — one loop over the destinations whose body holds all UNITS 8-byte row stores
-/// (`ST.E.64`, unpredicated, no offset; each block's scale follows as a predicated 4-byte
-/// `ST.E`). Before, each block computed every destination's row address anew (the 64-bit layout
-/// arithmetic of `message_row`: 1533 SASS instructions for the step against 515), in a loop of
-/// its own per block: UNITS loops of one store each, repeated where ptxas peeled the unit loop.
-#[test]
-fn the_ll_dispatch_stores_an_fp8_unit_to_each_destination_in_one_loop() {
-    const UNITS: usize = 4; // cuda/low_latency/common.cuh
-    let Some(kernels) = kernels_sass(low_latency_cubin(), &["ep_ll_dispatch"]) else {
-        return;
-    };
-    for (function, sass) in kernels {
-        let insns = instructions(&sass);
-        let row_store = |i: &Insn<'_>| {
-            i.op == "ST.E.64"
-                && !i.predicated
-                && i.operands.first().is_some_and(|o| !o.contains("+0x"))
-        };
-        let stores: Vec<u64> = insns
-            .iter()
-            .filter(|i| row_store(i))
-            .map(|i| i.addr)
-            .collect();
-        assert_eq!(
-            stores.len(),
-            UNITS,
-            "{function}: {} unpredicated 8-byte row stores at {stores:#x?}, not one per block of \
-             a unit ({UNITS}): the FP8 row stores are no longer one loop over the destinations",
-            stores.len()
-        );
-        let (first, last) = (stores[0], stores[UNITS - 1]);
-        // The innermost loop around the first store: the back branch after it whose target is
-        // the latest at or before it.
-        let (head, end) = insns
-            .iter()
-            .filter(|i| i.op.starts_with("BRA") && i.addr > first)
-            .filter_map(|i| {
-                branch_target(i)
-                    .filter(|&t| t <= first)
-                    .map(|t| (t, i.addr))
-            })
-            .max_by_key(|&(t, addr)| (t, std::cmp::Reverse(addr)))
-            .unwrap_or_else(|| panic!("{function}: its FP8 row stores are in no loop"));
-        assert!(
-            last < end,
-            "{function}: the FP8 row stores at {stores:#x?} are not all in the loop [{head:#x}, \
-             {end:#x}] around the first: a unit's blocks are stored in loops of their own"
         );
     }
 }
