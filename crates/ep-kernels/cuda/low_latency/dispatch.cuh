@@ -295,29 +295,24 @@ __device__ void dispatch_send(const Args &a, uint64_t call_k, uint8_t *smem) {
             else if (a.phase_times != 0 && threadIdx.x == 0 && (uint32_t)v[0].x != 0x7fc17fc1u) stamp(a, 8);
             const uint32_t dm = sm.dmask[t];
             if (dm == 0) continue;
-            // The unit's blocks cast first (every lane: cast8 shuffles), then stored to each
-            // place — the staged row (b) or each destination's message row (a) — its address
-            // computed once per place, not once per block and place (that 64-bit layout
-            // arithmetic was most of this loop's instructions).
-            uint2 q[UNITS];
-            float sinv[UNITS];
 #pragma unroll
-            for (uint32_t k = 0; k < UNITS; ++k) q[k] = cast8(v[k], round_scale, &sinv[k]);
+            for (uint32_t k = 0; k < UNITS; ++k) {
+                const uint32_t blk = b0 + 2 * k + half_id;
+                float sinv;
+                const uint2 q = cast8(v[k], round_scale, &sinv); // every lane: it shuffles
+                if (blk >= S) continue;
 #ifdef EP_LL_NVSHMEM
-            for (uint32_t d = 0; d < 1; ++d) {
-                uint8_t *dst = staged_row(a, ly, t);
+                uint8_t *stage = staged_row(a, ly, t);
+                *(uint2 *)(stage + blk * 128 + sub * 8) = q;
+                if (sub == 0) *(float *)(stage + soff + 4ull * blk) = sinv;
 #else
-            for (uint32_t d = 0; d < R; ++d) {
-                if (!((dm >> d) & 1u)) continue;
-                uint8_t *dst = message_row(a, ly, sm, R, t, d);
-#endif
-#pragma unroll
-                for (uint32_t k = 0; k < UNITS; ++k) {
-                    const uint32_t blk = b0 + 2 * k + half_id;
-                    if (blk >= S) continue;
-                    *(uint2 *)(dst + blk * 128 + sub * 8) = q[k];
-                    if (sub == 0) *(float *)(dst + soff + 4ull * blk) = sinv[k];
+                for (uint32_t d = 0; d < R; ++d) {
+                    if (!((dm >> d) & 1u)) continue;
+                    uint8_t *dst = message_row(a, ly, sm, R, t, d);
+                    *(uint2 *)(dst + blk * 128 + sub * 8) = q;
+                    if (sub == 0) *(float *)(dst + soff + 4ull * blk) = sinv;
                 }
+#endif
             }
 #if !defined(EP_LL_NVSHMEM) && defined(EP_TRACE)
             if (lane == 0) {
