@@ -1,6 +1,6 @@
 //! Shape tests of the kernels' SASS: properties of the compiled code that decide its speed and
 //! that no correctness test sees (each a measured loss or gain, BENCHMARKS.md): the normal rows
-//! loop at few SMs and its row tail, the low-latency combine's first loads; and one that a wrong order would make
+//! loop at few SMs, the low-latency combine's first loads; and one that a wrong order would make
 //! a race, the normal dispatch's grid-dependency wait before any read. They read `cuobjdump
 //! -sass` of the module build.rs compiled.
 
@@ -409,50 +409,5 @@ fn the_normal_dispatch_reads_nothing_before_its_grid_dependency_wait() {
             before.map_or(0, |i| i.addr),
             insns[at].addr
         );
-    }
-}
-
-/// The normal dispatch's row tail goes to each destination in a short loop: with top-k every
-/// lane builds its four words the same way (M2: masks of its entries' 32-bit ids, a select per
-/// word, 39 instructions), so the warp does not run the meta lanes' and the scale lanes' code
-/// one after the other. At 8 SMs a warp issues no row load while it stores a tail, and there the
-/// copy's rate is the requests in flight (the top-k tail cost the FP8 dispatch 8 us at 8 SMs
-/// with ~87 instructions in that loop; BENCHMARKS.md, 2026-12-08; without top-k the loop is 23).
-/// Checks the innermost loop (the first back branch after it) around each tail store, a generic
-/// 16-byte store of data (`ST.E.128`, not `RZ`: the worst-token rows' zeros).
-#[test]
-fn the_normal_dispatch_stores_a_row_tail_in_a_short_loop() {
-    const MAX_LOOP: usize = 48;
-    let Some(kernels) = kernels_sass(normal_cubin(), &["ep_normal_dispatch"]) else {
-        return;
-    };
-    for (function, sass) in kernels {
-        let insns = instructions(&sass);
-        let tails: Vec<u64> = insns
-            .iter()
-            .filter(|i| i.op == "ST.E.128" && i.operands.get(1).is_some_and(|o| *o != "RZ"))
-            .map(|i| i.addr)
-            .collect();
-        assert!(
-            !tails.is_empty(),
-            "{function}: no row tail stores (ST.E.128) in its SASS"
-        );
-        for at in tails {
-            let (latch, head) = insns
-                .iter()
-                .filter(|i| i.op.starts_with("BRA") && i.addr > at)
-                .find_map(|i| branch_target(i).filter(|&t| t <= at).map(|t| (i.addr, t)))
-                .unwrap_or_else(|| panic!("{function}: the tail store at {at:#x} is in no loop"));
-            let body: Vec<&Insn<'_>> = insns
-                .iter()
-                .filter(|i| i.addr >= head && i.addr <= latch)
-                .collect();
-            assert!(
-                body.len() <= MAX_LOOP,
-                "{function}: the tail store at {at:#x} is in a loop [{head:#x}, {latch:#x}] of {} \
-                 instructions (at most {MAX_LOOP}): the lanes' tail words are built per kind again",
-                body.len()
-            );
-        }
     }
 }
