@@ -13,8 +13,7 @@
 // not its bytes, at few SMs). Chunks [0, nsc) are scales (words past S zero), the rest meta words.
 struct TailSrc {
     int4 sc;        // scale chunk `lane` (chunks 32 and up are loaded at store time)
-    int32_t e;      // lane j < K: the token's top-k id j, -1 where it is not in [0, 2^31) (no
-                    // destination's experts are: they lie below E < 2^31)
+    int64_t e;      // lane j < K: the token's top-k id j (else -1)
     float wt;       // ... and its weight
 };
 
@@ -37,8 +36,7 @@ __device__ __forceinline__ TailSrc tail_load(const Args &a, uint64_t tok, uint32
     t.e = -1;
     t.wt = 0.0f;
     if (topk && lane < (uint32_t)a.num_topk) {
-        const int64_t e = ((const int64_t *)a.topk_idx)[tok * a.num_topk + lane];
-        t.e = (uint64_t)e < (1ull << 31) ? (int32_t)e : -1;
+        t.e = ((const int64_t *)a.topk_idx)[tok * a.num_topk + lane];
         t.wt = ((const float *)a.topk_weights)[tok * a.num_topk + lane];
     }
     return t;
@@ -58,30 +56,19 @@ static_assert(META_PAIR_WORDS * 4u == EP_ROW_META_PAIR_BYTES && META_ID_WORDS ==
                   EP_ROW_TOPK_WEIGHT_BYTES == 4u,
               "tail_store packs i64 ids as two words and f32 weights as one");
 
-// Word m of the tail's meta part, for every destination alike, as masks that pick its parts:
-// with e the id of the word's entry (meta_entry), on destination d, whose local experts are
-// [lo, lo + L), the word is hit + ((e - lo) & id) when e is local there, else miss, where
-//   hit  = (tok & tok_m) | (weight & w_m) | (scale & s_m),
-//   miss = (tok & tok_m) | (scale & s_m) | neg.
-// The masks depend on the lane and K only, so every lane runs the same branch-free code per row
-// and per destination (a subtraction, a compare, a select per word). Before, each destination
-// took a branch per lane kind with 64-bit compares, ~75 SASS instructions in the meta lanes while
-// the scale lanes waited, and at 8 SMs a warp issues no row load meanwhile (BENCHMARKS.md,
-// 2026-12-08).
-struct MetaMasks {
-    uint32_t tok_m, w_m, s_m, neg, id;
-};
-// Word m of the meta part, or a scale word (hit = miss = the scale). Selects, not branches: the
-// lanes differ in kind, and a branch per kind would split the warp again.
-__device__ __forceinline__ MetaMasks meta_masks(bool scale, uint32_t m, uint32_t K) {
-    const uint32_t ids_end = META_PAIR_WORDS + META_ID_WORDS * K;
-    const bool is_tok = !scale && m == 0;  // src_idx, the pair's first word; its second is zero
-    const bool is_id = !scale && m >= META_PAIR_WORDS && m < ids_end;
-    // The id as the destination sees it, an i64: e - lo (< L: its high word is 0) or -1.
-    const bool is_id_lo = is_id && ((m - META_PAIR_WORDS) & 1u) == 0;
-    const bool is_w = !scale && m >= ids_end && m < ids_end + K;
-    return {0u - (uint32_t)is_tok, 0u - (uint32_t)is_w, 0u - (uint32_t)scale, 0u - (uint32_t)is_id,
-            0u - (uint32_t)is_id_lo};
+// Word m of the tail's meta part on destination d, whose local experts are [lo, lo + L): (ee,
+// ww) is the entry that word comes from (meta_entry).
+__device__ __forceinline__ int32_t meta_word(uint32_t m, uint32_t K, int32_t tok, int64_t ee, float ww, int64_t lo,
+                                             int64_t L) {
+    const bool local = ee >= lo && ee < lo + L;
+    if (m == 0) return tok;  // src_idx, the pair's first word; its second is zero
+    if (m < META_PAIR_WORDS) return 0;
+    if (m < META_PAIR_WORDS + META_ID_WORDS * K) {
+        const int64_t id = local ? ee - lo : -1;
+        return (int32_t)((m - META_PAIR_WORDS) & 1u ? (uint64_t)id >> 32 : (uint64_t)id);
+    }
+    if (m < META_PAIR_WORDS + (META_ID_WORDS + 1u) * K) return local ? __float_as_int(ww) : 0;
+    return 0;
 }
 
 // The top-k entry whose id or weight meta word m holds (0 for the pair and the padding).
@@ -98,54 +85,43 @@ template <TailParts P>
 __device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint8_t *mine, uint32_t n_dst,
                                            uint64_t tok, uint32_t lane, uint64_t scales_off, uint32_t nsc,
                                            uint32_t nch, bool vec) {
-    const uint32_t K = (uint32_t)a.num_topk, L = (uint32_t)a.num_local_experts;
+    const uint32_t K = (uint32_t)a.num_topk;
+    const int64_t L = (int64_t)a.num_local_experts;
     const uint32_t n = P == TAIL_SCALES ? nsc : nch;
     for (uint32_t q0 = 0; q0 < n; q0 += 32) {
         const uint32_t q = q0 + lane;
         const int4 sv = q0 == 0 ? t.sc : q < nsc ? scale_chunk(a, tok, q, vec) : make_int4(0, 0, 0, 0);
+        // The entries of this lane's meta words, for the tail with top-k only: a shuffle is never
+        // dropped by the compiler, and the ceiling and a dispatch without top-k spent 12 a row
+        // on values they do not store.
+        int64_t ee[4] = {-1, -1, -1, -1};
+        float ww[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (P == TAIL_ALL) {
-            // Each word of chunk q as (hit, miss, id) (meta_masks): every lane runs the same
-            // per-destination code below.
-            const uint32_t sw[4] = {(uint32_t)sv.x, (uint32_t)sv.y, (uint32_t)sv.z, (uint32_t)sv.w};
-            uint32_t e[4], hit[4], miss[4], id[4];
 #pragma unroll
             for (uint32_t i = 0; i < 4; ++i) {
                 const uint32_t m = q >= nsc ? 4u * (q - nsc) + i : 0u;
                 const uint32_t j = meta_entry(m, K);
-                e[i] = (uint32_t)__shfl_sync(0xffffffffu, t.e, j & 31u);
-                const uint32_t wb = (uint32_t)__float_as_int(__shfl_sync(0xffffffffu, t.wt, j & 31u));
-                const MetaMasks mk = meta_masks(q < nsc, m, K);
-                const uint32_t base = ((uint32_t)tok & mk.tok_m) | (sw[i] & mk.s_m);
-                hit[i] = base | (wb & mk.w_m);
-                miss[i] = base | mk.neg;
-                id[i] = mk.id;
+                ee[i] = __shfl_sync(0xffffffffu, t.e, j & 31u);
+                ww[i] = __shfl_sync(0xffffffffu, t.wt, j & 31u);
             }
-#pragma unroll 1
-            for (uint32_t d = 0; d < n_dst; ++d) {
-                uint8_t *out = lane_dst(mine, d);  // every lane shuffles before any skips
-                if (!out || q >= n) continue;
-                // e is in [-1, 2^31) and d L + L <= E < 2^31: e - lo < L (unsigned) exactly when
-                // e is one of d's experts.
-                const uint32_t lo = d * L;
-                uint32_t w[4];
-#pragma unroll
-                for (uint32_t i = 0; i < 4; ++i) {
-                    const uint32_t x = e[i] - lo;
-                    w[i] = x < L ? hit[i] + (x & id[i]) : miss[i];
-                }
-                *(uint4 *)(out + scales_off + 16u * q) = make_uint4(w[0], w[1], w[2], w[3]);
-            }
-            continue;
         }
 #pragma unroll 1
         for (uint32_t d = 0; d < n_dst; ++d) {
             uint8_t *out = lane_dst(mine, d);  // every lane shuffles before any skips
             if (!out || q >= n) continue;
             int4 *dst = (int4 *)(out + scales_off + 16u * q);
-            if (q < nsc)
+            if (q < nsc) {
                 *dst = sv;
-            else if (q == nsc)
+            } else if (P == TAIL_ALL) {
+                const int64_t lo = (int64_t)d * L;
+                const uint32_t m = 4u * (q - nsc);
+                *dst = make_int4(meta_word(m, K, (int32_t)tok, ee[0], ww[0], lo, L),
+                                 meta_word(m + 1, K, (int32_t)tok, ee[1], ww[1], lo, L),
+                                 meta_word(m + 2, K, (int32_t)tok, ee[2], ww[2], lo, L),
+                                 meta_word(m + 3, K, (int32_t)tok, ee[3], ww[3], lo, L));
+            } else if (q == nsc) {
                 *(int2 *)dst = make_int2((int32_t)tok, 0);
+            }
         }
     }
 }
