@@ -91,19 +91,14 @@ __device__ __forceinline__ void tail_store(const Args &a, const TailSrc &t, uint
     for (uint32_t q0 = 0; q0 < n; q0 += 32) {
         const uint32_t q = q0 + lane;
         const int4 sv = q0 == 0 ? t.sc : q < nsc ? scale_chunk(a, tok, q, vec) : make_int4(0, 0, 0, 0);
-        // The entries of this lane's meta words, for the tail with top-k only: a shuffle is never
-        // dropped by the compiler, and the ceiling and a dispatch without top-k spent 12 a row
-        // on values they do not store.
-        int64_t ee[4] = {-1, -1, -1, -1};
-        float ww[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (P == TAIL_ALL) {
+        int64_t ee[4];
+        float ww[4];
 #pragma unroll
-            for (uint32_t i = 0; i < 4; ++i) {
-                const uint32_t m = q >= nsc ? 4u * (q - nsc) + i : 0u;
-                const uint32_t j = meta_entry(m, K);
-                ee[i] = __shfl_sync(0xffffffffu, t.e, j & 31u);
-                ww[i] = __shfl_sync(0xffffffffu, t.wt, j & 31u);
-            }
+        for (uint32_t i = 0; i < 4; ++i) {
+            const uint32_t m = q >= nsc ? 4u * (q - nsc) + i : 0u;
+            const uint32_t j = meta_entry(m, K);
+            ee[i] = __shfl_sync(0xffffffffu, t.e, j & 31u);
+            ww[i] = __shfl_sync(0xffffffffu, t.wt, j & 31u);
         }
 #pragma unroll 1
         for (uint32_t d = 0; d < n_dst; ++d) {
