@@ -36,14 +36,13 @@ tree_of() {
   ln -s "$root/.venv-cuda" "$dir/.venv-cuda"
 }
 # Everything of `bundle` is built first into $work, since gpu-bundle.sh starts by removing bundle/.
-i=0
-for rev in "${@:2}"; do
-  name=$([ $i -eq 0 ] && echo ep-A || echo ep-B)
+names=(ep-A ep-B)
+for i in $(seq 2 $#); do
+  rev=${!i} name=${names[i - 2]}
   tree_of "$rev"
   echo "== $name: $rev"
   (cd "$dir" && cargo build --release -p ep-cli 2>&1 | tail -1)
   cp "$CARGO_TARGET_DIR/release/ep" "$work/$name"
-  i=$((i + 1))
 done
 tree_of "$1"
 echo "== bundle: $1"

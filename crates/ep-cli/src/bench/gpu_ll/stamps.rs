@@ -22,12 +22,11 @@ pub(super) fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
         median(&d)
     };
     let us = crate::bench::gpu::since_first_start(stamps);
-    // Stamp `s` of the started blocks in `of`, in us from the first block start.
-    let times = |of: &[&Vec<u64>], s: usize| -> Vec<f64> {
-        of.iter().filter(|x| x[s] != 0).map(|x| us(x[s])).collect()
-    };
-    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    let (ends, sig, waited) = (times(&blocks, 2), times(&blocks, 3), times(&blocks, 5));
+    let (ends, sig, waited) = (
+        times(&us, &blocks, 2),
+        times(&us, &blocks, 3),
+        times(&us, &blocks, 5),
+    );
     let per_rank = rank_spread(stamps, 6);
     format!(
         "ids {:.2} (arrived {:.2} + counted {:.2}) + slots {:.2}; rows {:.2} (first unit arrived {:.2} + stored {:.2}) + positions {:.2} + metas {:.2}; send parts end median {:.2} last {:.2}, signals out {:.2}, waits end median {:.2} last {:.2} (us from the first block start); median/last: {}",
@@ -41,10 +40,10 @@ pub(super) fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
         step(9, 10),
         step(10, 2),
         median(&ends),
-        max(&ends),
-        max(&sig),
+        last(&ends),
+        last(&sig),
         median(&waited),
-        max(&waited),
+        last(&waited),
         per_rank,
     )
 }
@@ -56,30 +55,33 @@ pub(super) fn dispatch_detail(stamps: &[Vec<Vec<u64>>]) -> String {
 /// full one is late at its launch, not by its work.
 pub(super) fn rank_spread(stamps: &[Vec<Vec<u64>>], end: usize) -> String {
     let us = crate::bench::gpu::since_first_start(stamps);
-    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     stamps
         .iter()
         .enumerate()
         .map(|(r, rank)| {
             let started: Vec<&Vec<u64>> = rank.iter().filter(|b| b[0] != 0).collect();
-            let times = |s: usize| -> Vec<f64> {
-                started
-                    .iter()
-                    .filter(|x| x[s] != 0)
-                    .map(|x| us(x[s]))
-                    .collect()
-            };
-            let (starts, done) = (times(0), times(end));
+            let (starts, done) = (times(&us, &started, 0), times(&us, &started, end));
             format!(
                 "rank {r} starts {:.2}/{:.2} receive ends {:.2}/{:.2}",
                 median(&starts),
-                max(&starts),
+                last(&starts),
                 median(&done),
-                max(&done)
+                last(&done)
             )
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Stamp `s` of the blocks in `of` that reached it, in us from the first block start (`us`:
+/// `since_first_start`).
+fn times(us: &impl Fn(u64) -> f64, of: &[&Vec<u64>], s: usize) -> Vec<f64> {
+    of.iter().filter(|x| x[s] != 0).map(|x| us(x[s])).collect()
+}
+
+/// The latest of `v`, 0 when empty.
+fn last(v: &[f64]) -> f64 {
+    v.iter().copied().fold(0.0, f64::max)
 }
 
 #[cfg(test)]
